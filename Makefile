@@ -1,0 +1,39 @@
+# Two commands for a new user: `make train` and `make test`. Both set themselves up.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+TORCH   ?= torch==2.13.0
+STAMP   := $(VENV)/.installed
+NPROC   ?= $(shell $(PY) -c "import shutil,subprocess;print(subprocess.run(['nvidia-smi','-L'],capture_output=True,text=True).stdout.count('GPU ') if shutil.which('nvidia-smi') else 0)" 2>/dev/null)
+
+.PHONY: setup train test lint format bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first and pinned: the local CPU wheel here, the CUDA build from PyPI on a GPU machine.
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[dev,launch,bench]"
+	touch $(STAMP)
+
+train: $(STAMP)
+	@if [ "$(NPROC)" -gt 0 ] 2>/dev/null; then n=$(NPROC); else n=2; fi; \
+	echo "torchrun --nproc_per_node=$$n launch/train.py $(ARGS)"; \
+	$(BIN)/torchrun --standalone --nproc_per_node=$$n launch/train.py $(ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+test: $(STAMP) lint
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+format: $(STAMP)
+	$(BIN)/ruff format . && $(BIN)/ruff check --fix .
+
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks.memory
+
+clean:
+	rm -rf $(VENV) outputs runs .pytest_cache .ruff_cache

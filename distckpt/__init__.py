@@ -1,0 +1,37 @@
+"""distckpt: activation checkpointing that stays exact under DDP, FSDP and FSDP2.
+
+Wrap the blocks first, then parallelize::
+
+    distckpt.wrap(model, "full")
+    model = distckpt.parallelize(model, "ddp")
+"""
+
+from distckpt.errors import ConfigError, GradDesyncError, RecomputeMismatchError
+from distckpt.guards import GradSyncGuard, verify_recompute
+from distckpt.parallel import accumulate, ddp_kwargs, parallelize, preflight
+from distckpt.policies import Budget, EveryN, FirstN, Fraction, Full, Selective, parse_policy
+from distckpt.wrap import checkpointed, checkpointing_disabled, wrap
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Budget",
+    "ConfigError",
+    "EveryN",
+    "FirstN",
+    "Fraction",
+    "Full",
+    "GradDesyncError",
+    "GradSyncGuard",
+    "RecomputeMismatchError",
+    "Selective",
+    "accumulate",
+    "checkpointed",
+    "checkpointing_disabled",
+    "ddp_kwargs",
+    "parallelize",
+    "parse_policy",
+    "preflight",
+    "verify_recompute",
+    "wrap",
+]

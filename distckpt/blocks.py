@@ -1,0 +1,146 @@
+"""Find the blocks of a model that checkpointing may wrap: by class, predicate, FQN glob, or on
+its own (the repeated, same-class children of ``nn.ModuleList``/``nn.Sequential`` containers)."""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from typing import Callable, Iterable, Sequence, Union
+
+import torch.nn as nn
+
+from distckpt.errors import ConfigError
+
+__all__ = ["BlockSpec", "find_blocks", "repeated_block_groups"]
+
+logger = logging.getLogger("distckpt")
+
+BlockSpec = Union[type, str, Callable[[nn.Module], bool], Sequence[Union[type, str]], None]
+
+_CONTAINERS = (nn.ModuleList, nn.Sequential)
+
+
+def _outermost(named: Iterable[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """Drop matches nested inside an earlier match: a block is never checkpointed inside another."""
+    out: list[tuple[str, nn.Module]] = []
+    for name, module in named:
+        if any(name.startswith(prev + ".") for prev, _ in out):
+            continue
+        out.append((name, module))
+    return out
+
+
+def _n_params(modules: Iterable[nn.Module]) -> int:
+    seen: dict[int, int] = {}
+    for m in modules:
+        for p in m.parameters():
+            seen[id(p)] = p.numel()
+    return sum(seen.values())
+
+
+def repeated_block_groups(model: nn.Module) -> list[tuple[type, list[tuple[str, nn.Module]], int]]:
+    """Same-class children (two or more per container) of ModuleList/Sequential containers,
+    grouped by class across the model, most parameters first.
+
+    Returns:
+        ``[(block_class, [(fqn, module), ...], n_params), ...]``
+    """
+    groups: dict[type, list[tuple[str, nn.Module]]] = {}
+    for name, container in model.named_modules():
+        if not isinstance(container, _CONTAINERS):
+            continue
+        prefix = f"{name}." if name else ""
+        by_class: dict[type, list[tuple[str, nn.Module]]] = {}
+        for k, c in container.named_children():
+            by_class.setdefault(type(c), []).append((prefix + k, c))
+        for cls, kids in by_class.items():
+            if len(kids) >= 2 and cls not in _CONTAINERS:
+                groups.setdefault(cls, []).extend(kids)
+    scored = [(cls, mods, _n_params(m for _, m in mods)) for cls, mods in groups.items()]
+    scored = [g for g in scored if g[2] > 0]
+    return sorted(scored, key=lambda g: -g[2])
+
+
+def _nested(inner: list[tuple[str, nn.Module]], outer: list[tuple[str, nn.Module]]) -> bool:
+    return all(any(n.startswith(o + ".") for o, _ in outer) for n, _ in inner)
+
+
+def _auto_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    groups = repeated_block_groups(model)
+    if not groups:
+        raise ConfigError(
+            f"distckpt.wrap found no repeated blocks in {type(model).__name__} (no nn.ModuleList or "
+            "nn.Sequential of two or more same-class modules). Pass blocks= a module class, a "
+            "predicate or FQN globs such as blocks='layers.*'."
+        )
+    chosen = groups[0]
+    # Prefer finer blocks nested in the chosen ones when they hold nearly all of their parameters
+    # (e.g. the layers of each stage of a Swin model rather than the stages themselves).
+    for g in groups[1:]:
+        if _nested(g[1], chosen[1]) and g[2] >= 0.8 * chosen[2]:
+            chosen = g
+    rivals = [
+        g for g in groups
+        if g is not chosen and not _nested(g[1], chosen[1]) and not _nested(chosen[1], g[1])
+        and g[2] >= 0.5 * chosen[2]
+    ]
+    if rivals:
+        names = ", ".join(f"{g[0].__name__} ({len(g[1])} blocks, {g[2]:,} params)" for g in [chosen, *rivals])
+        classes = ", ".join(g[0].__name__ for g in [chosen, *rivals])
+        raise ConfigError(
+            f"distckpt.wrap cannot tell which repeated blocks to checkpoint: {names}. "
+            f"Pass blocks=[{classes}] (or FQN globs) to choose."
+        )
+    total = _n_params([model])
+    logger.info(
+        "distckpt.wrap: blocks=None chose %d blocks of class %s (%s, ...; %.0f%% of parameters)",
+        len(chosen[1]), chosen[0].__name__, chosen[1][0][0], 100.0 * chosen[2] / max(total, 1),
+    )
+    return list(chosen[1])
+
+
+def _matcher(spec: type | str | Callable[[nn.Module], bool]) -> Callable[[str, nn.Module], bool]:
+    if isinstance(spec, type):
+        if not issubclass(spec, nn.Module):
+            raise ConfigError(f"blocks= got the class {spec.__name__}, which is not an nn.Module subclass.")
+        return lambda name, m: isinstance(m, spec)
+    if isinstance(spec, str):
+        return lambda name, m: fnmatch.fnmatchcase(name, spec)
+    if callable(spec):
+        return lambda name, m: bool(spec(m))
+    raise ConfigError(
+        f"blocks= takes module classes, a predicate fn(module) -> bool, or FQN globs; got {spec!r}."
+    )
+
+
+def find_blocks(model: nn.Module, blocks: BlockSpec = None) -> list[tuple[str, nn.Module]]:
+    """The candidate blocks of ``model`` in registration (forward) order, outermost matches only.
+
+    Args:
+        model: the model, before data parallelism.
+        blocks: module classes, a predicate ``fn(module) -> bool``, FQN glob strings (a list may
+            mix classes and globs), or ``None`` to find the repeated blocks automatically.
+
+    Returns:
+        ``[(fqn, module), ...]``; the root module is never a block.
+
+    Raises:
+        ConfigError: when nothing matches, or the automatic choice is ambiguous.
+    """
+    if blocks is None:
+        return _auto_blocks(model)
+    specs = list(blocks) if isinstance(blocks, (list, tuple, set, frozenset)) else [blocks]
+    if not specs:
+        raise ConfigError("blocks= is empty; pass None to find blocks automatically, or policy='none'.")
+    matchers = [_matcher(s) for s in specs]
+    matched = _outermost(
+        (name, m) for name, m in model.named_modules() if name and any(f(name, m) for f in matchers)
+    )
+    if not matched:
+        hint = ""
+        groups = repeated_block_groups(model)
+        if groups:
+            cls, mods, _ = groups[0]
+            hint = f" The largest repeated blocks are {cls.__name__} at {mods[0][0]}, ...; try blocks={cls.__name__}."
+        raise ConfigError(f"blocks={blocks!r} matches no module of {type(model).__name__}.{hint}")
+    return matched

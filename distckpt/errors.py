@@ -1,0 +1,20 @@
+"""Error types raised by distckpt. Every message names the cause and the fix."""
+
+from __future__ import annotations
+
+__all__ = ["ConfigError", "GradDesyncError", "RecomputeMismatchError"]
+
+
+class ConfigError(ValueError):
+    """A combination of model, checkpointing and parallel settings that cannot be made right.
+
+    Raised before the first optimizer step; the message names the setting to change.
+    """
+
+
+class GradDesyncError(RuntimeError):
+    """Gradients (or replicated parameters) differ across ranks after synchronization."""
+
+
+class RecomputeMismatchError(RuntimeError):
+    """The checkpointed recompute does not reproduce the original forward."""

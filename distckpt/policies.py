@@ -1,0 +1,235 @@
+"""Which blocks to checkpoint: typed policy objects, and the parser for spec strings.
+
+A spec string such as ``"every:2"`` is parsed once, at the boundary, into a policy object; the
+rest of the library only sees objects. "Off" is ``None``, as in torchtitan.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
+
+import torch.nn as nn
+
+from distckpt.errors import ConfigError
+
+if TYPE_CHECKING:
+    from distckpt.profile import BlockProfile
+
+__all__ = [
+    "Budget",
+    "EveryN",
+    "FirstN",
+    "Fraction",
+    "Full",
+    "Plan",
+    "Policy",
+    "Selective",
+    "parse_policy",
+    "parse_size",
+]
+
+SPEC_FORMS = (
+    '"none", "full", "every:N" (N >= 1), "first:N" (N >= 0), "fraction:F" (0 <= F <= 1), '
+    '"budget:SIZE" (e.g. "budget:2GiB", "budget:512MiB", "budget:auto"), "selective"'
+)
+
+
+@dataclass
+class Plan:
+    """What a policy sees when it chooses: the candidate blocks in forward order.
+
+    ``profile()`` measures activation bytes and recompute cost per block on ``example_inputs``
+    (only the budget policy needs it; it runs at most once per ``wrap`` call).
+    """
+
+    model: nn.Module
+    blocks: list[tuple[str, nn.Module]]
+    example_inputs: Any = None
+    world_size: int = 1
+    _profile: list[BlockProfile] | None = field(default=None, repr=False)
+
+    def profile(self) -> list[BlockProfile]:
+        if self._profile is None:
+            from distckpt.profile import profile_blocks
+
+            if self.example_inputs is None:
+                raise ConfigError(
+                    "this policy needs a sample batch to measure activation memory; pass "
+                    "example_inputs=(args...) or {kwargs} to distckpt.wrap."
+                )
+            self._profile = profile_blocks(self.model, self.blocks, self.example_inputs)
+        return self._profile
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """A checkpointing policy: ``select`` returns the indices of the blocks to checkpoint.
+
+    ``context_fn`` (optional) returns the ``(forward, recompute)`` context pair that
+    ``torch.utils.checkpoint`` runs each checkpointed block under (op-level selective
+    checkpointing); ``None`` means plain full recompute.
+    """
+
+    def select(self, plan: Plan) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class Full:
+    """Checkpoint every block."""
+
+    def select(self, plan: Plan) -> list[int]:
+        return list(range(len(plan.blocks)))
+
+
+@dataclass(frozen=True)
+class EveryN:
+    """Checkpoint blocks 0, N, 2N, ... (``every:1`` is ``full``)."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ConfigError(f"every:N needs an integer N >= 1, got {self.n!r}. Valid forms: {SPEC_FORMS}.")
+
+    def select(self, plan: Plan) -> list[int]:
+        return list(range(0, len(plan.blocks), self.n))
+
+
+@dataclass(frozen=True)
+class FirstN:
+    """Checkpoint the first N blocks in forward order (all of them when N exceeds the count)."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.n, int) or self.n < 0:
+            raise ConfigError(f"first:N needs an integer N >= 0, got {self.n!r}. Valid forms: {SPEC_FORMS}.")
+
+    def select(self, plan: Plan) -> list[int]:
+        return list(range(min(self.n, len(plan.blocks))))
+
+
+@dataclass(frozen=True)
+class Fraction:
+    """Checkpoint ``round(F * n)`` of the n blocks, spread evenly over the depth."""
+
+    f: float
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.f, (int, float)) or not math.isfinite(self.f) or not 0.0 <= self.f <= 1.0:
+            raise ConfigError(f"fraction:F needs 0 <= F <= 1, got {self.f!r}. Valid forms: {SPEC_FORMS}.")
+
+    def select(self, plan: Plan) -> list[int]:
+        n = len(plan.blocks)
+        k = round(self.f * n)
+        # Centre of each of k equal slices of the depth: fraction:0.5 of 8 blocks -> 1, 3, 5, 7.
+        return sorted({min(n - 1, int((i + 0.5) * n / k)) for i in range(k)}) if k else []
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Checkpoint the fewest-recompute set of blocks whose peak training memory fits ``bytes``.
+
+    ``bytes=None`` means "auto": the free memory of the current CUDA device.
+    The selection itself lives in :mod:`distckpt.budget`.
+    """
+
+    bytes: int | None
+
+    def __post_init__(self) -> None:
+        if self.bytes is not None and (not isinstance(self.bytes, int) or self.bytes <= 0):
+            raise ConfigError(f"budget:SIZE needs a positive size, got {self.bytes!r}. Valid forms: {SPEC_FORMS}.")
+
+    def select(self, plan: Plan) -> list[int]:
+        from distckpt.budget import select_for_budget
+
+        return select_for_budget(plan, self.bytes)
+
+
+@dataclass(frozen=True)
+class Selective:
+    """Op-level checkpointing inside every block: keep the outputs of expensive ops
+    (matmuls, attention) and recompute the cheap pointwise ones.
+
+    ``save_ops`` overrides the default list of ops whose outputs are kept.
+    """
+
+    save_ops: tuple[Any, ...] | None = None
+
+    def select(self, plan: Plan) -> list[int]:
+        return list(range(len(plan.blocks)))
+
+    def context_fn(self) -> Callable[[], tuple[Any, Any]]:
+        from distckpt.selective import selective_context_fn
+
+        return selective_context_fn(self.save_ops)
+
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
+          "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """Parse ``"2GiB"``, ``"512MB"``, ``"1.5G"`` or a plain byte count into bytes.
+
+    Raises:
+        ConfigError: when the text is not a positive size.
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text > 0:
+            return text
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+        if m and m.group(2).lower() in _UNITS:
+            value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+            if value > 0:
+                return value
+    raise ConfigError(f"{text!r} is not a size; write bytes or a number with KiB/MiB/GiB (e.g. 2GiB, 512MiB).")
+
+
+def parse_policy(spec: str | Policy | None) -> Policy | None:
+    """Turn a spec string (or a policy object, or ``None``) into a policy object or ``None``.
+
+    Raises:
+        ConfigError: naming the valid forms when ``spec`` is not one of them.
+    """
+    if spec is None:
+        return None
+    if not isinstance(spec, str):
+        if isinstance(spec, Policy):
+            return spec
+        raise ConfigError(f"policy must be a spec string or a policy object, got {type(spec).__name__}. "
+                          f"Valid forms: {SPEC_FORMS}.")
+    text = spec.strip().lower()
+    name, _, arg = text.partition(":")
+    try:
+        if name == "none" and not arg:
+            return None
+        if name == "full" and not arg:
+            return Full()
+        if name == "selective" and not arg:
+            return Selective()
+        if name == "every" and arg:
+            return EveryN(int(arg))
+        if name == "first" and arg:
+            return FirstN(int(arg))
+        if name == "fraction" and arg:
+            return Fraction(float(arg))
+        if name == "budget" and arg:
+            return Budget(None if arg == "auto" else parse_size(spec.strip()[len("budget:"):]))
+    except ValueError as e:  # int("x"), float("x"), or a ConfigError from the constructor
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"bad checkpoint policy {spec!r}. Valid forms: {SPEC_FORMS}.") from None
+    raise ConfigError(f"unknown checkpoint policy {spec!r}. Valid forms: {SPEC_FORMS}.")
+
+
+def select_blocks(policy: Policy, plan: Plan) -> list[int]:
+    """Run ``policy.select`` and check what it returned (an internal invariant)."""
+    chosen = sorted(set(policy.select(plan)))
+    assert all(0 <= i < len(plan.blocks) for i in chosen), chosen
+    return chosen
+

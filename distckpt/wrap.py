@@ -1,0 +1,411 @@
+"""Apply activation checkpointing to a model's blocks in place, keeping every parameter name.
+
+A checkpointed block keeps its object, its class (as a base class) and its FQN: its class is
+swapped for a memoized subclass whose ``forward`` runs the original one under
+``torch.utils.checkpoint``. Module hooks (FSDP's unshard/reshard, DDP's) stay outside the
+checkpointed region, which is the order FSDP needs (pytorch#82203). The same trick is how FSDP2's
+``fully_shard`` adds its own behaviour, and the two compose.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint as tuc
+
+from distckpt.blocks import BlockSpec, find_blocks
+from distckpt.errors import ConfigError
+from distckpt.policies import Plan, Policy, parse_policy, select_blocks
+
+__all__ = ["CheckpointOptions", "checkpointed", "checkpointing_disabled", "is_checkpointed", "unwrap", "wrap"]
+
+logger = logging.getLogger("distckpt")
+
+# Prefixes that wrappers insert into FQNs; checkpointed() reports names as in the user's model.
+_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """How one block is checkpointed."""
+
+    reentrant: bool = False
+    preserve_rng_state: bool = True
+    offload: str | None = None
+    context_fn: Callable[[], tuple[Any, Any]] | None = None  # op-level (selective) contexts
+
+
+class _CheckpointedMixin:
+    """Base inserted in front of a block's class; see the module docstring."""
+
+    _distckpt_options: CheckpointOptions
+    _distckpt_disabled: int = 0
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        inner = super().forward  # type: ignore[misc]
+        if self._distckpt_disabled or not torch.is_grad_enabled():
+            # Nothing is saved for backward without grad (eval, inference): run the block as is.
+            return inner(*args, **kwargs)
+        return _run_checkpointed(self, inner, self._distckpt_options, args, kwargs)
+
+
+_CLASSES: dict[type, type] = {}  # memo: original class -> checkpointed subclass (FSDP2 does the same)
+
+
+def _checkpointed_class(cls: type) -> type:
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(
+            f"Checkpointed{cls.__name__}", (_CheckpointedMixin, cls), {"_distckpt_orig_class": cls}
+        )
+    return _CLASSES[cls]
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    """Whether distckpt checkpoints this module's forward."""
+    return isinstance(module, _CheckpointedMixin)
+
+
+def _clean_fqn(name: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    if name.startswith("module.") or name == "module":
+        name = name[len("module."):]
+    return name
+
+
+def checkpointed(model: nn.Module) -> list[str]:
+    """FQNs of the modules distckpt checkpoints, in registration order.
+
+    Names are those of the unwrapped model: DDP's ``module.`` and FSDP's
+    ``_fsdp_wrapped_module.`` prefixes are removed.
+    """
+    return [_clean_fqn(n) for n, m in model.named_modules() if is_checkpointed(m)]
+
+
+@contextlib.contextmanager
+def checkpointing_disabled(model: nn.Module) -> Iterator[None]:
+    """Run checkpointed blocks of ``model`` without checkpointing inside this context."""
+    mods = [m for m in model.modules() if is_checkpointed(m)]
+    for m in mods:
+        m._distckpt_disabled = m._distckpt_disabled + 1
+    try:
+        yield
+    finally:
+        for m in mods:
+            m._distckpt_disabled -= 1
+
+
+# --- running one checkpointed block -------------------------------------------------------------
+
+
+def _stateful_norms(module: nn.Module) -> list[nn.Module]:
+    return [
+        m for m in module.modules()
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
+    ]
+
+
+@contextlib.contextmanager
+def _keep_running_stats(norms: list[nn.Module]) -> Iterator[None]:
+    """Undo what the recompute does to BatchNorm running statistics.
+
+    The forward already updated them once; without this the recompute updates them a second time
+    (pytorch#96136). The recompute's normalization uses batch statistics in training mode, so
+    restoring the buffers afterwards leaves outputs and gradients unchanged.
+    """
+    with torch.no_grad():
+        saved = [
+            (buf, buf.clone())
+            for m in norms
+            for buf in (m.running_mean, m.running_var, m.num_batches_tracked)
+            if buf is not None
+        ]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buf, value in saved:
+                buf.copy_(value)
+
+
+def _context_fn(opts: CheckpointOptions, norms: list[nn.Module]) -> Callable[[], tuple[Any, Any]]:
+    if not norms:
+        return opts.context_fn or tuc.noop_context_fn
+
+    def context_fn() -> tuple[Any, Any]:
+        fwd, rec = opts.context_fn() if opts.context_fn else (contextlib.nullcontext(), contextlib.nullcontext())
+        stack = contextlib.ExitStack()
+
+        @contextlib.contextmanager
+        def recompute() -> Iterator[None]:
+            with stack:
+                stack.enter_context(_keep_running_stats(norms))
+                stack.enter_context(rec)
+                yield
+
+        return fwd, recompute()
+
+    return context_fn
+
+
+def _offload_hooks(pin_memory: bool) -> torch.autograd.graph.saved_tensors_hooks:
+    """Keep the tensors saved at checkpoint boundaries (the blocks' inputs) in host memory.
+
+    Written here rather than ``torch.autograd.graph.save_on_cpu`` because that copies tensors
+    that already live on the CPU, which would double their memory for nothing.
+    """
+
+    def pack(t: torch.Tensor) -> Any:
+        if t.device.type == "cpu":
+            return t
+        host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=pin_memory)
+        host.copy_(t, non_blocking=pin_memory)
+        return (t.device, host)
+
+    def unpack(packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        device, host = packed
+        return host.to(device, non_blocking=pin_memory)
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def _has_nested_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, (list, tuple, set)):
+        return any(_has_nested_tensor(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_nested_tensor(v) for v in value.values())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return any(_has_nested_tensor(getattr(value, f.name)) for f in dataclasses.fields(value))
+    return False
+
+
+def _run_reentrant(module: nn.Module, inner: Callable[..., Any], opts: CheckpointOptions,
+                   args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    name = type(module).__name__
+    # Reentrant checkpoint (an autograd.Function) only sees top-level tensor arguments: gradients
+    # of tensors passed by keyword or inside containers would be silently dropped.
+    bad = [k for k, v in kwargs.items() if _has_nested_tensor(v)]
+    bad += [f"argument {i}" for i, a in enumerate(args) if not isinstance(a, torch.Tensor) and _has_nested_tensor(a)]
+    if bad:
+        raise ConfigError(
+            f"reentrant checkpointing of {name} would drop the gradients of tensors passed as "
+            f"{', '.join(bad)} (keyword or nested arguments). Use distckpt.wrap(..., reentrant=False)."
+        )
+    fn = functools.partial(inner, **kwargs) if kwargs else inner
+    needs_grad = any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+    if not needs_grad and any(p.requires_grad for p in module.parameters()):
+        # No input requires grad (frozen embedding, LoRA): reentrant checkpoint would return an
+        # output that does not require grad and the block's parameters would get no gradient.
+        # A dummy input that requires grad makes autograd call the checkpoint's backward.
+        dummy = torch.empty(0, requires_grad=True)
+        run = fn
+        fn = lambda _dummy, *a: run(*a)  # noqa: E731
+        args = (dummy, *args)
+    out = tuc.checkpoint(fn, *args, use_reentrant=True, preserve_rng_state=opts.preserve_rng_state)
+    flat = out if isinstance(out, tuple) else (out,)
+    if any(not isinstance(o, torch.Tensor) and _has_nested_tensor(o) for o in flat):
+        raise ConfigError(
+            f"reentrant checkpointing of {name} returns tensors inside a {type(out).__name__}; "
+            "they would get no gradient. Use distckpt.wrap(..., reentrant=False)."
+        )
+    return out
+
+
+def _run_checkpointed(module: nn.Module, inner: Callable[..., Any], opts: CheckpointOptions,
+                      args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    offload = _offload_hooks(torch.cuda.is_available()) if opts.offload else contextlib.nullcontext()
+    with offload:
+        if opts.reentrant:
+            return _run_reentrant(module, inner, opts, args, kwargs)
+        # Tensors passed by keyword become positional, so that checkpoint saves them with the other
+        # inputs (where offload can see them) instead of holding them in a closure.
+        tensor_keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+        fn = inner
+        if tensor_keys:
+            rest = {k: v for k, v in kwargs.items() if k not in tensor_keys}
+            n = len(args)
+
+            def fn(*a: Any) -> Any:
+                return inner(*a[:n], **rest, **dict(zip(tensor_keys, a[n:])))
+
+            args = (*args, *(kwargs[k] for k in tensor_keys))
+            kwargs = {}
+        return tuc.checkpoint(
+            fn, *args, use_reentrant=False, preserve_rng_state=opts.preserve_rng_state,
+            context_fn=_context_fn(opts, _stateful_norms(module)), **kwargs,
+        )
+
+
+# --- wrap ---------------------------------------------------------------------------------------
+
+
+def _refuse_parallel(model: nn.Module) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    kind = None
+    if isinstance(model, DistributedDataParallel):
+        kind = "DistributedDataParallel"
+    else:
+        try:
+            from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+            if any(isinstance(m, (FullyShardedDataParallel, FSDPModule)) for m in model.modules()):
+                kind = "FSDP"
+        except ImportError:  # pragma: no cover - torch built without distributed
+            pass
+    if kind:
+        raise ConfigError(
+            f"distckpt.wrap got a model already wrapped in {kind}. Checkpointing must be applied to "
+            "the blocks first: call distckpt.wrap(model) before distckpt.parallelize (or DDP/FSDP)."
+        )
+
+
+def _foreign_checkpointing(model: nn.Module) -> None:
+    """Refuse or replace checkpointing applied by other tools, so no block is recomputed twice."""
+    try:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    except ImportError:  # pragma: no cover
+        CheckpointWrapper = ()  # type: ignore[assignment,misc]
+    wrapped = [n for n, m in model.named_modules() if isinstance(m, CheckpointWrapper)]
+    if wrapped:
+        raise ConfigError(
+            f"{type(model).__name__} already uses PyTorch's checkpoint_wrapper at {wrapped[0]}"
+            f"{f' and {len(wrapped) - 1} more' if len(wrapped) > 1 else ''}; checkpointing it again would "
+            "recompute those blocks twice. Remove apply_activation_checkpointing (distckpt.wrap "
+            "replaces it and keeps parameter names), or skip distckpt.wrap."
+        )
+    try:
+        from torch.distributed._composable.contract import _get_registry
+
+        composable = [n for n, m in model.named_modules() if "checkpoint" in (_get_registry(m) or {})]
+    except ImportError:  # pragma: no cover
+        composable = []
+    if composable:
+        raise ConfigError(
+            f"{type(model).__name__} already uses torch.distributed._composable.checkpoint at "
+            f"{composable[0]}; remove it or skip distckpt.wrap, so no block is recomputed twice."
+        )
+    hf = [n for n, m in model.named_modules() if getattr(m, "gradient_checkpointing", False) is True]
+    if hf:
+        if hasattr(model, "gradient_checkpointing_disable"):
+            model.gradient_checkpointing_disable()
+        for _, m in model.named_modules():
+            if getattr(m, "gradient_checkpointing", False) is True:
+                m.gradient_checkpointing = False
+        warnings.warn(
+            "distckpt.wrap: the model had Hugging Face gradient checkpointing enabled "
+            f"({len(hf)} modules); it was disabled so that no block is recomputed twice, and "
+            "distckpt checkpoints the blocks instead.",
+            stacklevel=3,
+        )
+
+
+def unwrap(model: nn.Module, modules: list[nn.Module] | None = None) -> int:
+    """Remove distckpt checkpointing from ``modules`` (default: every module of ``model``).
+
+    Returns:
+        How many modules were unwrapped.
+    """
+    count = 0
+    for m in model.modules() if modules is None else modules:
+        if is_checkpointed(m):
+            orig = m._distckpt_orig_class
+            if type(m) is not _CLASSES.get(orig):
+                raise ConfigError(
+                    f"cannot remove checkpointing from {type(m).__name__}: another wrapper (FSDP2?) "
+                    "was applied after distckpt.wrap. Call wrap before parallelize."
+                )
+            m.__class__ = orig
+            del m._distckpt_options
+            count += 1
+    return count
+
+
+def wrap(
+    model: nn.Module,
+    policy: str | Policy | None = "full",
+    *,
+    blocks: BlockSpec = None,
+    reentrant: bool = False,
+    preserve_rng_state: bool = True,
+    offload: str | None = None,
+    example_inputs: Any = None,
+) -> nn.Module:
+    """Checkpoint the blocks of ``model`` chosen by ``policy``, in place.
+
+    Call it before :func:`distckpt.parallelize` (or DDP/FSDP). Parameter names and state_dict
+    keys do not change. Calling it again replaces the earlier choice on the same blocks.
+
+    Args:
+        model: the model; its blocks are changed in place.
+        policy: ``"none"``, ``"full"``, ``"every:N"``, ``"first:N"``, ``"fraction:F"``,
+            ``"budget:SIZE"``, ``"selective"``, or a policy object.
+        blocks: module classes, a predicate ``fn(module) -> bool``, FQN globs, or ``None`` to
+            find the repeated blocks (logged on the ``distckpt`` logger).
+        reentrant: use ``torch.utils.checkpoint``'s reentrant variant. Kept for users who ask for
+            it; distckpt raises :class:`ConfigError` where it would be silently wrong.
+        preserve_rng_state: recompute with the forward's RNG state (dropout stays exact).
+        offload: ``"cpu"`` keeps the tensors saved at block boundaries in host memory
+            (pinned on CUDA).
+        example_inputs: a sample batch (tuple of args or dict of kwargs) for policies that profile
+            the model (``budget``).
+
+    Returns:
+        ``model``.
+
+    Raises:
+        ConfigError: bad policy or blocks, a model already wrapped in DDP/FSDP or in PyTorch's
+            ``checkpoint_wrapper``, or options that cannot be combined.
+    """
+    pol = parse_policy(policy)
+    if offload not in (None, "cpu"):
+        raise ConfigError(f"offload must be None or 'cpu', got {offload!r}.")
+    context_fn = getattr(pol, "context_fn", None)
+    context_fn = context_fn() if context_fn is not None else None
+    if reentrant and context_fn is not None:
+        raise ConfigError("selective (op-level) checkpointing needs reentrant=False.")
+    _refuse_parallel(model)
+    _foreign_checkpointing(model)
+
+    candidates = find_blocks(model, blocks)
+    replaced = unwrap(model, [m for _, m in candidates])
+    if replaced:
+        logger.info("distckpt.wrap: replacing the earlier checkpointing of %d blocks", replaced)
+    for name, block in candidates:
+        if "forward" in vars(block):
+            raise ConfigError(
+                f"{name} has a forward set on the instance (by accelerate hooks or a monkey patch); "
+                "distckpt cannot checkpoint it without bypassing that forward. Remove the patch first."
+            )
+        outer = [n for n, m in model.named_modules() if is_checkpointed(m) and
+                 (name.startswith(n + ".") or n.startswith(name + "."))]
+        if outer:
+            raise ConfigError(
+                f"{name} is nested with the already checkpointed {outer[0]}: it would be recomputed "
+                "twice. Choose blocks that do not contain each other."
+            )
+    if pol is None:
+        return model
+    from torch.distributed import get_world_size, is_initialized
+
+    plan = Plan(model, candidates, example_inputs, get_world_size() if is_initialized() else 1)
+    chosen = select_blocks(pol, plan)
+    opts = CheckpointOptions(reentrant, preserve_rng_state, offload, context_fn)
+    for i in chosen:
+        block = candidates[i][1]
+        block.__class__ = _checkpointed_class(type(block))
+        block._distckpt_options = opts
+    logger.info("distckpt.wrap: policy %s checkpoints %d of %d blocks", pol, len(chosen), len(candidates))
+    return model
