@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-from typing import Callable, Iterable, Sequence, Union
+from collections.abc import Callable, Iterable, Sequence
+from typing import Union
 
 import torch.nn as nn
 
@@ -52,7 +53,9 @@ def repeated_block_groups(model: nn.Module) -> list[tuple[type, list[tuple[str, 
         prefix = f"{name}." if name else ""
         by_class: dict[type, list[tuple[str, nn.Module]]] = {}
         for k, c in container.named_children():
-            by_class.setdefault(type(c), []).append((prefix + k, c))
+            # A block distckpt already wraps counts as its original class.
+            cls = getattr(type(c), "_distckpt_orig_class", type(c))
+            by_class.setdefault(cls, []).append((prefix + k, c))
         for cls, kids in by_class.items():
             if len(kids) >= 2 and cls not in _CONTAINERS:
                 groups.setdefault(cls, []).extend(kids)

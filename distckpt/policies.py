@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch.nn as nn
 
@@ -220,10 +221,10 @@ def parse_policy(spec: str | Policy | None) -> Policy | None:
             return Fraction(float(arg))
         if name == "budget" and arg:
             return Budget(None if arg == "auto" else parse_size(spec.strip()[len("budget:"):]))
-    except ValueError as e:  # int("x"), float("x"), or a ConfigError from the constructor
-        if isinstance(e, ConfigError):
+    except ValueError as e:  # int("x"), float("x"), a bad size, or a ConfigError from a constructor
+        if isinstance(e, ConfigError) and "Valid forms" in str(e):
             raise
-        raise ConfigError(f"bad checkpoint policy {spec!r}. Valid forms: {SPEC_FORMS}.") from None
+        raise ConfigError(f"bad checkpoint policy {spec!r} ({e}). Valid forms: {SPEC_FORMS}.") from None
     raise ConfigError(f"unknown checkpoint policy {spec!r}. Valid forms: {SPEC_FORMS}.")
 
 

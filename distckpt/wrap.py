@@ -14,8 +14,9 @@ import dataclasses
 import functools
 import logging
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -115,25 +116,24 @@ def _stateful_norms(module: nn.Module) -> list[nn.Module]:
 
 @contextlib.contextmanager
 def _keep_running_stats(norms: list[nn.Module]) -> Iterator[None]:
-    """Undo what the recompute does to BatchNorm running statistics.
+    """Keep the recompute from updating BatchNorm running statistics a second time.
 
-    The forward already updated them once; without this the recompute updates them a second time
-    (pytorch#96136). The recompute's normalization uses batch statistics in training mode, so
-    restoring the buffers afterwards leaves outputs and gradients unchanged.
+    The forward already updated them once; without this the recompute updates them again
+    (pytorch#96136). The recompute runs on throw-away copies of the buffers: in training mode the
+    normalization uses batch statistics, so outputs and gradients are unchanged, and the originals
+    are never written in place (autograd may have saved them; a write would bump their version).
     """
+    names = ("running_mean", "running_var", "num_batches_tracked")
+    originals = [(m, {k: m._buffers[k] for k in names if m._buffers.get(k) is not None}) for m in norms]
     with torch.no_grad():
-        saved = [
-            (buf, buf.clone())
-            for m in norms
-            for buf in (m.running_mean, m.running_var, m.num_batches_tracked)
-            if buf is not None
-        ]
+        for m, bufs in originals:
+            for k, buf in bufs.items():
+                m._buffers[k] = buf.clone()
     try:
         yield
     finally:
-        with torch.no_grad():
-            for buf, value in saved:
-                buf.copy_(value)
+        for m, bufs in originals:
+            m._buffers.update(bufs)
 
 
 def _context_fn(opts: CheckpointOptions, norms: list[nn.Module]) -> Callable[[], tuple[Any, Any]]:
@@ -204,6 +204,17 @@ def _run_reentrant(module: nn.Module, inner: Callable[..., Any], opts: Checkpoin
             f"{', '.join(bad)} (keyword or nested arguments). Use distckpt.wrap(..., reentrant=False)."
         )
     fn = functools.partial(inner, **kwargs) if kwargs else inner
+    norms = _stateful_norms(module)
+    if norms:
+        plain = fn
+
+        def fn(*a: Any) -> Any:
+            # The reentrant forward runs under no_grad; the recompute, inside backward, with grad.
+            if not torch.is_grad_enabled():
+                return plain(*a)
+            with _keep_running_stats(norms):
+                return plain(*a)
+
     needs_grad = any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
     if not needs_grad and any(p.requires_grad for p in module.parameters()):
         # No input requires grad (frozen embedding, LoRA): reentrant checkpoint would return an
@@ -299,8 +310,11 @@ def _foreign_checkpointing(model: nn.Module) -> None:
         )
     hf = [n for n, m in model.named_modules() if getattr(m, "gradient_checkpointing", False) is True]
     if hf:
-        if hasattr(model, "gradient_checkpointing_disable"):
-            model.gradient_checkpointing_disable()
+        # transformers 5 renamed the switch; 4.x only has gradient_checkpointing_disable.
+        disable = getattr(model, "activation_checkpointing_disable", None) or getattr(
+            model, "gradient_checkpointing_disable", None)
+        if disable is not None:
+            disable()
         for _, m in model.named_modules():
             if getattr(m, "gradient_checkpointing", False) is True:
                 m.gradient_checkpointing = False
