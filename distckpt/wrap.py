@@ -48,6 +48,7 @@ class _CheckpointedMixin:
     """Base inserted in front of a block's class; see the module docstring."""
 
     _distckpt_options: CheckpointOptions
+    _distckpt_norms: list[nn.Module]  # BatchNorm-like modules whose running stats the recompute must not touch
     _distckpt_disabled: int = 0
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -204,7 +205,7 @@ def _run_reentrant(module: nn.Module, inner: Callable[..., Any], opts: Checkpoin
             f"{', '.join(bad)} (keyword or nested arguments). Use distckpt.wrap(..., reentrant=False)."
         )
     fn = functools.partial(inner, **kwargs) if kwargs else inner
-    norms = _stateful_norms(module)
+    norms = module._distckpt_norms
     if norms:
         plain = fn
 
@@ -220,7 +221,11 @@ def _run_reentrant(module: nn.Module, inner: Callable[..., Any], opts: Checkpoin
         # No input requires grad (frozen embedding, LoRA): reentrant checkpoint would return an
         # output that does not require grad and the block's parameters would get no gradient.
         # A dummy input that requires grad makes autograd call the checkpoint's backward.
-        dummy = torch.empty(0, requires_grad=True)
+        # On the block's device: checkpoint infers the device (RNG state, autocast) from the first
+        # tensor argument.
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)),
+                      next(module.parameters()).device)
+        dummy = torch.empty(0, device=device, requires_grad=True)
         run = fn
         fn = lambda _dummy, *a: run(*a)  # noqa: E731
         args = (dummy, *args)
@@ -255,7 +260,7 @@ def _run_checkpointed(module: nn.Module, inner: Callable[..., Any], opts: Checkp
             kwargs = {}
         return tuc.checkpoint(
             fn, *args, use_reentrant=False, preserve_rng_state=opts.preserve_rng_state,
-            context_fn=_context_fn(opts, _stateful_norms(module)), **kwargs,
+            context_fn=_context_fn(opts, module._distckpt_norms), **kwargs,
         )
 
 
@@ -342,7 +347,7 @@ def unwrap(model: nn.Module, modules: list[nn.Module] | None = None) -> int:
                     "was applied after distckpt.wrap. Call wrap before parallelize."
                 )
             m.__class__ = orig
-            del m._distckpt_options
+            del m._distckpt_options, m._distckpt_norms
             count += 1
     return count
 
@@ -421,5 +426,6 @@ def wrap(
         block = candidates[i][1]
         block.__class__ = _checkpointed_class(type(block))
         block._distckpt_options = opts
+        block._distckpt_norms = _stateful_norms(block)  # found once, not on every forward
     logger.info("distckpt.wrap: policy %s checkpoints %d of %d blocks", pol, len(chosen), len(candidates))
     return model

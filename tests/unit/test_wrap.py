@@ -541,3 +541,37 @@ def test_hf_gpt2_exact():
         wrapped.eval()
         with torch.no_grad():
             wrapped(ids)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_dropout_exact_cuda(reentrant):
+    plain = Net(dropout=0.3).cuda()
+    plain.embed.requires_grad_(False)  # reentrant + frozen input: the dummy input must sit on CUDA
+    wrapped = copy.deepcopy(plain)
+    distckpt.wrap(wrapped, "full", reentrant=reentrant)
+    x = torch.randn(6, 4, device="cuda")
+    assert_same(step(plain, x), step(wrapped, x))
+
+
+@pytest.mark.cuda
+def test_offload_cpu_cuda_exact_and_saves_device_memory():
+    plain = Net(n=6, d=256).cuda()
+    wrapped = copy.deepcopy(plain)
+    offloaded = copy.deepcopy(plain)
+    distckpt.wrap(wrapped, "full")
+    distckpt.wrap(offloaded, "full", offload="cpu")
+    x = torch.randn(4096, 4, device="cuda")
+
+    def peak(model):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = step(model, x)
+        torch.cuda.synchronize()
+        return out, torch.cuda.max_memory_allocated() - base
+
+    (ref, _), (got, p_ckpt), (off, p_off) = peak(plain), peak(wrapped), peak(offloaded)
+    assert_same(ref, got, exact=False)
+    assert_same(ref, off, exact=False)
+    assert p_off < p_ckpt
