@@ -12,8 +12,7 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	# torch first and pinned: the local CPU wheel here, the CUDA build from PyPI on a GPU machine.
+	@# torch first and pinned: the local CPU wheel where one lies on disk, the CUDA build from PyPI on a GPU machine.
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q -e ".[dev,launch,bench]"
 	touch $(STAMP)
