@@ -1,0 +1,313 @@
+"""The training loop the launcher runs: micro-batches, guards, non-finite handling, SIGTERM, checkpoints.
+
+Typed arguments in, no Hydra: ``launch/`` builds the pieces from the config and calls :func:`fit`.
+One small all-reduce per step carries the losses and two flags (non-finite loss, stop requested),
+so every rank takes the same decision at the same step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import signal
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from distckpt.errors import ConfigError
+from distckpt.parallel import accumulate
+from distckpt.train.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from distckpt.train.data import StepData, micro_batches
+from distckpt.train.metrics import MetricSink, Stopwatch, peak_memory_mib
+
+__all__ = ["LoopOptions", "NonFiniteLossError", "fit"]
+
+log = logging.getLogger("distckpt.train")
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss or the gradient norm was NaN/inf and the run was configured to stop."""
+
+
+@dataclass
+class LoopOptions:
+    """How :func:`fit` runs (mirrors the ``trainer`` config group)."""
+
+    max_steps: int = 100
+    grad_accum: int = 1
+    clip_grad_norm: float = 0.0  # 0: no clipping (the norm is still computed, for the non-finite check)
+    log_every: int = 10
+    save_every: int = 0  # 0: save only at the end
+    keep_last: int = 0
+    eval_every: int = 0
+    resume: bool = True
+    on_nonfinite: str = "skip"  # "skip" the step, or "stop" the run
+    task_weights: dict[str, float] = field(default_factory=dict)
+    guard_every: int = 0
+    progress: bool = True
+    # Fault injection for tests: NaN loss at these steps; SIGKILL this process at a step (first attempt only).
+    nan_at_steps: tuple[int, ...] = ()
+    kill_at_step: int | None = None
+    kill_rank: int = 1
+
+
+@dataclass
+class LoopResult:
+    """What :func:`fit` reports; also printed as the end summary."""
+
+    step: int = 0
+    start_step: int = 0
+    resumed_from: str | None = None
+    losses: dict[str, float] = field(default_factory=dict)
+    eval_loss: float | None = None
+    skipped_steps: list[int] = field(default_factory=list)
+    stopped_by_signal: bool = False
+    seconds: float = 0.0
+    samples_per_s: float = 0.0
+    peak_memory_mib: float = 0.0
+    guard: str = "off"
+    checkpoints: list[str] = field(default_factory=list)
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _all_sum(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        # gloo has no AVG; a SUM also merges the flags (any rank > 0 means "some rank").
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def _broadcast(obj: Any) -> Any:
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class _StopRequest:
+    """Remembers a SIGTERM/SIGINT so that the loop stops at a step boundary (agreed across ranks)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopRequest:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(ValueError):  # not the main thread: leave the signal alone
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def _params_finite(model: nn.Module) -> bool:
+    bad = torch.zeros(1)
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p  # FSDP2 DTensor: check this rank's shard
+        if not torch.isfinite(local.detach()).all():
+            bad += 1
+            break
+    return _all_sum(bad).item() == 0
+
+
+def fit(
+    model: nn.Module,
+    state: TrainState,
+    data: StepData,
+    *,
+    opts: LoopOptions,
+    run_dir: str | os.PathLike[str],
+    sink: MetricSink,
+    device: torch.device,
+    autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    clip: Callable[[float], torch.Tensor] | None = None,
+    guard: Any = None,
+) -> LoopResult:
+    """Train ``model`` until ``opts.max_steps`` optimizer steps are done, resuming if a checkpoint exists.
+
+    Args:
+        model: the (wrapped, parallelized) model; ``model(batch)`` returns a dict of per-task losses.
+        state: optimizer, scheduler, grad scaler and step, as saved in checkpoints.
+        data: the step-indexed data source.
+        opts: loop options.
+        run_dir: the run folder; checkpoints go to ``run_dir/checkpoints``.
+        sink: where metrics go (a no-op on ranks other than 0).
+        device: where batches go.
+        autocast: a context factory for the forward (mixed precision), or ``nullcontext``.
+        clip: ``clip(max_norm) -> total_norm`` for this model's parallel layout (FSDP1 needs its own).
+        guard: an object with ``.check()`` run after each backward (``distckpt.GradSyncGuard``), or ``None``.
+
+    Returns:
+        A :class:`LoopResult`.
+
+    Raises:
+        NonFiniteLossError: a non-finite loss with ``opts.on_nonfinite == "stop"``.
+    """
+    rank, world = _world()
+    ckpt_dir = Path(run_dir) / "checkpoints"
+    result = LoopResult()
+    if opts.resume:
+        latest = _broadcast(str(p) if rank == 0 and (p := latest_checkpoint(ckpt_dir)) else None)
+        if latest:
+            load_checkpoint(state, latest)
+            result.resumed_from = latest
+            log.info("resumed from %s (step %d)", latest, state.step)
+    result.start_step = state.step
+    optimizer, scheduler, scaler = state.optimizer, state.scheduler, state.scaler
+    clip = clip or (lambda max_norm: torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+    bar = None
+    if rank == 0 and opts.progress and state.step < opts.max_steps:
+        try:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=opts.max_steps, initial=state.step, desc="train", dynamic_ncols=True, leave=True)
+        except ImportError:  # tqdm is in the "launch" extra; without it there is no bar
+            bar = None
+
+    watch, t0 = Stopwatch(), time.perf_counter()
+    samples_done = 0
+    tasks: list[str] = []
+    with _StopRequest() as stop:
+        model.train()
+        while state.step < opts.max_steps:
+            step = state.step + 1  # the step being computed, 1-based
+            micro = micro_batches(data.global_batch(step), rank, world, opts.grad_accum)
+            sums: dict[str, torch.Tensor] = {}
+            total = torch.zeros((), device=device)
+            for i, mb in enumerate(micro):
+                mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
+                sync = i == len(micro) - 1
+                with (contextlib.nullcontext() if sync else accumulate(model)), autocast():
+                    losses = model(mb)
+                    loss = sum(opts.task_weights.get(k, 1.0) * v for k, v in losses.items()) / len(micro)
+                if step in opts.nan_at_steps:
+                    loss = loss * float("nan")
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+                total += loss.detach().float()
+                for k, v in losses.items():
+                    sums[k] = sums.get(k, 0) + v.detach().float() / len(micro)
+            tasks = sorted(sums)
+            if guard is not None:
+                guard.check()
+            if scaler is not None:
+                scaler.unscale_(optimizer)
+            norm = clip(opts.clip_grad_norm if opts.clip_grad_norm > 0 else math.inf)
+            local_bad = not torch.isfinite(total) or (scaler is None and not torch.isfinite(norm))
+            packed = torch.stack([torch.tensor(float(local_bad)), torch.tensor(float(stop.requested)),
+                                  total.cpu(), *(sums[k].cpu() for k in tasks)])
+            packed = _all_sum(packed)
+            bad, stop_now = packed[0].item() > 0, packed[1].item() > 0
+            if bad:
+                optimizer.zero_grad(set_to_none=True)
+                if scaler is not None:
+                    scaler.update()
+                if opts.on_nonfinite == "stop":
+                    raise NonFiniteLossError(
+                        f"non-finite loss or gradient norm at step {step} (on at least one rank); stopped "
+                        "without saving. Lower optim.lr, use precision=fp32, or set trainer.on_nonfinite=skip."
+                    )
+                result.skipped_steps.append(step)
+                if rank == 0:
+                    warnings.warn(f"step {step}: non-finite loss or gradient norm on some rank; step skipped",
+                                  stacklevel=2)
+            else:
+                if scaler is not None:
+                    scaler.step(optimizer)
+                    scaler.update()
+                else:
+                    optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            if scheduler is not None:
+                scheduler.step()
+            state.step = step
+            samples_done += data.batch_size
+            watch.add(data.batch_size)
+            if opts.kill_at_step == step and rank == opts.kill_rank and restart == 0:
+                os.kill(os.getpid(), signal.SIGKILL)  # fault injection (tests): a worker dies mid-run
+
+            global_losses = {k: packed[3 + j].item() / world for j, k in enumerate(tasks)}
+            result.losses = {"loss": packed[2].item() / world, **global_losses}
+            if opts.eval_every and step % opts.eval_every == 0:
+                result.eval_loss = _evaluate(model, data, device, autocast, opts.task_weights)
+            if step % max(opts.log_every, 1) == 0 or step == opts.max_steps or stop_now:
+                mem = peak_memory_mib(device)
+                rate = watch.lap()
+                record = {"step": step, **result.losses, "lr": optimizer.param_groups[0]["lr"],
+                          "grad_norm": float(norm), "samples_per_s": rate, "peak_mem_mib": mem,
+                          "skipped": bad}
+                if opts.eval_every and step % opts.eval_every == 0:
+                    record["eval_loss"] = result.eval_loss
+                sink.log(record)
+                if bar is not None:
+                    bar.set_postfix(loss=f"{result.losses['loss']:.4f}", sps=f"{rate:.0f}", mem=f"{mem:.0f}MiB")
+            if bar is not None:
+                bar.update(1)
+            last = step == opts.max_steps
+            if stop_now or last or (opts.save_every and step % opts.save_every == 0):
+                _save(model, state, ckpt_dir, opts, result)
+            if stop_now:
+                result.stopped_by_signal = True
+                log.warning("stop requested (SIGTERM/SIGINT): saved step %d on every rank", step)
+                break
+    if bar is not None:
+        bar.close()
+    result.step = state.step
+    result.seconds = time.perf_counter() - t0
+    result.samples_per_s = samples_done / max(result.seconds, 1e-9)
+    result.peak_memory_mib = peak_memory_mib(device)
+    return result
+
+
+def _save(model: nn.Module, state: TrainState, ckpt_dir: Path, opts: LoopOptions, result: LoopResult) -> None:
+    if not _params_finite(model):
+        raise NonFiniteLossError(
+            f"parameters are non-finite at step {state.step}; refusing to write a checkpoint. "
+            "Lower optim.lr or use trainer.on_nonfinite=stop to find the first bad step."
+        )
+    result.checkpoints.append(str(save_checkpoint(state, ckpt_dir, keep_last=opts.keep_last)))
+
+
+def _evaluate(model: nn.Module, data: StepData, device: torch.device, autocast: Callable[[], Any],
+              weights: dict[str, float]) -> float:
+    # Every rank evaluates the whole eval batch: FSDP needs every rank in the forward anyway, and the
+    # result is then the same number everywhere without a collective.
+    model.eval()
+    try:
+        with torch.no_grad(), autocast():
+            batch = {k: v.to(device) for k, v in data.eval_batch().items()}
+            losses = model(batch)
+            return float(sum(weights.get(k, 1.0) * v.float() for k, v in losses.items()))
+    finally:
+        model.train()
+
+
+def check_options(opts: LoopOptions) -> None:
+    """Raise :class:`ConfigError` for loop options that cannot work."""
+    if opts.max_steps < 1:
+        raise ConfigError(f"trainer.max_steps={opts.max_steps} must be >= 1.")
+    if opts.grad_accum < 1:
+        raise ConfigError(f"trainer.grad_accum={opts.grad_accum} must be >= 1.")
+    if opts.on_nonfinite not in ("skip", "stop"):
+        raise ConfigError(f"trainer.on_nonfinite={opts.on_nonfinite!r}: use 'skip' or 'stop'.")

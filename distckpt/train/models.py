@@ -1,0 +1,148 @@
+"""Models the launcher trains: a small multi-task GPT, a multi-task MLP, and a Hugging Face causal LM.
+
+Every model takes a batch dict and returns a dict of per-task losses, so the whole loss (and every
+head) is computed inside ``forward``: every trainable parameter takes part in every step, which
+is what DDP with ``find_unused_parameters=False`` and FSDP2's root forward need.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["Block", "MultiTaskGPT", "MultiTaskHF", "MultiTaskMLP", "build_hf_causal_lm"]
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block: causal self-attention then an MLP."""
+
+    def __init__(self, d_model: int, n_head: int, dropout: float) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.ln1 = nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.fc = nn.Linear(d_model, 4 * d_model)
+        self.fc_out = nn.Linear(4 * d_model, d_model)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
+        # Dropout is applied to the block's output rather than inside SDPA so that the RNG stream
+        # (restored on resume, replayed by the recompute) is the same on every backend.
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))
+        return x + self.drop(self.fc_out(F.gelu(self.fc(self.ln2(x)))))
+
+
+class MultiTaskGPT(nn.Module):
+    """A GPT-style trunk (blocks in ``self.blocks``, an ``nn.ModuleList``) with two task heads.
+
+    Tasks: ``lm`` (next-token prediction over ``tokens``) and ``cls`` (a sequence label from the
+    mean-pooled final hidden state).
+    """
+
+    def __init__(self, vocab_size: int = 64, seq_len: int = 32, d_model: int = 64, n_layer: int = 4,
+                 n_head: int = 4, n_classes: int = 4, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab_size, d_model)
+        self.pos = nn.Embedding(seq_len, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, n_head, dropout) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
+        self.cls_head = nn.Linear(d_model, n_classes)
+        self.apply(_init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith(("proj.weight", "fc_out.weight")):  # GPT-2's scaled residual init
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layer))
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        tokens = batch["tokens"]
+        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        for block in self.blocks:
+            x = block(x)
+        h = self.ln_f(x)
+        logits = self.lm_head(h[:, :-1])
+        lm = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
+        cls = F.cross_entropy(self.cls_head(h.mean(dim=1)).float(), batch["label"])
+        return {"lm": lm, "cls": cls}
+
+
+class MultiTaskMLP(nn.Module):
+    """An MLP trunk of residual blocks with two classification heads (``a`` and ``b``)."""
+
+    def __init__(self, in_features: int = 32, hidden: int = 128, n_layer: int = 4, n_classes_a: int = 10,
+                 n_classes_b: int = 2, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.inp = nn.Linear(in_features, hidden)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, hidden), nn.GELU(), nn.Dropout(dropout))
+            for _ in range(n_layer)
+        )
+        self.head_a = nn.Linear(hidden, n_classes_a)
+        self.head_b = nn.Linear(hidden, n_classes_b)
+        self.apply(_init_weights)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        x = self.inp(batch["x"])
+        for block in self.blocks:
+            x = x + block(x)
+        return {
+            "a": F.cross_entropy(self.head_a(x).float(), batch["y_a"]),
+            "b": F.cross_entropy(self.head_b(x).float(), batch["y_b"]),
+        }
+
+
+class MultiTaskHF(nn.Module):
+    """A Hugging Face causal LM (``self.lm``) plus a sequence-classification head on its last hidden state."""
+
+    def __init__(self, lm: nn.Module, n_classes: int) -> None:
+        super().__init__()
+        self.lm = lm
+        self.cls_head = nn.Linear(lm.config.hidden_size, n_classes)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = self.lm(input_ids=batch["tokens"], labels=batch["tokens"], output_hidden_states=True)
+        cls = F.cross_entropy(self.cls_head(out.hidden_states[-1].mean(dim=1)).float(), batch["label"])
+        return {"lm": out.loss, "cls": cls}
+
+
+def build_hf_causal_lm(config_name: str, *, vocab_size: int, seq_len: int, n_layer: int, d_model: int,
+                       n_head: int, n_classes: int, dropout: float = 0.0) -> MultiTaskHF:
+    """Build a randomly initialised Hugging Face causal LM from a model type name; nothing is downloaded.
+
+    Args:
+        config_name: a ``transformers`` model type such as ``"gpt2"`` or ``"llama"``.
+        vocab_size, seq_len, n_layer, d_model, n_head: the architecture's size.
+        n_classes: classes of the second (sequence classification) task.
+        dropout: dropout probability where the architecture has one.
+
+    Returns:
+        A :class:`MultiTaskHF` around ``AutoModelForCausalLM.from_config(...)``.
+
+    Raises:
+        ValueError: ``config_name`` is not a model type ``transformers`` knows.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM  # optional dependency (extra "hf")
+
+    sizes = dict(vocab_size=vocab_size, n_positions=seq_len, max_position_embeddings=seq_len,
+                 n_layer=n_layer, num_hidden_layers=n_layer, n_embd=d_model, hidden_size=d_model,
+                 n_head=n_head, num_attention_heads=n_head, num_key_value_heads=n_head,
+                 intermediate_size=4 * d_model, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
+    config = AutoConfig.for_model(config_name)
+    config.update({k: v for k, v in sizes.items() if hasattr(config, k)})
+    config.use_cache = False
+    return MultiTaskHF(AutoModelForCausalLM.from_config(config), n_classes)
+
+
+def _init_weights(m: nn.Module) -> None:
+    if isinstance(m, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(m.weight, std=0.02)
+        if getattr(m, "bias", None) is not None:
+            nn.init.zeros_(m.bias)

@@ -1,0 +1,1 @@
+"""The Hydra launcher: ``torchrun launch/train.py [overrides]`` (schemas, builders, ``train(cfg)``)."""

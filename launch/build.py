@@ -1,0 +1,118 @@
+"""Builders: turn each config group into the flat arguments of a library call (torchtune style)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+from omegaconf import DictConfig
+
+from distckpt.train.data import DigitsData, StepData, SyntheticMLPData, SyntheticTokens
+from distckpt.train.models import MultiTaskGPT, MultiTaskMLP, build_hf_causal_lm
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def build_model(m: DictConfig, d: DictConfig) -> nn.Module:
+    """The model of ``model=...`` (its input size follows ``data=digits`` when chosen)."""
+    if m.name == "gpt":
+        return MultiTaskGPT(vocab_size=m.vocab_size, seq_len=m.seq_len, d_model=m.d_model, n_layer=m.n_layer,
+                            n_head=m.n_head, n_classes=m.n_classes, dropout=m.dropout)
+    if m.name == "mlp":
+        in_features = DigitsData.in_features if d.name == "digits" else m.in_features
+        return MultiTaskMLP(in_features=in_features, hidden=m.hidden, n_layer=m.n_layer,
+                            n_classes_a=m.n_classes_a, dropout=m.dropout)
+    return build_hf_causal_lm(m.config_name, vocab_size=m.vocab_size, seq_len=m.seq_len, n_layer=m.n_layer,
+                              d_model=m.d_model, n_head=m.n_head, n_classes=m.n_classes, dropout=m.dropout)
+
+
+def build_data(d: DictConfig, m: DictConfig) -> StepData:
+    """The step-indexed data of ``data=...``, shaped for ``model=...``."""
+    if d.name == "digits":
+        return DigitsData(d.batch_size, seed=d.seed)
+    if m.name == "mlp":
+        return SyntheticMLPData(d.batch_size, m.in_features, m.n_classes_a, seed=d.seed)
+    return SyntheticTokens(d.batch_size, m.seq_len, m.vocab_size, m.n_classes, seed=d.seed, noise=d.noise)
+
+
+class WarmupDecay:
+    """LR multiplier: linear warmup, then constant, cosine or linear decay to ``min_ratio``.
+
+    A callable object (not a lambda) so that ``LambdaLR.state_dict`` saves it and checkpoints resume it.
+    """
+
+    def __init__(self, kind: str, warmup: int, total: int, min_ratio: float) -> None:
+        self.kind, self.warmup, self.total, self.min_ratio = kind, warmup, total, min_ratio
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        if self.kind == "constant":
+            return 1.0
+        frac = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
+        decay = 0.5 * (1 + math.cos(math.pi * frac)) if self.kind == "cosine" else 1 - frac
+        return self.min_ratio + (1 - self.min_ratio) * decay
+
+
+def build_optimizer(o: DictConfig, model: nn.Module, max_steps: int) -> tuple[torch.optim.Optimizer, Any]:
+    """The optimizer and LR scheduler of ``optim=...``."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if o.name == "adamw":
+        opt: torch.optim.Optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas),
+                                                       weight_decay=o.weight_decay)
+    else:
+        opt = torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, WarmupDecay(o.scheduler, o.warmup_steps, max_steps,
+                                                               o.min_lr_ratio))
+    return opt, sched
+
+
+def parallel_kwargs(p: DictConfig, strategy: str) -> dict[str, Any]:
+    """Extra arguments for ``distckpt.parallelize``: FSDP's own mixed precision when ``precision.sharded``."""
+    if not p.sharded or p.dtype == "fp32":
+        return {}
+    dtype = _DTYPES[p.dtype]
+    if strategy == "fsdp":
+        from torch.distributed.fsdp import MixedPrecision
+
+        return {"mixed_precision": MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32,
+                                                  buffer_dtype=dtype)}
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return {"mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)}
+
+
+def autocast_factory(p: DictConfig, device: torch.device) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    """A context factory for the forward: autocast for bf16/fp16 (unless FSDP casts the params itself)."""
+    if p.dtype == "fp32" or p.sharded:
+        return contextlib.nullcontext
+    return functools.partial(torch.autocast, device_type=device.type, dtype=_DTYPES[p.dtype])
+
+
+def build_scaler(p: DictConfig, strategy: str, device: torch.device) -> Any:
+    """A grad scaler for fp16 (the sharded one under FSDP/FSDP2), else ``None``."""
+    if not p.grad_scaler:
+        return None
+    if strategy in ("fsdp", "fsdp2"):
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device=device.type)
+    return torch.amp.GradScaler(device.type)
+
+
+def clip_fn(model: nn.Module, strategy: str) -> Callable[[float], torch.Tensor]:
+    """``clip(max_norm) -> total norm`` over all ranks: FSDP1 shards flat params and needs its own method."""
+    if strategy == "fsdp":
+        return model.clip_grad_norm_
+
+    def clip(max_norm: float) -> torch.Tensor:
+        norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
+        # FSDP2 returns a DTensor; the loop wants a plain number that is the same on every rank.
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    return clip

@@ -1,0 +1,71 @@
+"""Check command-line overrides before Hydra runs: a bad one exits with code 2 and one or two lines."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from omegaconf import DictConfig
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def explain(e: BaseException) -> str:
+    """One or two lines from a Hydra/OmegaConf composition error: what is wrong and which override to fix."""
+    from distckpt.errors import ConfigError
+
+    if isinstance(e, ConfigError):
+        return str(e)
+    msg = _first_line(e)
+    cause = e.__cause__ or e.__context__
+    key = getattr(cause, "full_key", None) or getattr(e, "full_key", None)
+    if cause is not None and _first_line(cause) != msg:
+        msg = f"{msg}: {_first_line(cause)}"
+    if "Could not override" in msg or "not in struct" in msg:
+        return f"{msg}\nunknown key: check its spelling against conf/ (python launch/train.py --cfg job lists them)."
+    if "Could not find" in msg or "Could not load" in msg:
+        return f"{msg}\nchoose one of the files in conf/<group>/ (e.g. strategy=ddp)."
+    if key:
+        return f"{msg}\nfix the override {key}=..."
+    return msg
+
+
+def compose(overrides: list[str]) -> DictConfig:
+    """Compose ``conf/config.yaml`` with ``overrides`` as ``@hydra.main`` would (Hydra settings included)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from launch.config import CONF_DIR, register
+
+    register()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=overrides, return_hydra_config=True)
+
+
+def check_overrides(argv: list[str]) -> None:
+    """Compose and validate; on an error print it (rank 0) and exit 2. With ``--check``, exit 0 when fine."""
+    from launch.config import validate
+
+    only_check = "--check" in argv
+    if only_check:
+        argv.remove("--check")
+        sys.argv.remove("--check")
+    if any(a.startswith("-") for a in argv):  # Hydra's own flags (--cfg, --help, -m): Hydra handles those
+        return
+    try:
+        cfg = compose(argv)
+        cfg_job = DictConfig({k: v for k, v in cfg.items() if k != "hydra"})
+        validate(cfg_job, int(os.environ.get("WORLD_SIZE", "1")) if not only_check else _world_hint(argv))
+    except Exception as e:  # every composition error becomes one short message
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"config error: {explain(e)}", file=sys.stderr)
+        sys.exit(2)
+    if only_check:
+        sys.exit(0)
+
+
+def _world_hint(argv: list[str]) -> int:
+    # `--check` runs before torchrun (make train): the job's size comes from the environment.
+    return int(os.environ.get("DISTCKPT_NPROC", os.environ.get("WORLD_SIZE", "1")))

@@ -1,0 +1,211 @@
+"""``train(cfg)``: set up the process group, build everything from the config, run the loop, print a summary.
+
+``launch/train.py`` calls it under ``@hydra.main``; tests call it directly on a composed config.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+import distckpt
+from distckpt.errors import ConfigError
+from distckpt.train import LoopOptions, LoopResult, MetricSink, TrainState, fit, format_summary
+from distckpt.train.data import micro_batches
+from launch.build import (
+    autocast_factory,
+    build_data,
+    build_model,
+    build_optimizer,
+    build_scaler,
+    clip_fn,
+    parallel_kwargs,
+)
+from launch.config import validate
+
+log = logging.getLogger("distckpt.launch")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_distributed(strategy: str, device: torch.device) -> bool:
+    """Join the job's process group (torchrun's env) or make a 1-process one; True if we created it."""
+    if dist.is_initialized() or (strategy == "none" and int(os.environ.get("WORLD_SIZE", "1")) == 1):
+        return False
+    if "RANK" not in os.environ:  # `python launch/train.py strategy=ddp`: a job of one process
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(minutes=10))
+    return True
+
+
+def _device(name: str) -> torch.device:
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=auto or cpu.")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
+def _run_dir(run_dir: str | os.PathLike[str] | None) -> str:
+    if run_dir is None:
+        from hydra.core.hydra_config import HydraConfig
+
+        if not HydraConfig.initialized():
+            raise ConfigError("train(cfg) outside @hydra.main needs run_dir=...; pass the folder for this run.")
+        run_dir = HydraConfig.get().runtime.output_dir
+    path = str(Path(run_dir).resolve())
+    if dist.is_initialized():  # every rank uses rank 0's folder, whatever its own resolved to
+        box = [path]
+        dist.broadcast_object_list(box, src=0)
+        path = box[0]
+    return path
+
+
+def _wrap(model: torch.nn.Module, cfg: DictConfig, example: dict[str, torch.Tensor]) -> None:
+    c = cfg.ckpt
+    try:
+        distckpt.wrap(model, c.policy, blocks=list(c.blocks) if c.blocks else None, reentrant=c.reentrant,
+                      offload="cpu" if c.offload else None, example_inputs=(example,))
+    except NotImplementedError as e:
+        raise ConfigError(f"ckpt={c.name} ({c.policy}) is not available in this version ({e}); "
+                          "use ckpt=full or ckpt=every_n.") from None
+
+
+def _optional_guard(model: torch.nn.Module, every: int) -> Any:
+    if every <= 0:
+        return None
+    try:
+        return distckpt.GradSyncGuard(model, every=every)
+    except NotImplementedError:
+        warnings.warn("trainer.guard_every: GradSyncGuard is not available in this version; running without it.",
+                      stacklevel=2)
+        return None
+
+
+def _optional_verify(model: torch.nn.Module, example: dict[str, torch.Tensor], enabled: bool) -> str:
+    if not enabled:
+        return "off"
+    try:
+        report = distckpt.verify_recompute(model, lambda m: sum(m(example).values()))
+    except NotImplementedError:
+        warnings.warn("trainer.verify_recompute: not available in this version; skipped.", stacklevel=2)
+        return "not available"
+    return str(report)
+
+
+def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -> LoopResult:
+    """Train as ``cfg`` says, in this process (one rank of a torchrun job, or alone).
+
+    Args:
+        cfg: a config composed from ``conf/`` (``@hydra.main`` or ``hydra.compose``).
+        run_dir: the run folder; by default Hydra's ``hydra.run.dir``.
+
+    Returns:
+        The loop's result (final step, losses, checkpoints, throughput).
+
+    Raises:
+        ConfigError: a bad value or combination, before anything is written.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    validate(cfg, world)
+    t = cfg.trainer
+    device = _device(t.device)
+    created = _init_distributed(cfg.strategy.name, device)
+    try:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if rank != 0:
+            logging.getLogger("distckpt").setLevel(logging.WARNING)
+        path = _run_dir(run_dir)
+        if rank == 0:
+            Path(path).mkdir(parents=True, exist_ok=True)
+            (Path(path) / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+
+        torch.manual_seed(t.seed)  # the same initial parameters on every rank
+        data = build_data(cfg.data, cfg.model)
+        model = build_model(cfg.model, cfg.data)
+        example = micro_batches(data.global_batch(0), 0, dist.get_world_size() if dist.is_initialized() else 1,
+                                t.grad_accum)[0]
+        _wrap(model, cfg, example)
+        verified = _optional_verify(model, example, t.verify_recompute)
+        model.to(device)
+        strategy = cfg.strategy.name
+        model = distckpt.parallelize(model, strategy, graph=cfg.strategy.graph,
+                                     **parallel_kwargs(cfg.precision, strategy))
+        optimizer, scheduler = build_optimizer(cfg.optim, model, t.max_steps)
+        state = TrainState(model, optimizer, scheduler, build_scaler(cfg.precision, strategy, device))
+        guard = _optional_guard(model, t.guard_every)
+        torch.manual_seed(t.seed + 1 + rank)  # dropout: one stream per rank, restored on resume
+
+        sink = MetricSink(path, tensorboard=cfg.logger.tensorboard, wandb_mode=cfg.logger.wandb,
+                          wandb_project=cfg.logger.wandb_project,
+                          config=OmegaConf.to_container(cfg, resolve=True), enabled=rank == 0)
+        opts = LoopOptions(
+            max_steps=t.max_steps, grad_accum=t.grad_accum, clip_grad_norm=t.clip_grad_norm, log_every=t.log_every,
+            save_every=t.save_every, keep_last=t.keep_last, eval_every=t.eval_every, resume=t.resume,
+            on_nonfinite=t.on_nonfinite, guard_every=t.guard_every, progress=t.progress,
+            nan_at_steps=tuple(t.fault.nan_at_steps), kill_at_step=t.fault.kill_at_step, kill_rank=t.fault.kill_rank,
+        )
+        try:
+            result = fit(model, state, data, opts=opts, run_dir=path, sink=sink, device=device,
+                         autocast=autocast_factory(cfg.precision, device), clip=clip_fn(model, strategy), guard=guard)
+        finally:
+            sink.close()
+        result.guard = _guard_report(guard, verified)
+        if rank == 0:
+            print(_summary(cfg, result, path, model), flush=True)
+        return result
+    finally:
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _guard_report(guard: Any, verified: str) -> str:
+    parts = [f"grad sync: {getattr(guard, 'summary', lambda: 'on')() if guard is not None else 'off'}"]
+    parts.append(f"recompute check: {verified}")
+    return "; ".join(parts)
+
+
+def _summary(cfg: DictConfig, r: LoopResult, path: str, model: torch.nn.Module) -> str:
+    blocks = distckpt.checkpointed(model)
+    shown = ", ".join(blocks[:4]) + (f", ... ({len(blocks)} blocks)" if len(blocks) > 4 else "")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    losses = ", ".join(f"{k} {v:.4f}" for k, v in r.losses.items())
+    mem_kind = "CUDA allocated" if torch.cuda.is_available() else "peak RSS"
+    rows = [
+        ("run dir", path),
+        ("job", f"model={cfg.model.name} data={cfg.data.name} strategy={cfg.strategy.name} x{world} "
+                f"ckpt={cfg.ckpt.policy} precision={cfg.precision.name}"),
+        ("steps", f"{r.start_step} -> {r.step} of {cfg.trainer.max_steps}"
+                  + (f" (resumed from {Path(r.resumed_from).name})" if r.resumed_from else "")
+                  + (" (stopped by signal; rerun the same command to resume)" if r.stopped_by_signal else "")),
+        ("final loss", losses or "-"),
+        ("eval loss", f"{r.eval_loss:.4f}" if r.eval_loss is not None else "-"),
+        ("time", f"{r.seconds:.1f} s"),
+        ("throughput", f"{r.samples_per_s:.0f} samples/s"),
+        ("peak memory", f"{r.peak_memory_mib:.0f} MiB (rank 0, {mem_kind})"),
+        ("checkpointed", shown or "nothing"),
+        ("skipped steps", ", ".join(map(str, r.skipped_steps)) or "none"),
+        ("guards", r.guard),
+        ("checkpoints", f"{len(r.checkpoints)} written, latest {Path(r.checkpoints[-1]).name}" if r.checkpoints
+                        else "none"),
+        ("metrics", str(Path(path) / "metrics.jsonl")),
+    ]
+    return format_summary(rows)

@@ -1,0 +1,39 @@
+"""Entry point: ``torchrun --nproc_per_node=N launch/train.py [overrides]`` (also runs with plain ``python``).
+
+Thin on purpose: the overrides are checked first (a bad one exits with code 2 and one or two lines,
+before anything is written), then ``@hydra.main`` composes the config and calls ``train(cfg)``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `launch` and `distckpt` from a checkout
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from launch.check import check_overrides  # noqa: E402
+from launch.config import CONF_DIR, register  # noqa: E402
+
+register()
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+def main(cfg: DictConfig) -> None:
+    from distckpt.errors import ConfigError
+    from launch.run import train
+
+    try:
+        train(cfg)
+    except ConfigError as e:  # found after composition (e.g. a policy this version lacks)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    check_overrides(sys.argv[1:])  # exits 2 on a bad override; `--check` stops after it
+    main()
