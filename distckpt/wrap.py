@@ -59,6 +59,24 @@ class _CheckpointedMixin:
         return _run_checkpointed(self, inner, self._distckpt_options, args, kwargs)
 
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # The checkpointed class is made at run time, so pickle cannot find it by name: pickle the
+        # object as the user's class and swap the class again on load (torch.save(model), deepcopy).
+        cls = type(self)
+        self.__class__ = self._distckpt_orig_class
+        try:
+            rv = self.__reduce_ex__(protocol)
+        finally:
+            self.__class__ = cls
+        return (_rebuild_checkpointed, (rv[0], rv[1]), *rv[2:])
+
+
+def _rebuild_checkpointed(constructor: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    obj = constructor(*args)
+    obj.__class__ = _checkpointed_class(type(obj))
+    return obj
+
+
 _CLASSES: dict[type, type] = {}  # memo: original class -> checkpointed subclass (FSDP2 does the same)
 
 

@@ -575,3 +575,15 @@ def test_offload_cpu_cuda_exact_and_saves_device_memory():
     assert_same(ref, got, exact=False)
     assert_same(ref, off, exact=False)
     assert p_off < p_ckpt
+
+
+def test_pickle_and_deepcopy_keep_checkpointing(tmp_path):
+    model = Net(n=3, dropout=0.2, bn=True)
+    distckpt.wrap(model, "every:2")
+    torch.save(model, tmp_path / "m.pt")
+    for other in (torch.load(tmp_path / "m.pt", weights_only=False), copy.deepcopy(model)):
+        assert distckpt.checkpointed(other) == ["layers.0", "layers.2"]
+        assert isinstance(other.layers[0], Block) and other.layers[0]._distckpt_options.preserve_rng_state
+        assert other.layers[0]._distckpt_norms == [other.layers[0].bn]  # the copy's own BatchNorm
+        x = torch.randn(5, 4)
+        assert_same(step(model, x), step(other, x))
