@@ -17,10 +17,13 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q -e ".[dev,launch,bench]"
 	touch $(STAMP)
 
+# The default job (or ARGS="strategy=fsdp2 trainer.max_steps=50 ..."); overrides are checked before torchrun
+# starts, so a bad one prints one line and exits 2. Outputs: outputs/<model>-<strategy>/<run id>/.
 train: $(STAMP)
 	@if [ "$(NPROC)" -gt 0 ] 2>/dev/null; then n=$(NPROC); else n=2; fi; \
-	echo "torchrun --nproc_per_node=$$n launch/train.py $(ARGS)"; \
-	$(BIN)/torchrun --standalone --nproc_per_node=$$n launch/train.py $(ARGS)
+	DISTCKPT_NPROC=$$n $(BIN)/python launch/train.py --check $(ARGS) || exit $$?; \
+	echo "torchrun --standalone --nproc_per_node=$$n launch/train.py $(ARGS)"; \
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=$$n launch/train.py $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
