@@ -1,0 +1,127 @@
+"""verify_recompute: exact models pass; dropout without preserved RNG, a flag changed before
+backward and a BatchNorm updated twice are caught and named; the model is left as it was."""
+
+from __future__ import annotations
+
+import contextlib
+import sys as _sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+import distckpt
+from distckpt.guards import verify_recompute
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 16, p: float = 0.2, bn: bool = False) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d, 2 * d)
+        self.norm = nn.BatchNorm1d(2 * d) if bn else nn.Identity()
+        self.drop = nn.Dropout(p)
+        self.fc2 = nn.Linear(2 * d, d)
+        self.flag = False  # read inside the block: a task switch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(torch.relu(self.norm(self.fc1(x))))
+        if self.flag:
+            h = h * 2
+        return x + self.fc2(h)
+
+
+class Net(nn.Module):
+    def __init__(self, n: int = 3, p: float = 0.2, bn: bool = False) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(p=p, bn=bn) for _ in range(n))
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+X = torch.randn(8, 16)
+
+
+def loss_fn(model: nn.Module) -> torch.Tensor:
+    return model(X).pow(2).mean()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_exact_model_passes_and_leaves_model_as_before(reentrant):
+    model = distckpt.wrap(Net(bn=True), "full", reentrant=reentrant)
+    loss_fn(model).backward()  # some grads and BN statistics already there
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    grad_values = {n: g.clone() for n, g in grads.items()}
+    bufs = {n: b.clone() for n, b in model.named_buffers()}
+    rng = torch.get_rng_state()
+    report = verify_recompute(model, loss_fn)
+    assert report.ok and report.mismatches == []
+    assert report.blocks == ["blocks.0", "blocks.1", "blocks.2"]
+    assert report.loss[0] == report.loss[1] and report.max_grad_diff == 0.0  # bitwise on CPU
+    for n, p in model.named_parameters():
+        assert p.grad is grads[n] and torch.equal(p.grad, grad_values[n])
+    for n, b in model.named_buffers():
+        assert torch.equal(b, bufs[n]), n
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_grads_none_stay_none():
+    model = distckpt.wrap(Net(), "full")
+    assert verify_recompute(model, loss_fn).ok
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_dropout_without_preserved_rng_is_caught(reentrant):
+    model = distckpt.wrap(Net(), "full", preserve_rng_state=False, reentrant=reentrant)
+    with pytest.raises(distckpt.RecomputeMismatchError) as e:
+        verify_recompute(model, loss_fn)
+    first = e.value.report.mismatches[0]
+    assert first.module.startswith("blocks.0"), first
+    assert "preserve_rng_state" in str(e.value)
+    if not reentrant:  # op level: the dropout mask itself is named
+        assert first.kind == "rng" and first.module == "blocks.0.drop" and "bernoulli" in first.detail
+    # the same report without raising
+    report = verify_recompute(model, loss_fn, raise_on_mismatch=False)
+    assert not report.ok and report.mismatches[0].module == first.module
+
+
+def test_dropout_with_preserved_rng_passes():
+    model = distckpt.wrap(Net(p=0.5), "full", preserve_rng_state=True)
+    assert verify_recompute(model, loss_fn).ok
+
+
+def test_flag_changed_before_backward_is_caught():
+    model = distckpt.wrap(Net(p=0.0), "full")
+
+    def switching_loss(m: nn.Module) -> torch.Tensor:
+        m.blocks[1].flag = True
+        loss = m(X).pow(2).mean()
+        m.blocks[1].flag = False  # changed between forward and backward: the recompute sees False
+        return loss
+
+    with pytest.raises(distckpt.RecomputeMismatchError) as e:
+        verify_recompute(model, switching_loss)
+    first = e.value.report.mismatches[0]
+    assert first.module.startswith("blocks.1") and first.kind in ("control_flow", "state")
+    assert "between forward and backward" in str(e.value)
+
+
+def test_batchnorm_double_update_is_caught(monkeypatch):
+    model = distckpt.wrap(Net(bn=True), "full")
+    assert verify_recompute(model, loss_fn).ok  # distckpt's fix in place
+    monkeypatch.setattr(_sys.modules["distckpt.wrap"], "_keep_running_stats", lambda norms: contextlib.nullcontext())
+    with pytest.raises(distckpt.RecomputeMismatchError) as e:
+        verify_recompute(model, loss_fn)
+    kinds = {(m.module, m.kind) for m in e.value.report.mismatches}
+    assert ("blocks.0.norm", "batchnorm") in kinds
+    assert "pytorch#96136" in str(e.value)
+
+
+def test_loss_must_be_scalar():
+    model = distckpt.wrap(Net(), "full")
+    with pytest.raises(distckpt.ConfigError, match="scalar"):
+        verify_recompute(model, lambda m: m(X))
