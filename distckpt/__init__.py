@@ -6,6 +6,7 @@ Wrap the blocks first, then parallelize::
     model = distckpt.parallelize(model, "ddp")
 """
 
+from distckpt.chunk import chunk_feed_forward
 from distckpt.errors import ConfigError, GradDesyncError, RecomputeMismatchError
 from distckpt.guards import GradSyncGuard, verify_recompute
 from distckpt.parallel import accumulate, ddp_kwargs, parallelize, preflight
@@ -28,6 +29,7 @@ __all__ = [
     "accumulate",
     "checkpointed",
     "checkpointing_disabled",
+    "chunk_feed_forward",
     "ddp_kwargs",
     "parallelize",
     "parse_policy",

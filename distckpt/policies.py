@@ -17,7 +17,7 @@ import torch.nn as nn
 from distckpt.errors import ConfigError
 
 if TYPE_CHECKING:
-    from distckpt.profile import BlockProfile
+    from distckpt.profile import BlockProfile, ModelProfile
 
 __all__ = [
     "Budget",
@@ -50,18 +50,22 @@ class Plan:
     blocks: list[tuple[str, nn.Module]]
     example_inputs: Any = None
     world_size: int = 1
-    _profile: list[BlockProfile] | None = field(default=None, repr=False)
+    _profile: ModelProfile | None = field(default=None, repr=False)
 
     def profile(self) -> list[BlockProfile]:
+        return list(self.model_profile().blocks)
+
+    def model_profile(self) -> ModelProfile:
+        """The whole-step profile (blocks plus parameters, head, temporaries); see distckpt.profile."""
         if self._profile is None:
-            from distckpt.profile import profile_blocks
+            from distckpt.profile import profile_model
 
             if self.example_inputs is None:
                 raise ConfigError(
                     "this policy needs a sample batch to measure activation memory; pass "
                     "example_inputs=(args...) or {kwargs} to distckpt.wrap."
                 )
-            self._profile = profile_blocks(self.model, self.blocks, self.example_inputs)
+            self._profile = profile_model(self.model, self.blocks, self.example_inputs)
         return self._profile
 
 
@@ -134,11 +138,15 @@ class Fraction:
 class Budget:
     """Checkpoint the fewest-recompute set of blocks whose peak training memory fits ``bytes``.
 
-    ``bytes=None`` means "auto": the free memory of the current CUDA device.
-    The selection itself lives in :mod:`distckpt.budget`.
+    ``bytes=None`` means "auto": the free memory of the current CUDA device. ``strategy``
+    (``"ddp"``, ``"fsdp"``, ``"fsdp2"``, ``"none"``) and ``optimizer`` (``"adamw"``, ``"sgd"``, ...)
+    say how parameters, gradients and optimizer state take memory. The selection itself lives in
+    :mod:`distckpt.budget`.
     """
 
     bytes: int | None
+    strategy: str = "ddp"
+    optimizer: str = "adamw"
 
     def __post_init__(self) -> None:
         if self.bytes is not None and (not isinstance(self.bytes, int) or self.bytes <= 0):
@@ -147,7 +155,7 @@ class Budget:
     def select(self, plan: Plan) -> list[int]:
         from distckpt.budget import select_for_budget
 
-        return select_for_budget(plan, self.bytes)
+        return select_for_budget(plan, self.bytes, strategy=self.strategy, optimizer=self.optimizer)
 
 
 @dataclass(frozen=True)

@@ -1,21 +1,401 @@
-"""Activation bytes and recompute cost per candidate block (budget planning, benchmarks)."""
+"""Activation bytes and recompute cost per candidate block, measured on one sample training step.
+
+Used by the ``budget`` policy (and the benchmarks) to predict peak memory for any choice of blocks.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+import logging
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
 from typing import Any
 
+import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_flatten
 
-__all__ = ["BlockProfile", "profile_blocks"]
+__all__ = ["BlockProfile", "ModelProfile", "profile_blocks", "profile_model", "scalar_loss"]
+
+logger = logging.getLogger("distckpt")
 
 
 @dataclass(frozen=True)
 class BlockProfile:
+    """What one block holds for backward and what recomputing it costs.
+
+    Attributes:
+        fqn: the block's name.
+        activation_bytes: bytes the block keeps for backward when it is NOT checkpointed (distinct
+            storages saved by its ops, parameters excluded), its saved input included.
+        forward_flops: FLOPs of one forward of the block (``FlopCounterMode``): the most a
+            recompute costs (non-reentrant checkpoint may stop earlier).
+        input_bytes: bytes of the block's tensor inputs, which a checkpointed block keeps.
+        saved_input_bytes: the part of ``activation_bytes`` that is the block's input.
+        overhead_bytes: memory above the held activations at the block's forward/backward peak
+            (gradients of activations, temporaries), measured in the sample step.
+    """
+
     fqn: str
     activation_bytes: int
     forward_flops: int
+    input_bytes: int = 0
+    saved_input_bytes: int = 0
+    overhead_bytes: int = 0
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes held from forward to backward when the block is not checkpointed."""
+        return self.activation_bytes
+
+    @property
+    def footprint_bytes(self) -> int:
+        """Bytes alive while the block runs its backward (its activations plus its input)."""
+        return self.activation_bytes - self.saved_input_bytes + self.input_bytes
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """The per-block profiles plus what the rest of the model holds in a training step.
+
+    Attributes:
+        blocks: one :class:`BlockProfile` per candidate block, in forward order.
+        param_bytes: all parameters (distinct storages).
+        trainable_bytes: parameters that require grad (their gradients have this size).
+        buffer_bytes: module buffers.
+        block_param_bytes: the largest parameter bytes of one block (FSDP unshards one at a time).
+        max_param_bytes: the largest single parameter (per-tensor optimizer temporaries).
+        batch_bytes: the example inputs.
+        pre_bytes: activations saved outside the blocks before the last block ends (embeddings).
+        post_bytes: activations saved after the last block (final norm, head, a loss in the model).
+        head_overhead_bytes: memory above the held activations at the peak outside the blocks.
+        measured_peak_bytes: peak of the sample step without checkpointing (MemTracker on CPU,
+            ``torch.cuda.max_memory_allocated`` on CUDA), without optimizer state.
+        device: the device type the sample step ran on.
+    """
+
+    blocks: tuple[BlockProfile, ...]
+    param_bytes: int = 0
+    trainable_bytes: int = 0
+    buffer_bytes: int = 0
+    block_param_bytes: int = 0
+    max_param_bytes: int = 0
+    batch_bytes: int = 0
+    pre_bytes: int = 0
+    post_bytes: int = 0
+    head_overhead_bytes: int = 0
+    measured_peak_bytes: int = 0
+    device: str = "cpu"
+
+    @property
+    def activation_bytes(self) -> int:
+        """Activations held for backward without any checkpointing (blocks and the rest)."""
+        return self.pre_bytes + self.post_bytes + sum(b.activation_bytes for b in self.blocks)
+
+
+def scalar_loss(out: Any) -> torch.Tensor:
+    """A scalar to call ``backward`` on, from what a model returns.
+
+    A ``loss`` attribute or key (Hugging Face models given labels) is used as is; otherwise the sum
+    of every floating tensor output that requires grad. A sum saves nothing for backward, so the
+    profile sees only what the model itself holds.
+
+    Raises:
+        ValueError: when the output holds no tensor that requires grad.
+    """
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, dict):
+        loss = out.get("loss")
+    if isinstance(loss, torch.Tensor) and loss.requires_grad:
+        return loss
+    leaves, _ = tree_flatten(out)
+    if not leaves and hasattr(out, "to_tuple"):  # Hugging Face ModelOutput
+        leaves, _ = tree_flatten(out.to_tuple())
+    parts = [t.float().sum() for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not parts:
+        raise ValueError(
+            "the model's output holds no tensor that requires grad, so no backward can be profiled; "
+            "pass example_inputs that make the model return its loss (or logits) in training mode."
+        )
+    return torch.stack(parts).sum()
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    st = t.untyped_storage()
+    return (str(t.device), st.data_ptr())
+
+
+def _storage_bytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(value)
+    return [t for t in leaves if isinstance(t, torch.Tensor)]
+
+
+def _as_args(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    return (example_inputs,), {}
+
+
+def _signature(value: Any) -> Any:
+    leaves, spec = tree_flatten(value)
+    return str(spec), tuple(
+        (tuple(t.shape), t.dtype, str(t.device)) if isinstance(t, torch.Tensor) else repr(t) for t in leaves
+    )
+
+
+def _distinct_bytes(tensors: list[torch.Tensor]) -> int:
+    seen: dict[tuple[str, int], int] = {}
+    for t in tensors:
+        seen[_storage_key(t)] = _storage_bytes(t)
+    return sum(seen.values())
+
+
+@contextlib.contextmanager
+def _preserved_state(model: nn.Module, device: torch.device) -> Iterator[None]:
+    """Leave the model as it was: gradients, buffers (BatchNorm statistics) and the RNG streams."""
+    grads = {p: p.grad for p in model.parameters()}
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            for p in grads:
+                p.grad = None
+            yield
+        finally:
+            for p, g in grads.items():
+                p.grad = g
+            with torch.no_grad():
+                for b, v in buffers:
+                    b.copy_(v)
+
+
+def _mem_states() -> tuple[Any, Any]:
+    # MemTracker's per-module peak snapshots are keyed by this enum (private, hence guarded).
+    from torch.distributed._tools.mem_tracker import _ModState
+
+    return _ModState.PEAK_FW, _ModState.PEAK_BW
+
+
+def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inputs: Any) -> ModelProfile:
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.utils.flop_counter import FlopCounterMode
+
+    args, kwargs = _as_args(example_inputs)
+    batch = _tensors((args, kwargs))
+    params = list(model.parameters())
+    device = params[0].device if params else (batch[0].device if batch else torch.device("cpu"))
+    static_keys = {_storage_key(t) for t in [*params, *model.buffers()]}
+    batch_keys = {_storage_key(t) for t in batch}
+
+    n = len(blocks)
+    index = {id(m): i for i, (_, m) in enumerate(blocks)}
+    active: list[int] = []  # stack of candidate blocks running their forward
+    phase = {"done": 0}  # blocks whose forward has finished; == n means "after the last block"
+    first_saver: dict[tuple[str, int], tuple[int, int]] = {}  # storage -> (owner, bytes); owner -1 pre, n post
+    input_keys: list[dict[tuple[str, int], int]] = [{} for _ in range(n)]
+    flops = [0] * n
+    counter = FlopCounterMode(display=False)
+    flop_start: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(t)
+        if key not in static_keys and key not in first_saver:
+            owner = active[-1] if active else (n if phase["done"] >= n else -1)
+            first_saver[key] = (owner, _storage_bytes(t))
+        return t
+
+    def pre_hook(module: nn.Module, a: Any, kw: Any) -> None:
+        i = index[id(module)]
+        active.append(i)
+        for t in _tensors((a, kw)):
+            key = _storage_key(t)
+            if key not in static_keys:
+                input_keys[i][key] = _storage_bytes(t)
+        flop_start[i] = counter.get_total_flops()
+
+    def post_hook(module: nn.Module, a: Any, kw: Any, out: Any) -> None:
+        i = index[id(module)]
+        active.pop()
+        flops[i] += counter.get_total_flops() - flop_start.pop(i)
+        phase["done"] = max(phase["done"], i + 1)
+
+    handles = []
+    for _, m in blocks:
+        handles.append(m.register_forward_pre_hook(pre_hook, with_kwargs=True))
+        handles.append(m.register_forward_hook(post_hook, with_kwargs=True))
+    tracker = MemTracker()
+    tracker.track_external(model, *batch)
+    cuda = device.type == "cuda"
+    try:
+        with _preserved_state(model, device):
+            if cuda:
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                cuda_base = torch.cuda.memory_allocated(device)
+            with tracker:
+                with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    loss = scalar_loss(model(*args, **kwargs))
+                loss.backward()
+                del loss
+            cuda_peak = torch.cuda.max_memory_allocated(device) - cuda_base if cuda else 0
+    finally:
+        for h in handles:
+            h.remove()
+
+    # Attribute each saved storage once. A storage that is some block's input belongs to that
+    # block's input (the consumer keeps it whether or not the producer is checkpointed).
+    input_owner: dict[tuple[str, int], int] = {}
+    for i in range(n):
+        for key in input_keys[i]:
+            input_owner.setdefault(key, i)
+    inner = [0] * n
+    saved_input = [0] * n
+    pre = post = 0
+    for key, (owner, nbytes) in first_saver.items():
+        if key in batch_keys:
+            continue  # counted in batch_bytes
+        if key in input_owner:
+            saved_input[input_owner[key]] += nbytes
+        elif owner == -1:
+            pre += nbytes
+        elif owner == n:
+            post += nbytes
+        else:
+            inner[owner] += nbytes
+    in_bytes = [sum(b for k, b in input_keys[i].items() if k not in batch_keys) for i in range(n)]
+    held = [inner[i] + saved_input[i] for i in range(n)]
+
+    # Overheads: how far the measured activation+temporary memory at each block's peak exceeds the
+    # model "held so far + this block's footprint". Makes the prediction exact on this sample step.
+    peak_fw, peak_bw = _mem_states()
+    dev = device if device.type != "cuda" else torch.device("cuda", device.index or 0)
+
+    def act_at(snaps: list[dict[Any, dict[str, int]]]) -> int:
+        best = 0
+        for snap in snaps:
+            s = snap.get(dev) or next(iter(snap.values()), {})
+            best = max(best, s.get("Activation", 0) + s.get("Temp", 0))
+        return best
+
+    overhead = [0] * n
+    prefix = 0
+    block_peaks = []
+    for i, (_, m) in enumerate(blocks):
+        stats = tracker.memory_tracking.get(m)
+        footprint = inner[i] + in_bytes[i]
+        if stats is not None:
+            measured = max(act_at(stats.snapshots.get(peak_fw, [])), act_at(stats.snapshots.get(peak_bw, [])))
+            block_peaks.append(measured)
+            overhead[i] = max(0, measured - (pre + prefix + footprint))
+        prefix += held[i]
+    peak_snap = tracker.get_tracker_snapshot("peak")
+    s = peak_snap.get(dev) or next(iter(peak_snap.values()), {})
+    global_act = s.get("Activation", 0) + s.get("Temp", 0)
+    root = tracker.memory_tracking.get(model)
+    end_act = act_at(root.snapshots.get(peak_fw, [])) if root is not None else 0
+    if global_act > max(block_peaks, default=0):
+        end_act = max(end_act, global_act)
+    head_overhead = max(0, end_act - (pre + prefix + post))
+    measured_peak = cuda_peak if cuda else s.get("Total", 0)
+
+    def distinct(ts: list[torch.Tensor]) -> int:
+        return _distinct_bytes(ts) if ts else 0
+
+    profiles = tuple(
+        BlockProfile(
+            fqn=name, activation_bytes=held[i], forward_flops=int(flops[i]), input_bytes=in_bytes[i],
+            saved_input_bytes=saved_input[i], overhead_bytes=overhead[i],
+        )
+        for i, (name, _) in enumerate(blocks)
+    )
+    return ModelProfile(
+        blocks=profiles,
+        param_bytes=distinct(params),
+        trainable_bytes=distinct([p for p in params if p.requires_grad]),
+        buffer_bytes=distinct(list(model.buffers())),
+        block_param_bytes=max((distinct(list(m.parameters())) for _, m in blocks), default=0),
+        max_param_bytes=max((_storage_bytes(p) for p in params), default=0),
+        batch_bytes=distinct(batch),
+        pre_bytes=pre,
+        post_bytes=post,
+        head_overhead_bytes=head_overhead,
+        measured_peak_bytes=int(measured_peak),
+        device=device.type,
+    )
+
+
+def _agree(profile: ModelProfile) -> ModelProfile:
+    """Make every rank use the same numbers (the largest any rank measured), so that every rank
+    checkpoints the same blocks; a rank that chose differently would desynchronize DDP/FSDP."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return profile
+    block_fields = [f.name for f in fields(BlockProfile) if f.name != "fqn"]
+    model_fields = [f.name for f in fields(ModelProfile) if f.name not in ("blocks", "device")]
+    values = [getattr(b, f) for b in profile.blocks for f in block_fields]
+    values += [getattr(profile, f) for f in model_fields]
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    agreed = t.tolist()
+    k = len(block_fields)
+    blocks = tuple(
+        BlockProfile(b.fqn, **dict(zip(block_fields, agreed[i * k:(i + 1) * k]))) for i, b in enumerate(profile.blocks)
+    )
+    rest = dict(zip(model_fields, agreed[len(blocks) * k:]))
+    return ModelProfile(blocks=blocks, device=profile.device, **rest)
+
+
+_CACHE: weakref.WeakKeyDictionary[nn.Module, dict[Any, ModelProfile]] = weakref.WeakKeyDictionary()
+
+
+def profile_model(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inputs: Any) -> ModelProfile:
+    """Measure one training step (forward and backward, no checkpointing) of ``model`` on
+    ``example_inputs`` and return what each block holds for backward and costs to recompute.
+
+    Saved tensors are counted with ``torch.autograd.graph.saved_tensors_hooks`` by storage (shared
+    storages once, parameters and buffers excluded); FLOPs with ``FlopCounterMode``; temporaries and
+    the measured peak with ``MemTracker`` (and ``torch.cuda.max_memory_allocated`` on CUDA). The
+    model's gradients, buffers and RNG state are left as they were. Results are cached per model,
+    block list and input shapes; under ``torch.distributed`` every rank gets the same numbers (the
+    maximum over ranks, one ``all_reduce``: every rank must call it).
+
+    Args:
+        model: the model, with none of ``blocks`` checkpointed.
+        blocks: the candidate blocks ``[(fqn, module), ...]`` in forward order.
+        example_inputs: a tuple of positional arguments, a dict of keyword arguments, or one tensor.
+
+    Returns:
+        A :class:`ModelProfile`.
+
+    Raises:
+        ValueError: when the model's output holds nothing to call backward on.
+    """
+    key = (tuple(name for name, _ in blocks), _signature(example_inputs), model.training)
+    cache = _CACHE.setdefault(model, {})
+    if key not in cache:
+        cache[key] = _agree(_measure(model, blocks, example_inputs))
+        mp = cache[key]
+        logger.info(
+            "distckpt.profile: %d blocks, %.1f MiB activations (%.1f MiB in blocks), %.3g GFLOP forward in blocks",
+            len(blocks), mp.activation_bytes / 2**20, sum(b.activation_bytes for b in mp.blocks) / 2**20,
+            sum(b.forward_flops for b in mp.blocks) / 1e9,
+        )
+    return cache[key]
 
 
 def profile_blocks(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inputs: Any) -> list[BlockProfile]:
-    raise NotImplementedError("profiling is not implemented yet")
+    """Per-block part of :func:`profile_model` (same arguments, same cache).
+
+    Returns:
+        One :class:`BlockProfile` per block, in forward order.
+    """
+    return list(profile_model(model, blocks, example_inputs).blocks)

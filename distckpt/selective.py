@@ -1,9 +1,107 @@
-"""Op-level (selective) activation checkpointing contexts."""
+"""Op-level (selective) activation checkpointing: inside each checkpointed block, keep the outputs of
+expensive ops (matmuls, attention, convolutions) and recompute the cheap pointwise ones, through
+PyTorch's ``torch.utils.checkpoint.create_selective_checkpoint_contexts``.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from distckpt.errors import ConfigError
+
+__all__ = ["DEFAULT_SAVE_OPS", "MATMUL_OPS", "resolve_ops", "selective_context_fn"]
+
+aten = torch.ops.aten
+
+# Matmuls whose outputs count for "recompute every other matmul" (see selective_context_fn).
+MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm")
+
+# Ops whose outputs are kept by default: matmuls, every scaled_dot_product_attention kernel, and
+# convolutions. Names (not OpOverloads) so that a kernel this build of torch lacks is just skipped.
+DEFAULT_SAVE_OPS = (
+    *MATMUL_OPS,
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable",
+    "_flash_attention_forward",
+    "_efficient_attention_forward",
+    "convolution",
+    "_scaled_mm",
+)
 
 
-def selective_context_fn(save_ops: Any = None) -> Callable[[], tuple[Any, Any]]:
-    raise NotImplementedError("selective checkpointing is not implemented yet")
+def _packet(op: Any) -> Any:
+    if isinstance(op, torch._ops.OpOverload):
+        return op.overloadpacket
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return op
+    if isinstance(op, str):
+        name = op.removeprefix("torch.ops.").removeprefix("aten.").removeprefix("aten::")
+        return getattr(aten, name.split(".")[0], None)
+    raise ConfigError(
+        f"selective save_ops takes aten ops (torch.ops.aten.mm) or their names ('mm', 'aten.addmm'); got {op!r}."
+    )
+
+
+def resolve_ops(ops: Iterable[Any]) -> frozenset[Any]:
+    """Turn op names / ``OpOverload``s / ``OpOverloadPacket``s into a set of overload packets.
+
+    Names this build of torch does not have are skipped (attention kernels differ by version).
+
+    Raises:
+        ConfigError: an entry that is not an op or a name.
+    """
+    return frozenset(p for p in (_packet(op) for op in ops) if p is not None)
+
+
+def _policy(save: frozenset[Any], every_other_matmul: bool) -> Callable[..., CheckpointPolicy]:
+    # One counter per forward and per recompute, so both see the same sequence of matmuls.
+    counts = {"forward": 0, "recompute": 0}
+    matmuls = resolve_ops(MATMUL_OPS)
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        packet = op.overloadpacket
+        if packet not in save:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        if every_other_matmul and packet in matmuls:
+            mode = "recompute" if ctx.is_recompute else "forward"
+            counts[mode] += 1
+            if counts[mode] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE
+
+    return policy
+
+
+def _contexts(save: frozenset[Any], every_other_matmul: bool) -> tuple[Any, Any]:
+    return create_selective_checkpoint_contexts(_policy(save, every_other_matmul))
+
+
+def selective_context_fn(save_ops: Any = None, every_other_matmul: bool = True) -> Callable[[], tuple[Any, Any]]:
+    """The ``context_fn`` for ``torch.utils.checkpoint`` that saves the outputs of ``save_ops``.
+
+    Every other op is recomputed in backward. With ``every_other_matmul`` (the default, as
+    torchtitan's selective AC does), the 2nd, 4th, ... matmul of each block is recomputed too: in a
+    transformer block those are the attention and MLP output projections, whose outputs only feed
+    the residual add, so keeping them would cost memory and recomputing them costs little (the
+    last one is not even re-run: non-reentrant checkpoint stops once backward has what it needs).
+
+    Args:
+        save_ops: ops whose outputs are kept, as aten ops or names (default :data:`DEFAULT_SAVE_OPS`).
+        every_other_matmul: recompute every second matmul of a block instead of keeping it.
+
+    Returns:
+        A zero-argument callable returning a fresh ``(forward, recompute)`` context pair.
+
+    Raises:
+        ConfigError: when ``save_ops`` holds something that is not an op.
+    """
+    save = resolve_ops(DEFAULT_SAVE_OPS if save_ops is None else save_ops)
+    return functools.partial(_contexts, save, every_other_matmul)

@@ -1,0 +1,108 @@
+"""Small GPT-style models for the memory benchmarks and the memory tests (no downloads).
+
+``GPT`` is a pre-LayerNorm decoder with ``scaled_dot_product_attention`` and a 4x GELU MLP; given
+targets it returns the cross-entropy loss (computed inside the model, so a profile sees it).
+``hf_gpt2`` builds Hugging Face's GPT-2 architecture from a ``GPT2Config`` (random weights).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["GPT", "Block", "GPTConfig", "MLP", "hf_gpt2", "SIZES"]
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab: int = 256
+    seq: int = 64
+    dim: int = 64
+    heads: int = 4
+    layers: int = 4
+    dropout: float = 0.0
+
+
+SIZES = {
+    "tiny": GPTConfig(vocab=256, seq=64, dim=64, heads=4, layers=4),
+    "small": GPTConfig(vocab=512, seq=128, dim=128, heads=4, layers=8),
+    "medium": GPTConfig(vocab=1024, seq=256, dim=256, heads=8, layers=8),
+    "large": GPTConfig(vocab=8192, seq=1024, dim=1024, heads=16, layers=24),
+}
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int, dropout: float = 0.0):
+        super().__init__()
+        self.fc = nn.Linear(dim, hidden)
+        self.proj = nn.Linear(hidden, dim)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.heads = cfg.heads
+        self.dropout = cfg.dropout
+        self.ln1 = nn.LayerNorm(cfg.dim)
+        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
+        self.proj = nn.Linear(cfg.dim, cfg.dim)
+        self.ln2 = nn.LayerNorm(cfg.dim)
+        self.mlp = MLP(cfg.dim, 4 * cfg.dim, cfg.dropout)
+
+    def attn(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok = nn.Embedding(cfg.vocab, cfg.dim)
+        self.pos = nn.Embedding(cfg.seq, cfg.dim)
+        self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.ln_f = nn.LayerNorm(cfg.dim)
+        self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.h:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def batch(cfg: GPTConfig, size: int, device: torch.device | str = "cpu", seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """A random (idx, targets) batch."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(cfg.vocab, (size, cfg.seq), generator=g)
+    tgt = torch.randint(cfg.vocab, (size, cfg.seq), generator=g)
+    return idx.to(device), tgt.to(device)
+
+
+def hf_gpt2(cfg: GPTConfig) -> nn.Module:
+    """Hugging Face's GPT-2 (``GPT2LMHeadModel``) built from a config of the same size as ``cfg``."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    conf = GPT2Config(
+        vocab_size=cfg.vocab, n_positions=cfg.seq, n_embd=cfg.dim, n_layer=cfg.layers, n_head=cfg.heads,
+        resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout, use_cache=False,
+    )
+    conf._attn_implementation = "sdpa"
+    return GPT2LMHeadModel(conf)
