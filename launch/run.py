@@ -169,6 +169,7 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -> Loo
         finally:
             sink.close()
         result.guard = _guard_report(guard, verified)
+        result.checkpointed = distckpt.checkpointed(model)
         if rank == 0:
             print(_summary(cfg, result, path, model), flush=True)
         return result
@@ -184,7 +185,7 @@ def _guard_report(guard: Any, verified: str) -> str:
 
 
 def _summary(cfg: DictConfig, r: LoopResult, path: str, model: torch.nn.Module) -> str:
-    blocks = distckpt.checkpointed(model)
+    blocks = r.checkpointed
     shown = ", ".join(blocks[:4]) + (f", ... ({len(blocks)} blocks)" if len(blocks) > 4 else "")
     world = dist.get_world_size() if dist.is_initialized() else 1
     losses = ", ".join(f"{k} {v:.4f}" for k, v in r.losses.items())

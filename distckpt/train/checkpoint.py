@@ -9,10 +9,13 @@ only a ``.tmp_*`` folder, which is ignored and removed by the next save.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
 import shutil
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -124,7 +127,8 @@ def save_checkpoint(state: TrainState, ckpt_dir: str | os.PathLike[str], *, keep
         for stale in root.glob(".tmp_step_*"):  # left by a crash mid-save: never complete
             shutil.rmtree(stale, ignore_errors=True)
     _barrier()
-    dcp.save({"train": state}, checkpoint_id=str(tmp))  # returns once every rank's data and .metadata are written
+    with _single_process_quiet():
+        dcp.save({"train": state}, checkpoint_id=str(tmp))  # returns once every rank and .metadata are written
     _barrier()
     if _rank() == 0:
         if final.exists():  # saved again at the same step (a resume that ended where it began)
@@ -141,4 +145,13 @@ def save_checkpoint(state: TrainState, ckpt_dir: str | os.PathLike[str], *, keep
 def load_checkpoint(state: TrainState, path: str | os.PathLike[str]) -> None:
     """Load a checkpoint written by :func:`save_checkpoint` into ``state`` (on every rank)."""
     # Partial load: a checkpoint from another world size lacks some ranks' RNG entries.
-    dcp.load({"train": state}, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))
+    with _single_process_quiet():
+        dcp.load({"train": state}, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    # Without a process group DCP warns on every call that it assumes one process: that is the intent here.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield

@@ -75,6 +75,7 @@ class LoopResult:
     samples_per_s: float = 0.0
     peak_memory_mib: float = 0.0
     guard: str = "off"
+    checkpointed: list[str] = field(default_factory=list)  # FQNs of the activation-checkpointed blocks
     checkpoints: list[str] = field(default_factory=list)
 
 

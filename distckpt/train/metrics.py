@@ -10,6 +10,7 @@ import os
 import resource
 import sys
 import time
+import uuid
 import warnings
 from pathlib import Path
 from typing import Any
@@ -87,13 +88,14 @@ class MetricSink:
 def _start_wandb(run_dir: Path, mode: str, project: str, config: dict[str, Any]) -> Any:
     import wandb  # needs the wandb package (extra "launch")
 
+    mode = os.environ.get("WANDB_MODE", mode)  # the user's environment wins (offline on a cluster, ...)
     if mode == "online" and not (os.environ.get("WANDB_API_KEY") or _wandb_logged_in()):
         warnings.warn("wandb: no API key (WANDB_API_KEY or `wandb login`); logging offline to the run dir. "
                       "Sync later with `wandb sync RUN_DIR/wandb`.", stacklevel=3)
         mode = "offline"
     # The run id lives in the run dir, so a resumed run continues the same wandb run.
     id_file = run_dir / "wandb_id.txt"
-    run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+    run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
     id_file.write_text(run_id)
     return wandb.init(project=project, id=run_id, resume="allow", dir=str(run_dir), mode=mode, config=config,
                       settings=wandb.Settings(console="off", silent=True, init_timeout=60))

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["Block", "MultiTaskGPT", "MultiTaskHF", "MultiTaskMLP", "build_hf_causal_lm"]
+__all__ = ["Block", "MLPBlock", "MultiTaskGPT", "MultiTaskHF", "MultiTaskMLP", "build_hf_causal_lm"]
 
 
 class Block(nn.Module):
@@ -74,6 +74,19 @@ class MultiTaskGPT(nn.Module):
         return {"lm": lm, "cls": cls}
 
 
+class MLPBlock(nn.Module):
+    """A residual pre-norm MLP block."""
+
+    def __init__(self, hidden: int, dropout: float) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.fc = nn.Linear(hidden, hidden)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(F.gelu(self.fc(self.norm(x))))
+
+
 class MultiTaskMLP(nn.Module):
     """An MLP trunk of residual blocks with two classification heads (``a`` and ``b``)."""
 
@@ -81,10 +94,7 @@ class MultiTaskMLP(nn.Module):
                  n_classes_b: int = 2, dropout: float = 0.0) -> None:
         super().__init__()
         self.inp = nn.Linear(in_features, hidden)
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, hidden), nn.GELU(), nn.Dropout(dropout))
-            for _ in range(n_layer)
-        )
+        self.blocks = nn.ModuleList(MLPBlock(hidden, dropout) for _ in range(n_layer))
         self.head_a = nn.Linear(hidden, n_classes_a)
         self.head_b = nn.Linear(hidden, n_classes_b)
         self.apply(_init_weights)
@@ -92,7 +102,7 @@ class MultiTaskMLP(nn.Module):
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         x = self.inp(batch["x"])
         for block in self.blocks:
-            x = x + block(x)
+            x = block(x)
         return {
             "a": F.cross_entropy(self.head_a(x).float(), batch["y_a"]),
             "b": F.cross_entropy(self.head_b(x).float(), batch["y_b"]),

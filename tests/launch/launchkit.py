@@ -1,0 +1,86 @@
+"""Helpers for launcher tests: compose configs, run torchrun, read final parameters from a DCP checkpoint."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+
+# A tiny job: a few seconds per run on 2 CPU ranks.
+TINY = ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.seq_len=16", "data.batch_size=8",
+        "trainer=debug", "trainer.max_steps=6", "trainer.save_every=3", "trainer.eval_every=0"]
+
+
+def compose(overrides: list[str]):
+    """The job config (without the ``hydra`` node) for ``overrides``."""
+    from omegaconf import DictConfig
+
+    from launch.check import compose as compose_all
+
+    cfg = compose_all(overrides)
+    return DictConfig({k: v for k, v in cfg.items() if k != "hydra"})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_MODE="disabled")
+    e.pop("WANDB_API_KEY", None)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):  # not the test's own
+        e.pop(k, None)
+    return e
+
+
+def torchrun_cmd(overrides: list[str], run_dir: Path, *, nproc: int = 2, extra: list[str] | None = None) -> list[str]:
+    agent = extra or ["--standalone"]
+    return [TORCHRUN, *agent, f"--nproc_per_node={nproc}", str(ROOT / "launch" / "train.py"),
+            *overrides, f"hydra.run.dir={run_dir}"]
+
+
+def torchrun(overrides: list[str], run_dir: Path, *, nproc: int = 2, extra: list[str] | None = None,
+             timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run the launcher under torchrun; fail the test with its output if it fails."""
+    proc = subprocess.run(torchrun_cmd(overrides, run_dir, nproc=nproc, extra=extra), cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+def final_params(run_dir: Path, model_overrides: list[str], step: int | None = None) -> dict[str, torch.Tensor]:
+    """Model parameters saved in ``run_dir``'s latest (or ``step``) checkpoint, loaded in this process."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from distckpt.train import latest_checkpoint
+    from launch.build import build_model
+
+    cfg = compose(model_overrides)
+    model = build_model(cfg.model, cfg.data)
+    sd = {"train": {"model": model.state_dict()}}
+    path = run_dir / "checkpoints" / f"step_{step}" if step else latest_checkpoint(run_dir / "checkpoints")
+    assert path is not None and path.is_dir(), f"no checkpoint in {run_dir}"
+    with warnings.catch_warnings():  # DCP says it assumes one process: it is one
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(sd, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))
+    return sd["train"]["model"]
+
+
+def assert_params_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], *, exact: bool) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if exact:
+            assert torch.equal(a[k], b[k]), f"{k} differs: max |diff| {(a[k] - b[k]).abs().max().item():.3g}"
+        else:
+            torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
