@@ -1,0 +1,166 @@
+"""budget:SIZE: the memory model, optimality against brute force, and the budget measured by
+MemTracker in real AdamW train steps."""
+
+from __future__ import annotations
+
+import copy
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for benchmarks.models
+
+import distckpt  # noqa: E402
+from benchmarks.models import GPT, GPTConfig, batch  # noqa: E402
+from distckpt import Budget, ConfigError, parse_policy  # noqa: E402
+from distckpt.budget import _bounds, plan_budget, predicted_peak, static_bytes  # noqa: E402
+from distckpt.profile import BlockProfile, ModelProfile, profile_model  # noqa: E402
+from distckpt.wrap import is_checkpointed  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+def _random_profile(n: int, rng: random.Random) -> ModelProfile:
+    blocks = []
+    for i in range(n):
+        inp = rng.randint(1, 50) * 1000
+        blocks.append(BlockProfile(
+            f"b{i}", activation_bytes=inp + rng.randint(0, 400) * 1000, forward_flops=rng.randint(1, 1000) * 10**6,
+            input_bytes=inp, saved_input_bytes=inp, overhead_bytes=rng.randint(0, 100) * 1000,
+        ))
+    return ModelProfile(tuple(blocks), param_bytes=10**6, trainable_bytes=10**6, batch_bytes=1000, pre_bytes=5000,
+                        post_bytes=rng.randint(0, 500) * 1000, head_overhead_bytes=20_000, max_param_bytes=10**5)
+
+
+def _brute_force(mp: ModelProfile, budget: int) -> int:
+    """The least FLOPs over all 2**n choices, with the memory model evaluated for all at once."""
+    n = len(mp.blocks)
+    static, step = static_bytes(mp)
+    per_block, end = _bounds(mp, static)
+    masks = ((torch.arange(2**n).unsqueeze(1) >> torch.arange(n)) & 1).bool()
+    act = torch.tensor([b.activation_bytes for b in mp.blocks])
+    inp = torch.tensor([b.input_bytes for b in mp.blocks])
+    held = torch.where(masks, inp, act)
+    prefix = held.cumsum(1)
+    peak = (prefix - held + torch.tensor(per_block)).amax(1).clamp(min=step).maximum(prefix[:, -1] + end)
+    flops = (masks * torch.tensor([b.forward_flops for b in mp.blocks])).sum(1)
+    ok = peak <= budget
+    assert ok.any()
+    return int(flops[ok].min())
+
+
+@pytest.mark.parametrize("n,seed", [(8, 0), (12, 1), (12, 2), (16, 3)])
+def test_optimal_against_brute_force(n, seed):
+    mp = _random_profile(n, random.Random(seed))
+    lo, hi = predicted_peak(mp, range(n)), predicted_peak(mp, [])
+    for frac in (0.0, 0.2, 0.5, 0.8, 1.0):
+        budget = int(lo + frac * (hi - lo))
+        plan = plan_budget(mp, budget)
+        assert plan.peak_bytes == predicted_peak(mp, plan.selected) <= budget
+        best = _brute_force(mp, budget)
+        assert best <= plan.recompute_flops <= 1.05 * best
+        if frac == 1.0:
+            assert plan.selected == () and plan.recompute_flops == 0
+
+
+def test_hundred_blocks_merged_states_stay_within_budget():
+    mp = _random_profile(100, random.Random(7))
+    lo, hi = predicted_peak(mp, range(100)), predicted_peak(mp, [])
+    for frac in (0.1, 0.5, 0.9):
+        budget = int(lo + frac * (hi - lo))
+        plan = plan_budget(mp, budget)
+        assert predicted_peak(mp, plan.selected) <= budget
+        # A Fraction-style guess with the same count never beats the planner.
+        k = len(plan.selected)
+        spread = sorted({min(99, int((i + 0.5) * 100 / k)) for i in range(k)}) if k else []
+        if predicted_peak(mp, spread) <= budget:
+            assert plan.recompute_flops <= sum(mp.blocks[i].forward_flops for i in spread)
+
+
+def test_no_fit_names_the_smallest_budget():
+    mp = _random_profile(6, random.Random(0))
+    smallest = predicted_peak(mp, range(6))
+    with pytest.raises(ConfigError, match=f"budget:{smallest} or more") as e:
+        plan_budget(mp, smallest - 1)
+    assert "FSDP" in str(e.value)
+    assert plan_budget(mp, smallest).peak_bytes == smallest
+
+
+def test_strategy_accounting():
+    mp = _random_profile(4, random.Random(0))
+    p = mp.param_bytes
+    ddp1, _ = static_bytes(mp, strategy="ddp", world_size=1)
+    assert ddp1 == 4 * p + mp.batch_bytes  # params + grads + 2 AdamW states
+    assert static_bytes(mp, strategy="ddp", world_size=4)[0] == ddp1 + p  # DDP gradient buckets
+    assert static_bytes(mp, strategy="none", optimizer="sgd")[0] == 2 * p + mp.batch_bytes
+    fsdp = static_bytes(mp, strategy="fsdp", world_size=4)[0]
+    assert fsdp == 4 * p // 4 + max(0, p - 4 * mp.block_param_bytes) + 3 * mp.block_param_bytes + mp.batch_bytes
+    with pytest.raises(ConfigError, match="strategy"):
+        static_bytes(mp, strategy="zero3")
+
+
+def test_parse_and_auto():
+    assert parse_policy("budget:6MiB") == Budget(6 * 2**20)
+    assert parse_policy("budget:auto") == Budget(None)
+    model = GPT(GPTConfig(vocab=32, seq=8, dim=16, heads=2, layers=2))
+    with pytest.raises(ConfigError, match="explicit size"):
+        distckpt.wrap(model, "budget:auto", example_inputs=batch(model.cfg, 2))
+    with pytest.raises(ConfigError, match="example_inputs"):
+        distckpt.wrap(model, "budget:1MiB")
+
+
+def _train_peak(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> int:
+    """Peak memory of a steady-state AdamW step (MemTracker): the first step creates the state."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(*inputs).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    mt = MemTracker()
+    mt.track_external(model, opt, *inputs)
+    with mt:
+        model(*inputs).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return mt.get_tracker_snapshot("peak")[CPU]["Total"]
+
+
+def test_budget_respected_in_real_train_steps():
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=64, seq=32, dim=32, heads=2, layers=4)
+    base = GPT(cfg)
+    inputs = batch(cfg, 4)
+    none_peak = _train_peak(copy.deepcopy(base), inputs)
+    full = distckpt.wrap(copy.deepcopy(base), "full")
+    full_peak = _train_peak(full, inputs)
+    mp = profile_model(base, [(f"h.{i}", b) for i, b in enumerate(base.h)], inputs)
+    smallest = predicted_peak(mp, range(cfg.layers), strategy="none")
+    flops = []
+    for budget in (smallest, (full_peak + none_peak) // 2, none_peak):
+        model = copy.deepcopy(base)
+        distckpt.wrap(model, Budget(budget, strategy="none"), example_inputs=inputs)
+        chosen = [i for i, b in enumerate(model.h) if is_checkpointed(b)]
+        assert _train_peak(model, inputs) <= budget
+        flops.append(sum(mp.blocks[i].forward_flops for i in chosen))
+    assert flops[0] > flops[1] > flops[2] >= 0  # more memory, less recompute
+    with pytest.raises(ConfigError, match=f"budget:{smallest} or more"):
+        distckpt.wrap(copy.deepcopy(base), Budget(smallest - 1, strategy="none"), example_inputs=inputs)
+
+
+def test_budget_gradients_equal_no_checkpointing():
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=64, seq=32, dim=32, heads=2, layers=4)
+    ref = GPT(cfg)
+    inputs = batch(cfg, 2)
+    model = copy.deepcopy(ref)
+    mp = profile_model(ref, [(f"h.{i}", b) for i, b in enumerate(ref.h)], inputs)
+    budget = (predicted_peak(mp, range(4)) + predicted_peak(mp, [])) // 2
+    distckpt.wrap(model, Budget(budget), example_inputs=inputs)
+    assert 0 < len(distckpt.checkpointed(model)) < 4
+    ref(*inputs).backward()
+    model(*inputs).backward()
+    for (n, a), b in zip(ref.named_parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad), n

@@ -1,0 +1,57 @@
+"""budget under DDP on 2 gloo ranks: every rank profiles its own batch yet checkpoints the same
+blocks, and the gradients equal a single-process model without checkpointing on the global batch."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for benchmarks.models
+
+import distckpt  # noqa: E402
+from benchmarks.models import GPT, GPTConfig, batch  # noqa: E402
+from distckpt import Budget  # noqa: E402
+from distckpt.budget import predicted_peak  # noqa: E402
+from distckpt.profile import profile_model  # noqa: E402
+
+CFG = GPTConfig(vocab=64, seq=16, dim=16, heads=2, layers=4)
+
+
+def _budget(model: torch.nn.Module, inputs, world_size: int) -> int:
+    mp = profile_model(model, [(f"h.{i}", b) for i, b in enumerate(model.h)], inputs)
+    lo = predicted_peak(mp, range(CFG.layers), world_size=world_size)
+    hi = predicted_peak(mp, [], world_size=world_size)
+    return (lo + hi) // 2
+
+
+def _rank_step(rank: int, world_size: int, budget: int):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    idx, tgt = batch(CFG, 4, seed=0)
+    local = (idx[rank::world_size], tgt[rank::world_size])  # different data on each rank, same shapes
+    # Every rank profiles its own data; the profile's all_reduce makes them agree.
+    distckpt.wrap(model, Budget(budget, strategy="ddp"), example_inputs=local)
+    chosen = distckpt.checkpointed(model)
+    ddp = DDP(model)
+    ddp(*local).backward()
+    return chosen, {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.dist
+def test_same_choice_on_every_rank_and_exact_gradients(dist_pool):
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    idx, tgt = batch(CFG, 4, seed=0)
+    budget = _budget(copy.deepcopy(ref), (idx[:2], tgt[:2]), world_size=2)
+    (c0, g0), (c1, g1) = dist_pool.run(_rank_step, budget)
+    assert c0 == c1 and 0 < len(c0) < CFG.layers
+    ref(idx, tgt).backward()  # mean loss over the global batch == DDP's average of the two halves
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(g0[n], p.grad, rtol=1e-5, atol=1e-6, msg=n)
+        assert torch.equal(g0[n], g1[n])
