@@ -4,6 +4,7 @@ recompute: a peak-memory model built on the profile, and an exact Pareto dynamic
 The memory model (all terms measured by :mod:`distckpt.profile` or counted from the parameters)::
 
     static   = params + grads + optimizer state (as the strategy places them) + buffers + batch
+               (minus the gradients backward has not produced yet at that point)
     held_i   = input_bytes_i if block i is checkpointed else activation_bytes_i
     P_i      = held_0 + ... + held_i                      (what the blocks keep, in forward order)
     peak     = max( static + pre + P_{i-1} + footprint_i + overhead_i   for every block i,
@@ -100,15 +101,31 @@ class BudgetPlan:
     min_budget_bytes: int
 
 
-def _bounds(mp: ModelProfile, static: int) -> tuple[list[int], int]:
-    """Per-block offsets ``c_i`` with ``peak >= static + P_{i-1} + c_i``, and the end offset."""
-    per_block = [static + mp.pre_bytes + b.footprint_bytes + b.overhead_bytes for b in mp.blocks]
-    end = static + mp.pre_bytes + mp.post_bytes + mp.head_overhead_bytes
+def _bounds(mp: ModelProfile, static: int, *, strategy: str = "ddp", world_size: int = 1,
+            grad_accumulation: bool = False) -> tuple[list[int], int]:
+    """Per-block offsets ``c_i`` with ``peak >= static + P_{i-1} + c_i``, and the end offset.
+
+    ``static`` counts every gradient. Without gradient accumulation (``zero_grad(set_to_none=True)``,
+    PyTorch's default), backward creates them block by block from the last: while block i runs its
+    backward, the gradients of the blocks before it do not exist yet, nor any block's at the head.
+    """
+    div = max(1, world_size) if strategy in ("fsdp", "fsdp2") else 1
+    absent = [0] * len(mp.blocks)
+    if not grad_accumulation:
+        before = 0
+        for i, b in enumerate(mp.blocks):
+            absent[i] = before // div
+            before += b.grad_bytes
+    per_block = [static - absent[i] + mp.pre_bytes + b.footprint_bytes + b.overhead_bytes
+                 for i, b in enumerate(mp.blocks)]
+    all_blocks = 0 if grad_accumulation else sum(b.grad_bytes for b in mp.blocks) // div
+    end = static - all_blocks + mp.pre_bytes + mp.post_bytes + mp.head_overhead_bytes
     return per_block, end
 
 
-def predicted_peak(mp: ModelProfile, selected: list[int] | tuple[int, ...] | set[int], *, strategy: str = "ddp",
-                   world_size: int = 1, optimizer: str = "adamw") -> int:
+def predicted_peak(mp: ModelProfile, selected: list[int] | tuple[int, ...] | set[int] | range, *,
+                   strategy: str = "ddp", world_size: int = 1, optimizer: str = "adamw",
+                   grad_accumulation: bool = False) -> int:
     """Peak training memory (bytes) that the memory model predicts when ``selected`` blocks are
     checkpointed (see the module docstring).
 
@@ -116,7 +133,8 @@ def predicted_peak(mp: ModelProfile, selected: list[int] | tuple[int, ...] | set
         The predicted peak in bytes.
     """
     static, step = static_bytes(mp, strategy=strategy, world_size=world_size, optimizer=optimizer)
-    per_block, end = _bounds(mp, static)
+    per_block, end = _bounds(mp, static, strategy=strategy, world_size=world_size,
+                             grad_accumulation=grad_accumulation)
     chosen = set(selected)
     prefix, peak = 0, step
     for i, b in enumerate(mp.blocks):
@@ -126,7 +144,7 @@ def predicted_peak(mp: ModelProfile, selected: list[int] | tuple[int, ...] | set
 
 
 def plan_budget(mp: ModelProfile, budget: int, *, strategy: str = "ddp", world_size: int = 1,
-                optimizer: str = "adamw") -> BudgetPlan:
+                optimizer: str = "adamw", grad_accumulation: bool = False) -> BudgetPlan:
     """The choice of blocks with the least recompute FLOPs whose predicted peak is <= ``budget``.
 
     Exact (a Pareto dynamic program over (bytes held, FLOPs) per block prefix) up to the merging of
@@ -138,12 +156,13 @@ def plan_budget(mp: ModelProfile, budget: int, *, strategy: str = "ddp", world_s
     Raises:
         ConfigError: when no choice fits, naming the smallest budget that does.
     """
-    static, step = static_bytes(mp, strategy=strategy, world_size=world_size, optimizer=optimizer)
-    per_block, end = _bounds(mp, static)
+    kw = dict(strategy=strategy, world_size=world_size, optimizer=optimizer)
+    static, step = static_bytes(mp, **kw)
+    per_block, end = _bounds(mp, static, strategy=strategy, world_size=world_size, grad_accumulation=grad_accumulation)
     blocks = mp.blocks
     # The fewest bytes any choice holds: each block at its smaller of (activations, input).
     cheapest = [i for i, b in enumerate(blocks) if b.input_bytes < b.activation_bytes]
-    min_budget = predicted_peak(mp, cheapest, strategy=strategy, world_size=world_size, optimizer=optimizer)
+    min_budget = predicted_peak(mp, cheapest, grad_accumulation=grad_accumulation, **kw)
     if budget < min_budget:
         raise ConfigError(
             f"no choice of checkpointed blocks fits budget {_gib(budget)} ({budget} bytes): the smallest "
@@ -193,7 +212,7 @@ def plan_budget(mp: ModelProfile, budget: int, *, strategy: str = "ddp", world_s
             chosen.append(i)
         best = int(parent[best])
     chosen.reverse()
-    peak = predicted_peak(mp, chosen, strategy=strategy, world_size=world_size, optimizer=optimizer)
+    peak = predicted_peak(mp, chosen, grad_accumulation=grad_accumulation, **kw)
     assert peak <= budget, (peak, budget)
     return BudgetPlan(tuple(chosen), peak, sum(blocks[i].forward_flops for i in chosen), min_budget)
 
@@ -215,7 +234,7 @@ def auto_budget(device_type: str) -> int:
 
 
 def select_for_budget(plan: Plan, budget_bytes: int | None, *, strategy: str = "ddp",
-                      optimizer: str = "adamw") -> list[int]:
+                      optimizer: str = "adamw", grad_accumulation: bool = False) -> list[int]:
     """The blocks to checkpoint for ``budget:SIZE`` (``None``: ``budget:auto``).
 
     Args:
@@ -224,6 +243,8 @@ def select_for_budget(plan: Plan, budget_bytes: int | None, *, strategy: str = "
         strategy: how parameters, gradients and optimizer state are placed: ``"ddp"`` (full
             replicas), ``"fsdp"``/``"fsdp2"`` (sharded by world size) or ``"none"``.
         optimizer: ``"adamw"`` (default), ``"adam"``, ``"sgd"``, ``"sgd_momentum"`` or ``"none"``.
+        grad_accumulation: gradients persist across micro-batches (count them all from the first
+            forward); by default they are created block by block in backward.
 
     Returns:
         Indices into ``plan.blocks``.
@@ -234,7 +255,8 @@ def select_for_budget(plan: Plan, budget_bytes: int | None, *, strategy: str = "
     mp = plan.model_profile()
     if budget_bytes is None:
         budget_bytes = auto_budget(mp.device)
-    result = plan_budget(mp, budget_bytes, strategy=strategy, world_size=plan.world_size, optimizer=optimizer)
+    result = plan_budget(mp, budget_bytes, strategy=strategy, world_size=plan.world_size, optimizer=optimizer,
+                         grad_accumulation=grad_accumulation)
     logger.info(
         "distckpt budget %s: checkpointing %d of %d blocks, predicted peak %s, recompute %.3g GFLOP",
         _gib(budget_bytes), len(result.selected), len(mp.blocks), _gib(result.peak_bytes),

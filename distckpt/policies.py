@@ -140,13 +140,15 @@ class Budget:
 
     ``bytes=None`` means "auto": the free memory of the current CUDA device. ``strategy``
     (``"ddp"``, ``"fsdp"``, ``"fsdp2"``, ``"none"``) and ``optimizer`` (``"adamw"``, ``"sgd"``, ...)
-    say how parameters, gradients and optimizer state take memory. The selection itself lives in
-    :mod:`distckpt.budget`.
+    say how parameters, gradients and optimizer state take memory; ``grad_accumulation=True`` counts
+    gradients as present from the first forward (they persist across micro-batches). The selection
+    itself lives in :mod:`distckpt.budget`.
     """
 
     bytes: int | None
     strategy: str = "ddp"
     optimizer: str = "adamw"
+    grad_accumulation: bool = False
 
     def __post_init__(self) -> None:
         if self.bytes is not None and (not isinstance(self.bytes, int) or self.bytes <= 0):
@@ -155,7 +157,8 @@ class Budget:
     def select(self, plan: Plan) -> list[int]:
         from distckpt.budget import select_for_budget
 
-        return select_for_budget(plan, self.bytes, strategy=self.strategy, optimizer=self.optimizer)
+        return select_for_budget(plan, self.bytes, strategy=self.strategy, optimizer=self.optimizer,
+                                 grad_accumulation=self.grad_accumulation)
 
 
 @dataclass(frozen=True)

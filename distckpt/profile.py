@@ -35,6 +35,8 @@ class BlockProfile:
         saved_input_bytes: the part of ``activation_bytes`` that is the block's input.
         overhead_bytes: memory above the held activations at the block's forward/backward peak
             (gradients of activations, temporaries), measured in the sample step.
+        grad_bytes: gradients of the parameters that only this block uses (they do not exist yet
+            while backward runs the blocks after it, unless gradients are accumulated).
     """
 
     fqn: str
@@ -43,6 +45,7 @@ class BlockProfile:
     input_bytes: int = 0
     saved_input_bytes: int = 0
     overhead_bytes: int = 0
+    grad_bytes: int = 0
 
     @property
     def held_bytes(self) -> int:
@@ -308,10 +311,23 @@ def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inpu
     def distinct(ts: list[torch.Tensor]) -> int:
         return _distinct_bytes(ts) if ts else 0
 
+    # Trainable parameters used by one block only (shared ones count as outside the blocks).
+    users: dict[tuple[str, int], list[int]] = {}
+    for i, (_, m) in enumerate(blocks):
+        for p in m.parameters():
+            if p.requires_grad:
+                users.setdefault(_storage_key(p), []).append(i)
+    own = [0] * n
+    for p in params:
+        owners = users.get(_storage_key(p), [])
+        if len(set(owners)) == 1 and p.requires_grad:
+            own[owners[0]] += _storage_bytes(p)
+            users[_storage_key(p)] = []  # count a storage once
+
     profiles = tuple(
         BlockProfile(
             fqn=name, activation_bytes=held[i], forward_flops=int(flops[i]), input_bytes=in_bytes[i],
-            saved_input_bytes=saved_input[i], overhead_bytes=overhead[i],
+            saved_input_bytes=saved_input[i], overhead_bytes=overhead[i], grad_bytes=own[i],
         )
         for i, (name, _) in enumerate(blocks)
     )

@@ -164,3 +164,27 @@ def test_budget_gradients_equal_no_checkpointing():
     model(*inputs).backward()
     for (n, a), b in zip(ref.named_parameters(), model.parameters()):
         assert torch.equal(a.grad, b.grad), n
+
+
+def test_gradient_accumulation_counts_all_gradients():
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=64, seq=32, dim=32, heads=2, layers=4)
+    base = GPT(cfg)
+    inputs = batch(cfg, 2)
+    mp = profile_model(base, [(f"h.{i}", b) for i, b in enumerate(base.h)], inputs)
+    assert all(b.grad_bytes == sum(p.numel() * 4 for p in base.h[0].parameters()) for b in mp.blocks)
+    lo = predicted_peak(mp, range(4), strategy="none", grad_accumulation=True)
+    hi = predicted_peak(mp, [], strategy="none", grad_accumulation=True)
+    assert lo > predicted_peak(mp, range(4), strategy="none")
+    budget = (lo + hi) // 2
+    model = distckpt.wrap(copy.deepcopy(base), Budget(budget, strategy="none", grad_accumulation=True),
+                          example_inputs=inputs)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(*inputs).backward()
+    opt.step()  # optimizer state exists; the gradients stay: the next micro-batch accumulates
+    mt = MemTracker()
+    mt.track_external(model, opt, *inputs)
+    with mt:
+        model(*inputs).backward()
+        opt.step()
+    assert mt.get_tracker_snapshot("peak")[CPU]["Total"] <= budget
