@@ -1,22 +1,26 @@
-"""parallelize / ddp_kwargs / preflight / accumulate: DDP, FSDP and FSDP2 around checkpointed
-blocks. (First cut: plain settings; the multi-task-safe design lands with the parallelize issue.)"""
+"""parallelize / ddp_kwargs / preflight / accumulate: DDP, FSDP and FSDP2 around checkpointed blocks,
+with gradients equal to a single-process run for every multi-task pattern (see distckpt.join)."""
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+import functools
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from distckpt.errors import ConfigError
-from distckpt.wrap import is_checkpointed
+from distckpt.join import SyncState, _Unit, param_owner
+from distckpt.wrap import _clean_fqn, is_checkpointed
 
 __all__ = ["accumulate", "ddp_kwargs", "parallelize", "preflight"]
 
 STRATEGIES = ("none", "ddp", "fsdp", "fsdp2")
 GRAPHS = ("auto", "static", "dynamic")
+_STATE = "_distckpt_sync"  # attribute of the returned model holding its SyncState
 
 
 def _device() -> torch.device:
@@ -25,46 +29,301 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def ddp_kwargs(model: nn.Module, *, graph: str = "auto") -> dict[str, Any]:
+def _check_graph(graph: str) -> None:
     if graph not in GRAPHS:
         raise ConfigError(f"graph must be one of {GRAPHS}, got {graph!r}.")
-    return {"find_unused_parameters": graph == "dynamic"}
 
 
-def preflight(model: nn.Module) -> None:
+def _reentrant_blocks(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if is_checkpointed(m) and m._distckpt_options.reentrant]
+
+
+def _is_wrapped(model: nn.Module) -> str | None:
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        return "DistributedDataParallel"
+    if any(isinstance(m, (FullyShardedDataParallel, FSDPModule)) for m in model.modules()):
+        return "FSDP"
     return None
+
+
+# --- DDP ----------------------------------------------------------------------------------------
+
+
+def ddp_kwargs(model: nn.Module, *, graph: str = "auto") -> dict[str, Any]:
+    """DDP flags for users who construct ``DistributedDataParallel`` themselves.
+
+    Flags alone cannot make every pattern right (DESIGN.md's table): ``parallelize`` also joins
+    unused parameters with zero weight. These are the best flags without it: ``static`` ->
+    ``static_graph=True``; ``auto``/``dynamic`` -> ``find_unused_parameters=True`` with
+    non-reentrant blocks (not two forwards that use different heads before one backward).
+
+    Args:
+        model: the model after ``distckpt.wrap``.
+        graph: ``"auto"``, ``"static"`` or ``"dynamic"``.
+
+    Returns:
+        keyword arguments for ``DistributedDataParallel``.
+
+    Raises:
+        ConfigError: reentrant blocks with a graph that may change (no DDP flags are safe for it).
+    """
+    _check_graph(graph)
+    if graph == "static":
+        return {"find_unused_parameters": False, "static_graph": True}
+    if _reentrant_blocks(model):
+        raise ConfigError(
+            f"no DDP flags keep reentrant checkpointing correct when the graph may change (graph={graph!r}): "
+            "find_unused_parameters breaks it and static_graph needs the same graph every step. Use "
+            "distckpt.wrap(..., reentrant=False), or graph='static' if every step uses the same parameters.")
+    return {"find_unused_parameters": True, "static_graph": False}
+
+
+def _ddp_flags(kwargs: dict[str, Any], graph: str, reentrant: bool) -> dict[str, Any]:
+    if kwargs.get("find_unused_parameters"):
+        raise ConfigError(
+            "find_unused_parameters=True is not needed with distckpt.parallelize (unused parameters join the "
+            "graph with weight zero) and breaks two forwards before one backward and reentrant checkpointing. "
+            "Remove it.")
+    want_static = graph == "static" or reentrant
+    if "static_graph" in kwargs and bool(kwargs["static_graph"]) != want_static:
+        why = ("graph='static' needs it" if graph == "static" else
+               "reentrant blocks need it (each block's gradients arrive in a nested backward)") if want_static \
+            else f"graph={graph!r} says the used parameters may change between steps"
+        raise ConfigError(
+            f"static_graph={kwargs['static_graph']} contradicts the setup: {why}. Remove static_graph and let "
+            "distckpt choose.")
+    return {**kwargs, "find_unused_parameters": False, "static_graph": want_static}
+
+
+# --- parallelize --------------------------------------------------------------------------------
 
 
 def parallelize(model: nn.Module, strategy: str = "ddp", *, graph: str = "auto", device_mesh: Any = None,
                 **kwargs: Any) -> nn.Module:
+    """Wrap a model whose blocks ``distckpt.wrap`` checkpointed in DDP, FSDP or FSDP2, correctly.
+
+    Order (fixed): checkpointing is already inside the blocks; FSDP wraps each checkpointed block
+    (``use_orig_params=True``) then the root; FSDP2 ``fully_shard``s each checkpointed block, then
+    the root; DDP wraps the root. Then every unit's forward gets the zero-weight join of its
+    parameters, and the end of backward resets the grads of parameters no rank used to None.
+
+    Args:
+        model: the model, after ``distckpt.wrap``.
+        strategy: ``"ddp"``, ``"fsdp"`` (FSDP1), ``"fsdp2"`` (``fully_shard``) or ``"none"``.
+        graph: ``"auto"`` and ``"dynamic"``: any pattern (unused params joined with weight zero);
+            ``"static"``: the same params every step and rank (DDP ``static_graph=True``, no join),
+            checked each step.
+        device_mesh: a 1-D DeviceMesh for FSDP2/FSDP/DDP (default: the world).
+        **kwargs: passed to DDP / FSDP / ``fully_shard`` (mixed precision, ``bucket_cap_mb``, ...).
+
+    Returns:
+        the parallel model (DDP or FSDP wrapper; for FSDP2 the model itself).
+
+    Raises:
+        ConfigError: unknown strategy or graph, no process group, a model already wrapped, or a kwarg
+            that contradicts what correctness needs.
+    """
+    _check_graph(graph)
     if strategy not in STRATEGIES:
         raise ConfigError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
     if strategy == "none":
         return model
     if not dist.is_initialized():
-        raise ConfigError(f"strategy={strategy!r} needs torch.distributed initialized (run under torchrun).")
+        raise ConfigError(
+            f"strategy={strategy!r} needs torch.distributed initialized: run under torchrun and call "
+            "dist.init_process_group first, or use strategy='none'.")
+    kind = _is_wrapped(model)
+    if kind:
+        raise ConfigError(
+            f"distckpt.parallelize got a model already wrapped in {kind}. Pass the plain model (after "
+            "distckpt.wrap); parallelize applies the wrapper itself.")
+    preflight(model)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    owners = [param_owner(model, n) for n in names]
+    index = {n: i for i, n in enumerate(names)}
+    re_blocks = _reentrant_blocks(model)
+    re_idx = {index[f"{bn}.{pn}"] for bn, b in model.named_modules() if b in re_blocks
+              for pn, p in b.named_parameters() if p.requires_grad}
+    mode = "static" if graph == "static" else "join"
+
+    if re_idx and strategy != "ddp":
+        raise ConfigError(
+            f"reentrant checkpointing under {strategy} is not supported by distckpt: FSDP reduces a unit's "
+            "gradients once per backward, while a reentrant block's gradients arrive in nested backwards. Use "
+            "distckpt.wrap(..., reentrant=False).")
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         dev = _device()
-        return DDP(model, device_ids=[dev] if dev.type == "cuda" else None, **{**ddp_kwargs(model, graph=graph), **kwargs})
-    if strategy == "fsdp":
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
-        import functools
+        flags = _ddp_flags(kwargs, graph, bool(re_blocks))
+        if device_mesh is not None:
+            flags["device_mesh"] = device_mesh
+        group = flags.get("process_group") or (device_mesh.get_group() if device_mesh is not None else None)
+        unit = _Unit(model, [(i, *owners[i]) for i in range(len(names))])
+        # Checkpointing is inside the blocks; DDP wraps the root last.
+        wrapped = DDP(model, device_ids=[dev] if dev.type == "cuda" else None, **flags)
+        units = [(unit, False)]
+    elif strategy == "fsdp":
+        wrapped, units, group = _apply_fsdp(model, names, owners, device_mesh, kwargs)
+    else:
+        wrapped, units, group = _apply_fsdp2(model, names, owners, device_mesh, kwargs)
 
-        policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=is_checkpointed)
-        return FSDP(model, auto_wrap_policy=policy, device_id=_device(), use_orig_params=True, **kwargs)
+    registered_by_name = {_clean_fqn(n): p for n, p in wrapped.named_parameters()}
+    state = SyncState(names, [registered_by_name[n] for n in names], mode, group, strategy, re_idx)
+    for unit, prepend in units:
+        state.attach(unit, prepend)
+    if re_idx:
+        state.count_reentrant_firings([(i, state.registered[i]) for i in sorted(re_idx)])
+    setattr(wrapped, _STATE, state)
+    return wrapped
+
+
+def _fsdp_group(device_mesh: Any, kwargs: dict[str, Any]) -> Any:
+    if kwargs.get("process_group") is not None:
+        return kwargs["process_group"]
+    return device_mesh.get_group() if device_mesh is not None else None
+
+
+def _units_by_block(model: nn.Module, names: list[str], owners: list[tuple[nn.Module, str]]
+                    ) -> tuple[list[tuple[str, nn.Module]], dict[str, list[int]]]:
+    """Split the trainable params into the checkpointed blocks' units and the root's ('')."""
+    blocks = [(n, m) for n, m in model.named_modules() if is_checkpointed(m)]
+    owned: dict[str, list[int]] = {bn: [] for bn, _ in blocks}
+    owned[""] = []
+    for i, n in enumerate(names):
+        home = next((bn for bn, _ in blocks if n.startswith(bn + ".")), "")
+        owned[home].append(i)
+    return blocks, owned
+
+
+def _apply_fsdp2(model: nn.Module, names: list[str], owners: list[tuple[nn.Module, str]], device_mesh: Any,
+                 kwargs: dict[str, Any]) -> tuple[nn.Module, list[tuple[_Unit, bool]], Any]:
     from torch.distributed.fsdp import fully_shard
 
-    for m in [m for m in model.modules() if is_checkpointed(m)]:
-        fully_shard(m, mesh=device_mesh, **kwargs)
+    blocks, owned = _units_by_block(model, names, owners)
+    if "mesh" in kwargs:
+        raise ConfigError("pass the mesh as parallelize(..., device_mesh=mesh), not mesh=.")
+    # Checkpointing is inside each block's forward; fully_shard each checkpointed block, root last.
+    for _, block in blocks:
+        fully_shard(block, mesh=device_mesh, **kwargs)
     fully_shard(model, mesh=device_mesh, **kwargs)
-    return model
+    units = [(_Unit(b, [(i, *owners[i]) for i in owned[bn]]), True) for bn, b in blocks]
+    # prepend=True: the join must run before FSDP2's post-forward hook reshards the parameters.
+    units.append((_Unit(model, [(i, *owners[i]) for i in owned[""]]), True))
+    group = device_mesh.get_group() if device_mesh is not None else None
+    return model, units, group
+
+
+def _apply_fsdp(model: nn.Module, names: list[str], owners: list[tuple[nn.Module, str]], device_mesh: Any,
+                kwargs: dict[str, Any]) -> tuple[nn.Module, list[tuple[_Unit, bool]], Any]:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
+
+    if kwargs.get("use_orig_params") is False:
+        raise ConfigError(
+            "use_orig_params=False hides each parameter's gradient inside a flat parameter, so distckpt cannot "
+            "leave the gradient of a parameter no rank used as None. Remove use_orig_params (distckpt sets True).")
+    if "auto_wrap_policy" in kwargs:
+        raise ConfigError(
+            "auto_wrap_policy is set by distckpt.parallelize (one FSDP unit per checkpointed block, so "
+            "checkpointing sits inside the units, pytorch#82203). Remove it, or choose blocks in distckpt.wrap.")
+    blocks, owned = _units_by_block(model, names, owners)
+    policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=is_checkpointed)
+    extra = {"device_mesh": device_mesh} if device_mesh is not None else {}
+    wrapped = FSDP(model, auto_wrap_policy=policy, device_id=kwargs.pop("device_id", _device()),
+                   use_orig_params=True, **extra, **kwargs)
+    # FSDP1 runs the inner module's hooks while the unit is unsharded: the join goes there.
+    units = [(_Unit(b, [(i, *owners[i]) for i in owned[bn]]), False) for bn, b in blocks]
+    units.append((_Unit(model, [(i, *owners[i]) for i in owned[""]]), False))
+    return wrapped, units, _fsdp_group(device_mesh, kwargs)
+
+
+# --- preflight ----------------------------------------------------------------------------------
+
+
+def preflight(model: nn.Module) -> None:
+    """Audit a model wrapped (by the user or by ``parallelize``) around checkpointed blocks.
+
+    Checks: checkpointing sits inside FSDP units (pytorch#82203), reentrant checkpointing is not
+    combined with ``find_unused_parameters`` or without ``static_graph``, no PyTorch
+    ``checkpoint_wrapper`` wraps a DDP/FSDP module, and FSDP1 units keep each parameter's gradient.
+
+    Args:
+        model: a DDP/FSDP-wrapped or FSDP2-sharded model, or a plain one.
+
+    Raises:
+        ConfigError: naming the cause and the fix.
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    parallel_types = (DistributedDataParallel, FullyShardedDataParallel, FSDPModule)
+    for name, m in model.named_modules():
+        inner = [n for n, c in m.named_modules() if n and isinstance(c, parallel_types)]
+        if (is_checkpointed(m) or isinstance(m, CheckpointWrapper)) and inner:
+            where = _clean_fqn(name) or type(m).__name__
+            raise ConfigError(
+                f"{where} is checkpointed around the FSDP/DDP unit {_clean_fqn(inner[0])}: the recompute runs "
+                "outside the unit's unshard/reshard (pytorch#82203). Checkpoint the blocks first "
+                "(distckpt.wrap), then shard them: distckpt.parallelize does both in that order.")
+    if getattr(model, _STATE, None) is not None:
+        return  # built by parallelize
+    reentrant = bool(_reentrant_blocks(model))
+    if isinstance(model, DistributedDataParallel):
+        if reentrant and model.find_unused_parameters:
+            raise ConfigError(
+                "reentrant checkpointing with find_unused_parameters=True fails with 'Expected to mark a variable "
+                "ready only once' (the nested backward marks parameters DDP already declared unused). Use "
+                "distckpt.wrap(..., reentrant=False), or DDP(static_graph=True) for a graph that never changes.")
+        if reentrant and not model.static_graph:
+            raise ConfigError(
+                "reentrant checkpointing without static_graph breaks on two forwards before one backward and "
+                "silently desyncs LoRA-style models (pytorch#121594). Use distckpt.wrap(..., reentrant=False), "
+                "or DDP(static_graph=True) for a graph that never changes.")
+    if isinstance(model, FullyShardedDataParallel):
+        units = [m for m in model.modules() if isinstance(m, FullyShardedDataParallel)]
+        for name, m in model.named_modules():
+            if is_checkpointed(m) and not any(m is u.module or any(m is c for c in u.module.modules())
+                                              for u in units if u is not model):
+                raise ConfigError(
+                    f"checkpointed block {_clean_fqn(name)} is not inside its own FSDP unit, so the whole model is "
+                    "unsharded during its recompute. Wrap with auto_wrap_policy that wraps each checkpointed block "
+                    "(or use distckpt.parallelize(model, 'fsdp')).")
+
+
+# --- accumulate ---------------------------------------------------------------------------------
 
 
 @contextlib.contextmanager
 def accumulate(model: nn.Module) -> Iterator[None]:
-    ctx = model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
-    with ctx:
-        yield
+    """No gradient sync for the micro-batches run inside: DDP/FSDP ``no_sync``, FSDP2
+    ``set_requires_gradient_sync(False)``. Run forward and backward inside; run the last
+    micro-batch outside, where gradients are reduced once for the whole window.
+
+    Args:
+        model: the model ``parallelize`` returned (or a user-built DDP/FSDP/FSDP2 model).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    state: SyncState | None = getattr(model, _STATE, None)
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(False)
+        ctx: Any = contextlib.nullcontext()
+    elif hasattr(model, "no_sync"):
+        ctx = model.no_sync()
+    else:
+        ctx = contextlib.nullcontext()
+    if state is not None:
+        state.sync = False
+    try:
+        with ctx:
+            yield
+    finally:
+        if state is not None:
+            state.sync = True
+        if isinstance(model, FSDPModule):
+            model.set_requires_gradient_sync(True)
