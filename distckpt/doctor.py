@@ -1,0 +1,367 @@
+"""``distckpt doctor``: run a user's model for a few steps on 2 CPU ranks with checkpointing and the
+chosen strategy, under the guards, and print whether it is safe and which settings to use.
+
+The factory contract (``--factory pkg.module:make``): ``make()`` returns ``(model, loss_fn, batch_fn)``:
+
+* ``model``: an ``nn.Module``, not wrapped in DDP/FSDP. If it already has blocks checkpointed by
+  :func:`distckpt.wrap`, they are kept (unless ``--policy`` is given); otherwise ``--policy`` (default
+  ``full``) is applied.
+* ``loss_fn(model, batch) -> scalar tensor``: the loss of one forward (a mean over the batch).
+* ``batch_fn(step, rank, world_size) -> batch``: rank ``rank``'s share of the global batch of ``step``.
+
+``make`` runs once on every rank after the process group is up and after ``torch.manual_seed(0)``,
+so every rank builds the same initial model.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib
+import os
+import queue
+import socket
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+__all__ = ["DoctorOptions", "Finding", "doctor", "load_factory"]
+
+
+@dataclass
+class DoctorOptions:
+    """What ``distckpt doctor`` runs (the command line's flags)."""
+
+    factory: str | None = None
+    overrides: list[str] = field(default_factory=list)  # Hydra overrides of the launcher's config
+    strategy: str = "ddp"
+    policy: str | None = None
+    reentrant: bool = False
+    preserve_rng_state: bool = True
+    graph: str = "auto"
+    steps: int = 3
+    nproc: int = 2
+    lr: float = 1e-2
+    timeout: float = 300.0
+
+
+@dataclass
+class Finding:
+    """One line of the verdict: a check, whether it passed, what was seen and what to do."""
+
+    check: str
+    ok: bool
+    detail: str
+    fix: str = ""
+    data: Any = None
+
+
+def load_factory(spec: str) -> Callable[[], Any]:
+    """Import ``pkg.module:function``.
+
+    Raises:
+        ConfigError: the spec is malformed or the module/function cannot be found.
+    """
+    from distckpt.errors import ConfigError
+
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ConfigError(f"--factory {spec!r}: expected 'pkg.module:function', e.g. 'mypkg.models:make'.")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # like `python -m`: the current directory is importable
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"--factory {spec!r}: {e}. Check the module is importable from the current "
+                          "directory (or PYTHONPATH) and defines that function.") from e
+    return fn
+
+
+# --- the subject: model, loss and batches, from a factory or from the launcher's config -----------
+
+
+def _subject(opts: DoctorOptions) -> tuple[nn.Module, Callable[[nn.Module, Any], torch.Tensor], Callable[..., Any]]:
+    if opts.factory:
+        made = load_factory(opts.factory)()
+        if not (isinstance(made, tuple) and len(made) == 3):
+            from distckpt.errors import ConfigError
+
+            raise ConfigError(f"{opts.factory}() must return (model, loss_fn, batch_fn); got {type(made).__name__}.")
+        return made
+    return _hydra_subject(opts)
+
+
+def _hydra_subject(opts: DoctorOptions) -> tuple[nn.Module, Callable[[nn.Module, Any], torch.Tensor], Callable]:
+    """The model, loss and data of the launcher's config (``distckpt doctor model=gpt ...``).
+
+    Composed with Hydra's ``compose`` from the ``conf/`` directory, built by the launcher's builders.
+    """
+    from launch.doctor_bridge import subject  # noqa: F401  (resolved below when present)
+
+    return subject(opts.overrides)
+
+
+# --- one rank ------------------------------------------------------------------------------------
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    from distckpt.wrap import _clean_fqn
+
+    return {_clean_fqn(n): p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _estimate(model: nn.Module, loss_fn: Callable, batch: Any) -> list[tuple[str, int, int]]:
+    """(block, activation bytes freed by checkpointing it, FLOPs of its recompute) per checkpointed block."""
+    from distckpt.profile import profile_blocks
+    from distckpt.wrap import checkpointed, checkpointing_disabled, is_checkpointed
+
+    class _Loss(nn.Module):  # profile_blocks runs model(*inputs): let the "model" be the loss
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = model
+
+        def forward(self, b: Any) -> torch.Tensor:
+            return loss_fn(self.m, b)
+
+    blocks = [(n, m) for n, m in zip(checkpointed(model), [m for m in model.modules() if is_checkpointed(m)])]
+    with checkpointing_disabled(model):
+        profiles = profile_blocks(_Loss(), blocks, (batch,))
+    # A checkpointed block frees what it saved except its input, which checkpointing keeps.
+    return [(p.fqn, p.activation_bytes - p.saved_input_bytes, p.forward_flops) for p in profiles]
+
+
+def _rank_main(rank: int, world: int, port: int, opts: DoctorOptions, path: list[str], out: Any) -> None:
+    sys.path[:] = path
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    import torch.distributed as dist
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=min(60.0, opts.timeout / 2)))
+    try:
+        out.put((rank, _diagnose(rank, world, opts)))
+    except BaseException as e:  # reported by the parent as a finding
+        out.put((rank, [Finding("doctor", False, f"{type(e).__name__}: {e}", traceback.format_exc(limit=4))]))
+    finally:
+        dist.destroy_process_group()
+
+
+def _diagnose(rank: int, world: int, opts: DoctorOptions) -> list[Finding]:
+    import distckpt
+    from distckpt.guards import GradSyncGuard
+    from distckpt.wrap import checkpointed, unwrap
+
+    findings: list[Finding] = []
+    torch.manual_seed(0)
+    model, loss_fn, batch_fn = _subject(opts)
+    if opts.policy is not None or not checkpointed(model):
+        distckpt.wrap(model, opts.policy or "full", reentrant=opts.reentrant,
+                      preserve_rng_state=opts.preserve_rng_state)
+    blocks = checkpointed(model)
+    used = next((m._distckpt_options for m in model.modules() if hasattr(m, "_distckpt_options")), None)
+    if used is not None:  # what the blocks really use (the factory may have wrapped them itself)
+        findings.append(Finding("settings", True, "", data={"reentrant": used.reentrant, "blocks": blocks,
+                                                            "preserve_rng_state": used.preserve_rng_state}))
+    findings.append(Finding("blocks", bool(blocks), f"{len(blocks)} checkpointed block(s)"
+                            + (f": {', '.join(blocks[:4])}{' ...' if len(blocks) > 4 else ''}" if blocks else ""),
+                            "" if blocks else "nothing is checkpointed: pass --policy, or wrap blocks in the factory"))
+    ref = copy.deepcopy(model)
+    unwrap(ref)  # the reference: same weights, no checkpointing, one process, the global batch
+
+    # 1. recompute == forward, on this rank's first batch, before any parallel wrapper.
+    batch0 = batch_fn(0, rank, world)
+    report = distckpt.verify_recompute(model, lambda m: loss_fn(m, batch0), raise_on_mismatch=False)
+    if report.ok:
+        findings.append(Finding("recompute", True, f"recompute is exact (loss, every gradient and buffer; max "
+                                f"gradient difference {report.max_grad_diff:.2g})"))
+    else:
+        first = report.mismatches[0]
+        findings.append(Finding("recompute", False, f"{first.module or 'the step'} [{first.kind}]: {first.detail}",
+                                first.cause, data={"kind": first.kind, "module": first.module}))
+    try:  # on every rank: profile_blocks makes the ranks agree on their numbers (a collective)
+        findings.append(Finding("estimate", True, "", data=_estimate(model, loss_fn, batch0)))
+    except Exception as e:  # an estimate is a nicety: never fail the diagnosis on it
+        findings.append(Finding("estimate", True, f"unavailable ({type(e).__name__}: {e})"))
+
+    # 2. a few steps under the strategy and the guard, against the single-process reference.
+    try:
+        pmodel = distckpt.parallelize(model, opts.strategy, graph=opts.graph)
+    except Exception as e:
+        findings.append(Finding("parallelize", False, f"{type(e).__name__}: {e}"))
+        return findings
+    guard = GradSyncGuard(pmodel, params_every=1, no_grad_steps=min(2, opts.steps), on_no_grad="ignore")
+    opt = torch.optim.SGD([p for p in pmodel.parameters() if p.requires_grad], lr=opts.lr)
+    ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=opts.lr)
+    worst, no_grad = 0.0, []
+    for step in range(opts.steps):
+        rng = torch.get_rng_state()
+        try:
+            loss_fn(pmodel, batch_fn(step, rank, world)).backward()
+            rep = guard.check()
+        except distckpt.GradDesyncError as e:
+            findings.append(Finding("sync", False, f"step {step}: {e}".split(" Likely cause")[0],
+                                    "gradients were not synchronized: use reentrant=False and graph='auto'"))
+            return findings
+        except Exception as e:
+            findings.append(Finding("step", False, f"step {step} under {opts.strategy}: {type(e).__name__}: "
+                                    f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}"))
+            return findings
+        after = torch.get_rng_state()
+        # What DDP computes: the mean over ranks of each rank's gradient, here in one process. Every
+        # rank replays each rank's batch from the same RNG state (dropout masks agree).
+        for r in range(world):
+            torch.set_rng_state(rng)
+            (loss_fn(ref, batch_fn(step, r, world)) / world).backward()
+        torch.set_rng_state(after)
+        ref_grads = list(_grads(ref).values())
+        ref_norm = float(torch.stack([g.double().norm() for g in ref_grads]).norm()) if ref_grads else 0.0
+        worst = max(worst, abs((rep.grad_norm or 0.0) - ref_norm) / max(ref_norm, 1e-12))
+        no_grad = rep.no_grad
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    findings.append(Finding("sync", True, f"gradients identical across {world} ranks on {opts.steps} step(s), "
+                            "parameters too (GradSyncGuard)"))
+    findings.append(Finding("reference", worst <= 1e-4, f"global gradient norm vs one process without "
+                            f"checkpointing on the global batch: max relative difference {worst:.2g}",
+                            "" if worst <= 1e-4 else "the parallel run computes other gradients than the model "
+                            "itself: check the loss is a mean over equal rank batches, and use reentrant=False"))
+    findings.append(Finding("gradients", not no_grad,
+                            "every trainable parameter got a gradient" if not no_grad else
+                            f"no gradient on any rank for {len(no_grad)} trainable parameter(s): "
+                            f"{', '.join(no_grad[:5])}",
+                            "" if not no_grad else "use reentrant=False (a frozen input under reentrant "
+                            "checkpointing), or set requires_grad=False on parameters meant to be frozen"))
+    return findings
+
+
+# --- the parent: spawn, collect, print -----------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_ranks(opts: DoctorOptions) -> dict[int, list[Finding]]:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    path = [os.getcwd(), *sys.path]
+    procs = [ctx.Process(target=_rank_main, args=(r, opts.nproc, port, opts, path, out), daemon=True)
+             for r in range(opts.nproc)]
+    for p in procs:
+        p.start()
+    results: dict[int, list[Finding]] = {}
+    try:
+        while len(results) < opts.nproc:
+            rank, findings = out.get(timeout=opts.timeout)
+            results[rank] = findings
+    except queue.Empty:
+        for r in range(opts.nproc):
+            results.setdefault(r, [Finding("hang", False, f"rank {r} did not finish in {opts.timeout:.0f}s: a "
+                                           "collective one rank never joined", "run with --strategy none to "
+                                           "isolate the model, then compare reentrant/graph settings")])
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return results
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _settings(opts: DoctorOptions, used: dict[str, Any] | None, findings: list[Finding] | None = None) -> str:
+    """The wrap/parallelize call to use: the one tried, with the fixes the findings call for."""
+    reentrant = used["reentrant"] if used else opts.reentrant
+    preserve = used["preserve_rng_state"] if used else opts.preserve_rng_state
+    blocks = list(used["blocks"]) if used else []
+    exclude: list[str] = []
+    for f in findings or []:
+        kind = (f.data or {}).get("kind") if isinstance(f.data, dict) else None
+        if kind in ("rng", "rng_preserved"):
+            preserve = True
+        elif kind in ("control_flow", "state", "shape", "buffer", "batchnorm", "checkpoint_error", "gradient"):
+            exclude += [b for b in blocks if f.data["module"] == b or f.data["module"].startswith(b + ".")]
+        elif f.check in ("sync", "step", "gradients", "reference", "hang") and not f.ok:
+            reentrant = False
+    call = f'distckpt.wrap(model, "{opts.policy or "full"}", reentrant={reentrant}, preserve_rng_state={preserve}'
+    if exclude:
+        keep = [b for b in blocks if b not in exclude]
+        call += f", blocks={keep!r}"
+    return call + f'); distckpt.parallelize(model, "{opts.strategy}", graph="{opts.graph}")'
+
+
+def render(opts: DoctorOptions, results: dict[int, list[Finding]]) -> tuple[bool, str]:
+    """The verdict text and whether it is safe."""
+    lines = [f"distckpt doctor: {opts.factory or ' '.join(opts.overrides) or 'launcher config'}  "
+             f"strategy={opts.strategy} policy={opts.policy or 'full/as wrapped'} reentrant={opts.reentrant} "
+             f"preserve_rng_state={opts.preserve_rng_state}  ({opts.nproc} CPU rank(s), {opts.steps} step(s))"]
+    safe = True
+    seen: dict[tuple[str, str], list[int]] = {}
+    estimate = used = None
+    failed: list[Finding] = []
+    for rank, findings in sorted(results.items()):
+        for f in findings:
+            if f.check == "estimate":
+                estimate = f
+                continue
+            if f.check == "settings":
+                used = f.data
+                continue
+            if not f.ok:
+                failed.append(f)
+            key = (f.check, f"{'ok' if f.ok else 'FAIL'}\t{f.detail}\t{f.fix}")
+            seen.setdefault(key, []).append(rank)
+            safe &= f.ok
+    for (_check, text), ranks in seen.items():
+        status, detail, fix = text.split("\t")
+        where = "" if len(ranks) == len(results) else f" (rank {', '.join(map(str, ranks))})"
+        lines.append(f"  [{'ok' if status == 'ok' else 'NOT OK'}] {detail}{where}")
+        if fix and status != "ok":
+            lines.append(f"         {fix if fix.startswith('Likely') else 'fix: ' + fix}")
+    if estimate is not None and estimate.data:
+        lines.append("  per checkpointed block: activation memory freed / recompute cost (one forward, at most):")
+        for fqn, saved, flops in estimate.data:
+            lines.append(f"    {fqn:<32} {_fmt_bytes(saved):>10}   {flops / 1e6:10.2f} MFLOP")
+    elif estimate is not None:
+        lines.append(f"  memory/recompute estimate {estimate.detail}")
+    if safe:
+        lines.append(f"verdict: SAFE. Settings to use: {_settings(opts, used)}")
+    else:
+        lines.append(f"verdict: NOT SAFE (see the NOT OK lines). Settings tried: {_settings(opts, used)}")
+        lines.append(f"  settings to try: {_settings(opts, used, failed)}")
+    return safe, "\n".join(lines)
+
+
+def doctor(opts: DoctorOptions) -> int:
+    """Run the diagnosis and print the verdict.
+
+    Returns:
+        0 when every check passed on every rank, 1 otherwise.
+    """
+    opts = dataclasses.replace(opts)
+    if opts.factory:
+        load_factory(opts.factory)  # a bad spec is a usage error (ConfigError), before spawning ranks
+    if opts.strategy == "none":
+        opts.nproc = 1  # without data parallelism ranks would not synchronize: one process
+    safe, text = render(opts, _run_ranks(opts))
+    print(text, flush=True)
+    return 0 if safe else 1

@@ -1,0 +1,115 @@
+"""`distckpt doctor` end to end: 2 CPU ranks on a healthy model (exit 0) and on broken ones (exit 1,
+the cause named). The example factories below follow the contract in distckpt.doctor."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+import distckpt
+from distckpt.cli import main
+
+pytestmark = pytest.mark.dist
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 16, p: float = 0.1) -> None:
+        super().__init__()
+        self.fc1, self.drop, self.fc2 = nn.Linear(d, 2 * d), nn.Dropout(p), nn.Linear(2 * d, d)
+        self.task_b = False  # a task switch read inside the block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(torch.relu(self.fc1(x)))
+        return x + self.fc2(h * 2 if self.task_b else h)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def _batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)
+    n = 8 // world
+    return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+
+
+def _mse(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+def healthy():
+    """Dropout, checkpointed with distckpt's defaults."""
+    return Net(), _mse, _batch
+
+
+def broken_rng():
+    """Dropout recomputed without the forward's RNG state."""
+    return distckpt.wrap(Net(), "full", preserve_rng_state=False), _mse, _batch
+
+
+def broken_flag():
+    """A task flag read inside a checkpointed block, switched back before backward."""
+
+    def loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        inner = getattr(model, "module", model)
+        inner.blocks[1].task_b = True
+        out = _mse(model, batch)
+        inner.blocks[1].task_b = False
+        return out
+
+    return Net(), loss, _batch
+
+
+def test_healthy_model_is_safe(capsys):
+    code = main(["doctor", "--factory", "test_doctor:healthy", "--steps", "2"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "NOT OK" not in out and "verdict: SAFE" in out
+    assert "3 checkpointed block(s): blocks.0, blocks.1, blocks.2" in out
+    assert "recompute is exact" in out and "gradients identical across 2 ranks" in out
+    assert "every trainable parameter got a gradient" in out
+    assert "blocks.0" in out.split("per checkpointed block")[1]  # the memory/recompute estimate
+    assert 'distckpt.wrap(model, "full", reentrant=False, preserve_rng_state=True)' in out
+
+
+def test_dropout_without_rng_state_is_not_safe(capsys):
+    code = main(["doctor", "--factory", "test_doctor:broken_rng", "--steps", "1"])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "[NOT OK] blocks.0.drop [rng]" in out
+    assert "Settings tried: distckpt.wrap(model, \"full\", reentrant=False, preserve_rng_state=False)" in out
+    assert "settings to try: distckpt.wrap(model, \"full\", reentrant=False, preserve_rng_state=True)" in out
+
+
+def test_console_script_on_flag_read_in_block():
+    """The installed `distckpt` command, in a fresh process; exit code 1 and the block named."""
+    exe = os.path.join(os.path.dirname(sys.executable), "distckpt")
+    cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "distckpt.cli"]
+    proc = subprocess.run([*cmd, "doctor", "--factory", "test_doctor:broken_flag", "--steps", "1"], cwd=HERE,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "[NOT OK] blocks.1 [control_flow]" in proc.stdout, proc.stdout
+    assert "between forward and backward" in proc.stdout
+    assert "blocks=['blocks.0', 'blocks.2']" in proc.stdout  # the block to leave out
+
+
+def test_usage_errors_exit_2(capsys):
+    assert main(["doctor"]) == 2
+    assert main(["doctor", "--factory", "no_such_module_xyz:make"]) == 2
+    assert "no_such_module_xyz" in capsys.readouterr().err
