@@ -30,7 +30,8 @@ def _parser() -> argparse.ArgumentParser:
     doc.add_argument("--reentrant", action="store_true", help="use reentrant checkpointing")
     doc.add_argument("--no-preserve-rng-state", dest="preserve_rng_state", action="store_false",
                      help="recompute without restoring the RNG state")
-    doc.add_argument("--graph", choices=("auto", "static", "dynamic"), default="auto")
+    doc.add_argument("--graph", choices=("auto", "static", "dynamic"), default=None,
+                     help="DDP graph setting (default: auto, or the config's)")
     doc.add_argument("--steps", type=int, default=3, help="training steps to run (default 3)")
     doc.add_argument("--nproc", type=int, default=2, help="CPU ranks (default 2)")
     doc.add_argument("--timeout", type=float, default=300.0, help="seconds before a run counts as a hang")
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1 or args.nproc < 1:
         print("distckpt doctor: --steps and --nproc must be >= 1.", file=sys.stderr)
         return 2
-    opts = DoctorOptions(factory=args.factory, overrides=list(args.overrides), strategy=args.strategy or "ddp",
+    opts = DoctorOptions(factory=args.factory, overrides=list(args.overrides), strategy=args.strategy,
                          policy=args.policy, reentrant=args.reentrant, preserve_rng_state=args.preserve_rng_state,
                          graph=args.graph, steps=args.steps, nproc=args.nproc, timeout=args.timeout)
     try:

@@ -40,11 +40,11 @@ class DoctorOptions:
 
     factory: str | None = None
     overrides: list[str] = field(default_factory=list)  # Hydra overrides of the launcher's config
-    strategy: str = "ddp"
+    strategy: str | None = None  # None: ddp, or the config's strategy in the Hydra mode
     policy: str | None = None
     reentrant: bool = False
     preserve_rng_state: bool = True
-    graph: str = "auto"
+    graph: str | None = None  # None: auto, or the config's
     steps: int = 3
     nproc: int = 2
     lr: float = 1e-2
@@ -97,14 +97,51 @@ def _subject(opts: DoctorOptions) -> tuple[nn.Module, Callable[[nn.Module, Any],
     return _hydra_subject(opts)
 
 
-def _hydra_subject(opts: DoctorOptions) -> tuple[nn.Module, Callable[[nn.Module, Any], torch.Tensor], Callable]:
-    """The model, loss and data of the launcher's config (``distckpt doctor model=gpt ...``).
+def _compose(overrides: list[str]) -> Any:
+    """The launcher's config for ``overrides`` (Hydra ``compose`` over the checkout's ``conf/``).
 
-    Composed with Hydra's ``compose`` from the ``conf/`` directory, built by the launcher's builders.
+    Raises:
+        ConfigError: not run from a distckpt checkout (``launch/`` is not a package), or a bad override.
     """
-    from launch.doctor_bridge import subject  # noqa: F401  (resolved below when present)
+    from distckpt.errors import ConfigError
 
-    return subject(opts.overrides)
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        from launch.check import compose
+    except ImportError as e:
+        raise ConfigError(f"the Hydra mode of distckpt doctor needs the launcher (launch/ and conf/ of a distckpt "
+                          f"checkout, and hydra-core): {e}. Run it from the repository root, or use --factory.") from e
+    try:
+        return compose(list(overrides))
+    except Exception as e:  # Hydra's own errors name the bad key
+        raise ConfigError(f"bad launcher overrides {' '.join(overrides)}: {str(e).splitlines()[0]}") from e
+
+
+def _hydra_subject(opts: DoctorOptions) -> tuple[nn.Module, Callable[[nn.Module, Any], torch.Tensor], Callable]:
+    """The model, loss and data of the launcher's config (``distckpt doctor model=gpt ...``), built by
+    the launcher's own builders and wrapped as its ``ckpt`` group says (fp32: precision is not applied)."""
+    import distckpt
+    from distckpt.train.data import micro_batches
+    from launch.build import build_data, build_model
+
+    cfg = _compose(opts.overrides)
+    torch.manual_seed(cfg.trainer.seed)
+    data = build_data(cfg.data, cfg.model)
+    model = build_model(cfg.model, cfg.data)
+    c = cfg.ckpt
+    if opts.policy is None:
+        example = micro_batches(data.global_batch(0), 0, opts.nproc, 1)[0]
+        distckpt.wrap(model, c.policy, blocks=list(c.blocks) if c.blocks else None, reentrant=c.reentrant,
+                      preserve_rng_state=opts.preserve_rng_state, example_inputs=(example,))
+
+    def loss_fn(m: nn.Module, batch: Any) -> torch.Tensor:
+        return sum(m(batch).values())  # the launcher's loss: the sum of the task losses
+
+    def batch_fn(step: int, rank: int, world: int) -> Any:
+        return micro_batches(data.global_batch(step), rank, world, 1)[0]
+
+    return model, loss_fn, batch_fn
 
 
 # --- one rank ------------------------------------------------------------------------------------
@@ -360,6 +397,13 @@ def doctor(opts: DoctorOptions) -> int:
     opts = dataclasses.replace(opts)
     if opts.factory:
         load_factory(opts.factory)  # a bad spec is a usage error (ConfigError), before spawning ranks
+    else:
+        cfg = _compose(opts.overrides)
+        opts.strategy = opts.strategy or cfg.strategy.name
+        if opts.graph is None:
+            opts.graph = cfg.strategy.graph
+    opts.strategy = opts.strategy or "ddp"
+    opts.graph = opts.graph or "auto"
     if opts.strategy == "none":
         opts.nproc = 1  # without data parallelism ranks would not synchronize: one process
     safe, text = render(opts, _run_ranks(opts))

@@ -113,3 +113,15 @@ def test_usage_errors_exit_2(capsys):
     assert main(["doctor"]) == 2
     assert main(["doctor", "--factory", "no_such_module_xyz:make"]) == 2
     assert "no_such_module_xyz" in capsys.readouterr().err
+
+
+def test_hydra_config_mode(capsys, monkeypatch):
+    """`distckpt doctor model=... strategy=...`: the launcher's config, built by its builders."""
+    pytest.importorskip("hydra")
+    monkeypatch.chdir(os.path.dirname(HERE))  # the checkout's root: launch/ and conf/
+    code = main(["doctor", "model=mlp", "data=synthetic", "strategy=fsdp2", "--steps", "1"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "strategy=fsdp2" in out and "4 checkpointed block(s)" in out and "verdict: SAFE" in out
+    assert 'distckpt.parallelize(model, "fsdp2", graph="auto")' in out
+    assert main(["doctor", "model=no_such_model"]) == 2
