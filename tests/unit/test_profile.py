@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn as nn
 from torch.distributed._tools.mem_tracker import MemTracker
@@ -98,3 +99,23 @@ def test_activation_bytes_match_memtracker_and_predicted_peak_bounds_the_measure
     # start of backward (true under gradient accumulation), so it never predicts below the measure.
     predicted = predicted_peak(mp, [], strategy="none", optimizer="none")
     assert peak <= predicted <= peak + mp.trainable_bytes
+
+
+@pytest.mark.cuda
+def test_cuda_profile_agrees_with_the_allocator():
+    cfg = GPTConfig(vocab=256, seq=128, dim=128, heads=4, layers=4)
+    model = GPT(cfg).cuda()
+    idx, tgt = batch(cfg, 4, device="cuda")
+    mp = profile_model(model, _blocks(model, "h"), (idx, tgt))
+    assert mp.device == "cuda"
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    model(idx, tgt).backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    # The allocator's peak (above what existed before: params, batch) vs the model's prediction of
+    # everything above params and batch (grads, activations, temporaries).
+    predicted = predicted_peak(mp, [], strategy="none", optimizer="none") - mp.param_bytes - mp.batch_bytes
+    assert abs(mp.measured_peak_bytes - peak) <= 0.02 * peak
+    assert peak <= predicted * 1.05
