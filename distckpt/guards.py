@@ -52,14 +52,26 @@ def _fsdp1_sharded(model: nn.Module) -> bool:
     return any(u.sharding_strategy != ShardingStrategy.NO_SHARD for u in units)
 
 
+_DTENSOR: Any = None
+
+
+def _dtensor_types() -> Any:
+    global _DTENSOR
+    if _DTENSOR is None:
+        try:
+            from torch.distributed.tensor import DTensor, Replicate
+
+            _DTENSOR = (DTensor, Replicate)
+        except ImportError:  # pragma: no cover - torch without distributed
+            _DTENSOR = ()
+    return _DTENSOR
+
+
 def _local(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """The tensor this rank holds, and whether other ranks hold other parts of it (sharded)."""
-    try:
-        from torch.distributed.tensor import DTensor, Replicate
-    except ImportError:  # pragma: no cover
-        return t, False
-    if isinstance(t, DTensor):
-        return t.to_local(), not all(isinstance(p, Replicate) for p in t.placements)
+    types = _dtensor_types()
+    if types and isinstance(t, types[0]):
+        return t.to_local(), not all(isinstance(p, types[1]) for p in t.placements)
     return t, False
 
 
@@ -67,6 +79,7 @@ def _local(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
 _CHUNK = 4096  # projection weights: w[i % _CHUNK] * v[i // _CHUNK], unique per position
 _WEIGHTS: dict[tuple[torch.device, int], torch.Tensor] = {}
+_WNORMS: dict[int, float] = {}
 
 
 def _weights(device: torch.device, which: int, n: int) -> torch.Tensor:
@@ -86,39 +99,44 @@ def _weights(device: torch.device, which: int, n: int) -> torch.Tensor:
     return have
 
 
-def _projection(flat: torch.Tensor) -> tuple[torch.Tensor, float]:
+def _projection(flat: torch.Tensor) -> torch.Tensor:
     """``sum_i weight_i * flat_i`` with fixed random weights (catches permutations and sign flips
-    that sums and norms miss), in one pass over ``flat``; and the L2 norm of the weights used."""
+    that sums and norms miss), in one pass over ``flat``."""
     n = flat.numel()
     w = _weights(flat.device, 0, _CHUNK)
     if n <= _CHUNK:
-        wn = w[:n]
-        return torch.dot(flat, wn), float(wn.norm())
+        return torch.dot(flat, w[:n])
     m, rem = divmod(n, _CHUNK)
     v = _weights(flat.device, 1, m + 1)
-    partial = flat[: m * _CHUNK].view(m, _CHUNK) @ w  # one gemv reads the tensor once
-    proj = torch.dot(partial, v[:m])
-    wnorm2 = float(w.norm()) ** 2 * float(v[:m].norm()) ** 2
+    proj = torch.dot(flat[: m * _CHUNK].view(m, _CHUNK) @ w, v[:m])  # one gemv reads the tensor once
     if rem:
         proj = proj + torch.dot(flat[m * _CHUNK:], w[:rem]) * v[m]
-        wnorm2 += float(w[:rem].norm()) ** 2 * float(v[m]) ** 2
-    return proj, math.sqrt(wnorm2)
+    return proj
 
 
-_WNORM: dict[int, float] = {}
+def _wnorm(n: int) -> float:
+    """L2 norm of the projection weights of an ``n``-element tensor (the scale of its differences)."""
+    if n not in _WNORMS:
+        w = _weights(torch.device("cpu"), 0, _CHUNK).double()
+        if n <= _CHUNK:
+            _WNORMS[n] = float(w[:n].norm())
+        else:
+            m, rem = divmod(n, _CHUNK)
+            v = _weights(torch.device("cpu"), 1, m + 1).double()
+            _WNORMS[n] = math.sqrt(float(w.norm()) ** 2 * float(v[:m].norm()) ** 2
+                                   + float(w[:rem].norm()) ** 2 * float(v[m]) ** 2)
+    return _WNORMS[n]
 
 
-def _fingerprint(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """(sum of squares, projection, weight norm) of a tensor, computed in float32."""
+def _fingerprint(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of squares, projection) of a tensor, computed in float32."""
     flat = t.detach().reshape(-1)
     if flat.dtype != torch.float32:
         flat = flat.float()  # bf16/fp16: accumulate in fp32; fp64 stays exact enough in fp32 too
     if flat.numel() == 0:
         zero = flat.new_zeros(())
-        return zero, zero, 0.0
-    sumsq = torch.dot(flat, flat)
-    proj, wnorm = _projection(flat)
-    return sumsq, proj, wnorm
+        return zero, zero
+    return torch.dot(flat, flat), _projection(flat)
 
 
 # --- GradSyncGuard -------------------------------------------------------------------------------
@@ -250,7 +268,7 @@ class GradSyncGuard:
             return report
         with_params = self.params_every > 0 and step % self.params_every == 0
         params = self._params()
-        fp, wnorms, sharded, device = self._local_fingerprints(params, with_params)
+        fp, numels, sharded, device = self._local_fingerprints(params, with_params)
         rank, world = self._world()
         if world > 1:
             comm = self._comm_device(device)
@@ -265,7 +283,7 @@ class GradSyncGuard:
         report.grads_checked, report.params_checked = True, with_params
         names = [n for n, _ in params]
         trains = [p.requires_grad for _, p in params]
-        self._compare(table, names, trains, wnorms, sharded, with_params, step)
+        self._compare(table, names, trains, numels, sharded, with_params, step)
         # Sharded: the shards' squares add up; replicated: every rank holds the whole gradient.
         sumsq = table[:, :, _G_SUMSQ].sum(0).where(torch.tensor(sharded, dtype=torch.bool), table[0, :, _G_SUMSQ])
         report.grad_norm = float(sumsq.sum().sqrt())
@@ -273,47 +291,50 @@ class GradSyncGuard:
         return report
 
     def _local_fingerprints(self, params: list[tuple[str, nn.Parameter]], with_params: bool
-                            ) -> tuple[torch.Tensor, list[float], list[bool], torch.device]:
+                            ) -> tuple[torch.Tensor, list[int], list[bool], torch.device]:
         sharded_model = _fsdp1_sharded(self.model)
         device = torch.device("cpu")
         values: list[torch.Tensor] = []  # 4 fp32 scalars per parameter, stacked once at the end
         meta: list[list[float]] = []
-        wnorms: list[float] = []
+        numels: list[int] = []
         sharded: list[bool] = []
+        zeros: dict[torch.device, torch.Tensor] = {}
         for _, p in params:
             data, is_sharded = _local(p)
             is_sharded = is_sharded or sharded_model
             device = data.device
+            if device not in zeros:
+                zeros[device] = torch.zeros((), dtype=torch.float32, device=device)
+            zero = zeros[device]
             grad = p.grad
             if grad is not None:
                 grad, _ = _local(grad)
-            if grad is not None:
-                gs, gp, wn = _fingerprint(grad)
-            else:
-                gs = gp = data.new_zeros((), dtype=torch.float32)
-                wn = 0.0
-            if with_params and not is_sharded:
-                ps, pp, wn = _fingerprint(data)
-            else:
-                ps = pp = gs.new_zeros(())
-            present = grad is not None or data.numel() == 0
-            meta.append([float(present), float(data.numel())])
+            gs, gp = _fingerprint(grad) if grad is not None else (zero, zero)
+            ps, pp = _fingerprint(data) if with_params and not is_sharded else (zero, zero)
+            meta.append([float(grad is not None or data.numel() == 0), float(data.numel())])
             values += [gs, gp, ps, pp]
-            wnorms.append(wn if wn else math.sqrt(data.numel() / 3))
+            numels.append(data.numel())
             sharded.append(is_sharded)
         if not params:
             return torch.zeros((0, _N_FIELDS), dtype=torch.float64), [], [], device
-        vals = torch.stack([v.to(device) for v in values]).double().view(-1, 4).cpu()
+        if len(zeros) > 1:  # parameters on several devices (CPU offload): gather the scalars first
+            values = [v.to(device) for v in values]
+        vals = torch.stack(values).double().view(-1, 4).cpu()
         fp = torch.cat([torch.tensor(meta, dtype=torch.float64), vals], dim=1)
-        return fp, wnorms, sharded, device
+        return fp, numels, sharded, device
 
-    def _compare(self, table: torch.Tensor, names: list[str], trains: list[bool], wnorms: list[float],
+    def _compare(self, table: torch.Tensor, names: list[str], trains: list[bool], numels: list[int],
                  sharded: list[bool], with_params: bool, step: int) -> None:
         world = table.shape[0]
         if world == 1 or not names:
             return
         problems: list[str] = []
+        # Fast path: a parameter whose fingerprints and presence are bitwise equal on all ranks is fine.
+        fields = [_F_PRESENT, _G_SUMSQ, _G_PROJ] + ([_P_SUMSQ, _P_PROJ] if with_params else [])
+        equal = (table[:, :, fields] == table[:1, :, fields]).all(dim=2).all(dim=0).tolist()
         for i, name in enumerate(names):
+            if equal[i]:
+                continue
             col = table[:, i]
             present = [bool(x) for x in col[:, _F_PRESENT].tolist()]
             holds = [x > 0 for x in col[:, _F_NUMEL].tolist()]
@@ -324,11 +345,11 @@ class GradSyncGuard:
                     miss = [r for r in relevant if not present[r]]
                     problems.append(f"{name}: gradient present on ranks {have} but None on ranks {miss}")
                 elif have and not sharded[i]:
-                    msg = _differs(col[:, _G_SUMSQ], col[:, _G_PROJ], wnorms[i], self.rtol)
+                    msg = _differs(col[:, _G_SUMSQ], col[:, _G_PROJ], numels[i], self.rtol)
                     if msg:
                         problems.append(f"{name} (gradient): {msg}")
             if with_params and not sharded[i]:
-                msg = _differs(col[:, _P_SUMSQ], col[:, _P_PROJ], wnorms[i], self.rtol)
+                msg = _differs(col[:, _P_SUMSQ], col[:, _P_PROJ], numels[i], self.rtol)
                 if msg:
                     problems.append(f"{name} (parameter): {msg}")
         if problems:
@@ -373,7 +394,7 @@ class GradSyncGuard:
         return stuck
 
 
-def _differs(sumsq: torch.Tensor, proj: torch.Tensor, wnorm: float, rtol: float) -> str | None:
+def _differs(sumsq: torch.Tensor, proj: torch.Tensor, numel: int, rtol: float) -> str | None:
     """A description of how ranks differ, or None when they agree within ``rtol``.
 
     Two tensors differing by ``d`` (L2) change the sum of squares by at most ``2|g||d|`` and the
@@ -384,6 +405,7 @@ def _differs(sumsq: torch.Tensor, proj: torch.Tensor, wnorm: float, rtol: float)
     world = len(s)
     if all(a == s[0] for a in s) and all(b == p[0] for b in p):
         return None  # the usual case: bitwise equal fingerprints
+    wnorm = _wnorm(numel)
     finite = [x for x in s if math.isfinite(x)]
     norm = math.sqrt(max(finite)) if finite else 0.0
     tiny = 1e-30

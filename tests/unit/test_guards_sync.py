@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import distckpt
-from distckpt.guards import GradSyncGuard, NoGradientError, _fingerprint, _weights
+from distckpt.guards import GradSyncGuard, NoGradientError, _fingerprint, _weights, _wnorm
 
 
 class TwoHeads(nn.Module):
@@ -87,11 +87,15 @@ def test_bad_arguments(kwargs):
 @pytest.mark.parametrize("n", [7, 4096, 3 * 4096 + 5])
 def test_fingerprint_sees_permutations_and_norms(n):
     g = torch.randn(n)
-    sumsq, proj, wnorm = _fingerprint(g)
+    sumsq, proj = _fingerprint(g)
+    wnorm = _wnorm(n)
+    assert wnorm == pytest.approx(float(torch.stack([_weights(g.device, 0, 4096)[i % 4096] * (
+        _weights(g.device, 1, n // 4096 + 1)[i // 4096] if n > 4096 else 1.0) for i in range(n)]).double().norm()),
+        rel=1e-6)
     assert float(sumsq) == pytest.approx(float(g.double().pow(2).sum()), rel=1e-5)
     swapped = g.clone()
     swapped[[0, n - 1]] = swapped[[n - 1, 0]]
-    s2, p2, _ = _fingerprint(swapped)
+    s2, p2 = _fingerprint(swapped)
     assert float(s2) == pytest.approx(float(sumsq), rel=1e-6) and abs(float(p2) - float(proj)) > 1e-6 * wnorm
     assert _fingerprint(g.bfloat16())[0].dtype == torch.float32
 
