@@ -434,8 +434,10 @@ def _differs(sumsq: torch.Tensor, proj: torch.Tensor, numel: int, rtol: float) -
 _RANDOM_OPS = ("bernoulli", "dropout", "rand", "normal", "uniform", "multinomial", "exponential", "cauchy",
                "geometric", "log_normal", "poisson", "random_")
 _UNINITIALIZED_OPS = ("empty",)  # outputs of empty/empty_like/new_empty hold garbage: never compared
-# Autograd detaches the tensors it saves in the recompute but not in the forward: not a difference.
-_IGNORED_OPS = frozenset({"aten::detach", "aten::alias", "aten::lift_fresh"})
+# Autograd detaches the tensors it saves in the recompute but not in the forward, and autocast casts a
+# weight once per autocast region (its cache), so the recompute casts where the forward reused a
+# cast: neither is a difference (a cast's value follows from its input, which is compared).
+_IGNORED_OPS = frozenset({"aten::detach", "aten::alias", "aten::lift_fresh", "aten::_to_copy"})
 
 
 @dataclass(frozen=True)

@@ -238,3 +238,34 @@ def test_rank_error_surface(dist_pool):
 def _raise_desync(rank: int, world: int) -> None:
     msg = _fault(rank, world, "scale")
     raise distckpt.GradDesyncError(msg)
+
+
+# --- verify_recompute on parallel models ----------------------------------------------------------
+
+
+def _verify_parallel(rank: int, world: int, strategy: str, preserve: bool) -> tuple[bool, str, float, float]:
+    torch.manual_seed(0)
+    model = Net()
+    for b in model.blocks:
+        b.fc1 = nn.Sequential(b.fc1, nn.Dropout(0.3))
+    ref = Net()
+    ref.load_state_dict({k.replace("fc1.0.", "fc1."): v for k, v in model.state_dict().items()})
+    distckpt.wrap(model, "full", preserve_rng_state=preserve)
+    pmodel = _parallel(model, strategy)
+    x, y = _batch(0, rank)
+    report = distckpt.verify_recompute(pmodel, lambda m: nn.functional.mse_loss(m(x), y), raise_on_mismatch=False)
+    ref.eval()  # the reference without dropout and checkpointing: the loss of the eval forward
+    pmodel.eval()
+    with torch.no_grad():
+        ref_loss = float(nn.functional.mse_loss(ref(x), y))
+        loss = float(nn.functional.mse_loss(pmodel(x), y))
+    first = report.mismatches[0] if report.mismatches else None
+    return report.ok, f"{first.module} {first.kind}" if first else "", loss, ref_loss
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_verify_recompute_on_parallel_models(dist_pool, strategy):
+    for (ok, _, loss, ref_loss) in dist_pool.run(_verify_parallel, strategy, True):
+        assert ok and loss == pytest.approx(ref_loss, rel=1e-6)
+    for (ok, first, _, _) in dist_pool.run(_verify_parallel, strategy, False):
+        assert not ok and first == "blocks.0.fc1.1 rng"

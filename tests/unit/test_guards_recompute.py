@@ -125,3 +125,17 @@ def test_loss_must_be_scalar():
     model = distckpt.wrap(Net(), "full")
     with pytest.raises(distckpt.ConfigError, match="scalar"):
         verify_recompute(model, lambda m: m(X))
+
+
+def test_bf16_autocast_with_batchnorm_passes():
+    model = distckpt.wrap(Net(p=0.3, bn=True), "full")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        report = verify_recompute(model, loss_fn)
+    assert report.ok and report.max_grad_diff == 0.0
+
+
+def test_selective_policy_passes_and_is_checked():
+    assert verify_recompute(distckpt.wrap(Net(p=0.3), "selective"), loss_fn).ok
+    report = verify_recompute(distckpt.wrap(Net(p=0.3), "selective", preserve_rng_state=False), loss_fn,
+                              raise_on_mismatch=False)
+    assert report.mismatches[0].kind == "rng"
