@@ -272,3 +272,45 @@ def test_verify_recompute_on_parallel_models(dist_pool, strategy):
         assert ok and loss == pytest.approx(ref_loss, rel=1e-6)
     for (ok, first, _, _) in dist_pool.run(_verify_parallel, strategy, False):
         assert not ok and first == "blocks.0.fc1.1 rng"
+
+
+# --- real desyncs, not injected ------------------------------------------------------------------
+
+
+def _real_desync(rank: int, world: int, case: str) -> tuple[str, bool]:
+    model, ref = _model(), _model(ckpt=False)
+    if case == "lora":
+        # Every trainable parameter inside reentrant-checkpointed blocks, two forwards before one
+        # backward: DDP's reducer misses the second forward's gradients (pytorch#121594).
+        model = distckpt.wrap(_model(ckpt=False), "full", reentrant=True)
+        for m in (model, ref):
+            for n, p in m.named_parameters():
+                p.requires_grad_(n.startswith("blocks.") and n.endswith("fc2.bias"))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    guard = GradSyncGuard(ddp)
+    try:
+        if case == "no_sync":  # a micro-batch's context left on for the synchronizing step
+            with ddp.no_sync():
+                nn.functional.mse_loss(ddp(_batch(0, rank)[0]), _batch(0, rank)[1]).backward()
+        else:
+            sum(nn.functional.mse_loss(ddp(_batch(s, rank)[0]), _batch(s, rank)[1]) for s in (0, 1)).backward()
+        msg = "no error"
+        guard.check()
+    except distckpt.GradDesyncError as e:
+        msg = str(e)
+    # The single-process reference on the global batches: what the gradients should have been.
+    steps = (0,) if case == "no_sync" else (0, 1)
+    sum(nn.functional.mse_loss(ref(_batch(s)[0]), _batch(s)[1]) for s in steps).backward()
+    same = all(torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+               for p, q in zip(model.parameters(), ref.parameters()) if q.grad is not None)
+    return msg, same
+
+
+@pytest.mark.parametrize("case", ["no_sync", "lora"])
+def test_real_silent_desync_is_caught(dist_pool, case):
+    (msg0, same0), (msg1, same1) = dist_pool.run(_real_desync, case)
+    assert not (same0 and same1)  # the gradients really are wrong on some rank (vs the reference)
+    assert msg0 == msg1 and "differ across ranks after synchronization" in msg0, msg0
+    named = "blocks.0.fc2.bias (gradient): ranks [1] differ from rank 0" if case == "lora" else \
+        "blocks.0.fc1.weight (gradient): ranks [1] differ from rank 0"
+    assert named in msg0
