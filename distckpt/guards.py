@@ -714,11 +714,15 @@ def _owner_kind(model: nn.Module, buffer_fqn: str) -> str:
     return "batchnorm" if isinstance(mod, nn.modules.batchnorm._NormBase) else "buffer"
 
 
-def _step(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor]) -> torch.Tensor:
-    loss = loss_fn(model)
+def _scalar(loss: Any) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ConfigError(f"verify_recompute: loss_fn(model) must return a scalar tensor, got {type(loss).__name__}"
                           f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}. Return loss.mean() or sum.")
+    return loss
+
+
+def _step(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor]) -> torch.Tensor:
+    loss = _scalar(loss_fn(model))
     loss.backward()
     return loss.detach().clone()
 
@@ -773,9 +777,7 @@ def verify_recompute(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tens
         for _, p in params:
             p.grad = None
         with _recording(blocks, calls, phase, frozenset(_storage(b) for _, b in buffers)):
-            loss = loss_fn(model)
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                _step(model, lambda _m: loss)  # raises the ConfigError
+            loss = _scalar(loss_fn(model))
             phase[0] = "rec"
             try:
                 loss.backward()
