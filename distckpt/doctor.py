@@ -45,6 +45,7 @@ class DoctorOptions:
     reentrant: bool = False
     preserve_rng_state: bool = True
     graph: str | None = None  # None: auto, or the config's
+    policy_label: str | None = None  # the config's ckpt policy (Hydra mode), for the verdict
     steps: int = 3
     nproc: int = 2
     lr: float = 1e-2
@@ -197,14 +198,16 @@ def _diagnose(rank: int, world: int, opts: DoctorOptions) -> list[Finding]:
     findings: list[Finding] = []
     torch.manual_seed(0)
     model, loss_fn, batch_fn = _subject(opts)
-    if opts.policy is not None or not checkpointed(model):
+    by_doctor = opts.policy is not None or not checkpointed(model)
+    if by_doctor:
         distckpt.wrap(model, opts.policy or "full", reentrant=opts.reentrant,
                       preserve_rng_state=opts.preserve_rng_state)
     blocks = checkpointed(model)
     used = next((m._distckpt_options for m in model.modules() if hasattr(m, "_distckpt_options")), None)
     if used is not None:  # what the blocks really use (the factory may have wrapped them itself)
-        findings.append(Finding("settings", True, "", data={"reentrant": used.reentrant, "blocks": blocks,
-                                                            "preserve_rng_state": used.preserve_rng_state}))
+        findings.append(Finding("settings", True, "", data={
+            "reentrant": used.reentrant, "preserve_rng_state": used.preserve_rng_state, "blocks": blocks,
+            "by_doctor": by_doctor}))
     findings.append(Finding("blocks", bool(blocks), f"{len(blocks)} checkpointed block(s)"
                             + (f": {', '.join(blocks[:4])}{' ...' if len(blocks) > 4 else ''}" if blocks else ""),
                             "" if blocks else "nothing is checkpointed: pass --policy, or wrap blocks in the factory"))
@@ -339,21 +342,27 @@ def _settings(opts: DoctorOptions, used: dict[str, Any] | None, findings: list[F
             exclude += [b for b in blocks if f.data["module"] == b or f.data["module"].startswith(b + ".")]
         elif f.check in ("sync", "step", "gradients", "reference", "hang") and not f.ok:
             reentrant = False
-    call = f'distckpt.wrap(model, "{opts.policy or "full"}", reentrant={reentrant}, preserve_rng_state={preserve}'
-    if exclude:
-        keep = [b for b in blocks if b not in exclude]
+    policy = opts.policy or opts.policy_label or "full"
+    call = f'distckpt.wrap(model, "{policy}", reentrant={reentrant}, preserve_rng_state={preserve}'
+    keep = [b for b in blocks if b not in exclude]
+    # Blocks the factory chose itself are named, since no policy string says which they are.
+    if exclude or (used and not used["by_doctor"] and opts.factory and len(keep) <= 8):
         call += f", blocks={keep!r}"
     return call + f'); distckpt.parallelize(model, "{opts.strategy}", graph="{opts.graph}")'
 
 
 def render(opts: DoctorOptions, results: dict[int, list[Finding]]) -> tuple[bool, str]:
     """The verdict text and whether it is safe."""
+    used = next((f.data for fs in results.values() for f in fs if f.check == "settings"), None)
+    reentrant = used["reentrant"] if used else opts.reentrant
+    preserve = used["preserve_rng_state"] if used else opts.preserve_rng_state
     lines = [f"distckpt doctor: {opts.factory or ' '.join(opts.overrides) or 'launcher config'}  "
-             f"strategy={opts.strategy} policy={opts.policy or 'full/as wrapped'} reentrant={opts.reentrant} "
-             f"preserve_rng_state={opts.preserve_rng_state}  ({opts.nproc} CPU rank(s), {opts.steps} step(s))"]
+             f"strategy={opts.strategy} policy={opts.policy or opts.policy_label or 'as wrapped'} "
+             f"reentrant={reentrant} "
+             f"preserve_rng_state={preserve}  ({opts.nproc} CPU rank(s), {opts.steps} step(s))"]
     safe = True
     seen: dict[tuple[str, str], list[int]] = {}
-    estimate = used = None
+    estimate = None
     failed: list[Finding] = []
     for rank, findings in sorted(results.items()):
         for f in findings:
@@ -361,7 +370,6 @@ def render(opts: DoctorOptions, results: dict[int, list[Finding]]) -> tuple[bool
                 estimate = f
                 continue
             if f.check == "settings":
-                used = f.data
                 continue
             if not f.ok:
                 failed.append(f)
@@ -400,6 +408,7 @@ def doctor(opts: DoctorOptions) -> int:
     else:
         cfg = _compose(opts.overrides)
         opts.strategy = opts.strategy or cfg.strategy.name
+        opts.policy_label = str(cfg.ckpt.policy)
         if opts.graph is None:
             opts.graph = cfg.strategy.graph
     opts.strategy = opts.strategy or "ddp"
