@@ -801,17 +801,17 @@ def verify_recompute(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tens
             p.grad = g
 
     mismatches: list[Mismatch] = []
-    if error is not None:
-        rec = [c for c in calls if c.rec]
-        where = rec[-1].stack[-1] if rec and rec[-1].stack else (blocks[0][0] if blocks else "")
-        mismatches.append(Mismatch(where, "checkpoint_error", str(error).strip().splitlines()[0],
-                                   _CAUSES["checkpoint_error"]))
     if reentrant_calls := [c for c in calls if blocks and c.fwd and _is_reentrant(blocks, c.block)]:
         _match_reentrant(reentrant_calls)
-    for call in calls:
+    for call in calls:  # op-level differences first: they name the op
         m = _first_mismatch(call, rtol)
         if m is not None:
             mismatches.append(m)
+    if error is not None:
+        rec = [c for c in calls if c.rec]
+        where = rec[-1].stack[-1] if rec and rec[-1].stack else (blocks[0][0] if blocks else "")
+        mismatches.append(Mismatch(where, "checkpoint_error", str(error).strip().splitlines()[0].rstrip("."),
+                                   _CAUSES["checkpoint_error"]))
     if not _close(loss_a, loss_b, rtol, atol):
         mismatches.append(Mismatch("", "loss", f"loss {float(loss_a):.8g} with checkpointing, "
                                    f"{float(loss_b):.8g} without", _CAUSES["loss"]))

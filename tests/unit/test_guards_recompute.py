@@ -139,3 +139,32 @@ def test_selective_policy_passes_and_is_checked():
     report = verify_recompute(distckpt.wrap(Net(p=0.3), "selective", preserve_rng_state=False), loss_fn,
                               raise_on_mismatch=False)
     assert report.mismatches[0].kind == "rng"
+
+
+class Narrowing(nn.Module):
+    """Uses the first ``k`` features: a shape that depends on state read inside the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.k = 16
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + nn.functional.pad(torch.relu(self.fc(x)[:, : self.k]), (0, 16 - self.k))
+
+
+def test_state_dependent_shape_is_caught_and_model_restored():
+    model = distckpt.wrap(nn.Sequential(Narrowing(), Narrowing()), "full", blocks=Narrowing)
+
+    def narrowing_loss(m: nn.Module) -> torch.Tensor:
+        m[1].k = 8
+        loss = m(X).sum()
+        m[1].k = 16
+        return loss
+
+    with pytest.raises(distckpt.RecomputeMismatchError) as e:
+        verify_recompute(model, narrowing_loss)
+    kinds = [(m.module, m.kind) for m in e.value.report.mismatches]
+    assert kinds[0][0] == "1" and kinds[0][1] in ("control_flow", "shape")
+    assert ("1", "checkpoint_error") in kinds  # torch's own metadata check fired too, and was turned into a report
+    assert all(p.grad is None for p in model.parameters())
