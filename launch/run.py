@@ -50,7 +50,20 @@ def _init_distributed(strategy: str, device: torch.device) -> bool:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(minutes=10))
+    timeout = timedelta(minutes=10)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart == 0:
+        dist.init_process_group(backend, timeout=timeout)
+        return True
+    # After a torchrun restart the agent's store may still hold the dead attempt's keys (gloo's peer
+    # addresses): measured here, the new workers then connect to dead ports and hang in
+    # init_process_group. A key prefix per attempt keeps every attempt's rendezvous apart.
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent_store and rank == 0, timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"distckpt/attempt_{restart}", store),
+                            rank=rank, world_size=world, timeout=timeout)
     return True
 
 
@@ -111,6 +124,14 @@ def _optional_verify(model: torch.nn.Module, example: dict[str, torch.Tensor], e
     return str(report)
 
 
+def _quiet_torch_warnings() -> None:
+    # FSDP1's state_dict path warns on every save about its own deprecated internals (ShardedTensor, a
+    # default-device helper); the user can do nothing about them, and they bury the progress bar.
+    warnings.filterwarnings("ignore", message="Please use DTensor instead", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*_get_pg_default_device.*")
+    warnings.filterwarnings("ignore", message="Multiple backends are registered with this ProcessGroup")
+
+
 def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -> LoopResult:
     """Train as ``cfg`` says, in this process (one rank of a torchrun job, or alone).
 
@@ -126,6 +147,7 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -> Loo
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     validate(cfg, world)
+    _quiet_torch_warnings()
     t = cfg.trainer
     device = _device(t.device)
     created = _init_distributed(cfg.strategy.name, device)
@@ -144,6 +166,7 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -> Loo
         example = micro_batches(data.global_batch(0), 0, dist.get_world_size() if dist.is_initialized() else 1,
                                 t.grad_accum)[0]
         _wrap(model, cfg, example)
+        blocks = distckpt.checkpointed(model)  # before parallelize: the user's names, no wrapper prefixes
         verified = _optional_verify(model, example, t.verify_recompute)
         model.to(device)
         strategy = cfg.strategy.name
@@ -169,7 +192,7 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -> Loo
         finally:
             sink.close()
         result.guard = _guard_report(guard, verified)
-        result.checkpointed = distckpt.checkpointed(model)
+        result.checkpointed = blocks
         if rank == 0:
             print(_summary(cfg, result, path, model), flush=True)
         return result

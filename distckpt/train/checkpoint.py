@@ -80,7 +80,9 @@ class TrainState(Stateful):
             "rng": {f"rank{_rank()}": rng_state()},
         }
         if self.scheduler is not None:
-            sd["scheduler"] = self.scheduler.state_dict()
+            # The LR schedule's shape (warmup, total steps) comes from the config, not the checkpoint:
+            # a resume with a larger max_steps must stretch the schedule, so LambdaLR's lambdas are not saved.
+            sd["scheduler"] = {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
         if self.scaler is not None:
             sd["scaler"] = self.scaler.state_dict()
         return sd
@@ -89,7 +91,10 @@ class TrainState(Stateful):
         set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         self.step = int(sd["step"])
         if self.scheduler is not None and "scheduler" in sd:
-            self.scheduler.load_state_dict(sd["scheduler"])
+            sched = dict(sd["scheduler"])
+            if hasattr(self.scheduler, "lr_lambdas"):
+                sched["lr_lambdas"] = [None] * len(self.scheduler.lr_lambdas)  # keep the configured ones
+            self.scheduler.load_state_dict(sched)
         if self.scaler is not None and "scaler" in sd:
             self.scaler.load_state_dict(sd["scaler"])
         mine = sd["rng"].get(f"rank{_rank()}")

@@ -1,0 +1,121 @@
+"""End to end under torchrun on 2 CPU ranks: each strategy against a single-process run, kill -9 and
+SIGTERM resumes against an uninterrupted run (bitwise), and two torchrun agents as two nodes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from launchkit import ROOT, TINY, assert_params_equal, compose, env, final_params, free_port, torchrun, torchrun_cmd
+
+from launch.run import train
+
+pytestmark = pytest.mark.launch
+
+# Resume tests: dropout on (the RNG state must be restored), more steps, checkpoints every 4.
+LONG = [*TINY, "model.dropout=0.1", "trainer.max_steps=30", "trainer.save_every=4", "trainer.keep_last=0"]
+
+
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory):
+    """The reference: one process, no parallelism, no checkpointing, same global batch and init."""
+    run = tmp_path_factory.mktemp("ref") / "none"
+    result = train(compose([*TINY, "strategy=none", "ckpt=none"]), run_dir=run)
+    return run, result
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    run = tmp_path_factory.mktemp("long") / "ddp"
+    torchrun([*LONG, "strategy=ddp"], run)
+    return run
+
+
+def _metrics(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fsdp2"])
+def test_strategy_matches_single_process(strategy, single_process, tmp_path):
+    ref_dir, ref = single_process
+    run = tmp_path / strategy
+    proc = torchrun([*TINY, f"strategy={strategy}"], run)
+    assert "distckpt run summary" in proc.stdout and f"strategy={strategy} x2" in proc.stdout
+    assert "blocks.0, blocks.1" in proc.stdout  # the summary says what was checkpointed
+    last = _metrics(run)[-1]
+    assert last["step"] == 6
+    assert last["loss"] == pytest.approx(ref.losses["loss"], rel=1e-4)
+    assert last["lm"] == pytest.approx(ref.losses["lm"], rel=1e-4)
+    assert_params_equal(final_params(run, TINY), final_params(ref_dir, TINY), exact=False)
+    # Only rank 0 writes the run's files, all into the one run dir.
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml", "metrics.jsonl"]
+
+
+def test_kill_9_and_torchrun_restart_resume_bitwise(uninterrupted, tmp_path):
+    run = tmp_path / "killed"
+    # Rank 1 SIGKILLs itself after step 10 (first attempt only); torchrun restarts both workers, which
+    # resume from step_8, the latest complete checkpoint.
+    proc = torchrun([*LONG, "strategy=ddp", "trainer.fault.kill_at_step=10"], run, extra=["--standalone",
+                    "--max-restarts=1"])
+    assert "resumed from step_8" in proc.stdout
+    steps = [r["step"] for r in _metrics(run)]
+    assert steps.count(9) == 2 and steps[-1] == 30  # steps 9-10 ran twice: before the kill and after
+    assert_params_equal(final_params(run, LONG), final_params(uninterrupted, LONG), exact=True)
+
+
+def _worker_pids(agent: subprocess.Popen) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(agent.pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def test_sigterm_saves_on_every_rank_at_the_same_step_then_resumes_bitwise(uninterrupted, tmp_path):
+    run = tmp_path / "term"
+    agent = subprocess.Popen(torchrun_cmd([*LONG, "strategy=ddp"], run), cwd=ROOT,
+                             env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not _metrics(run) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids = _worker_pids(agent)
+        assert len(pids) == 2 and _metrics(run), "the workers did not start"
+        os.kill(pids[-1], signal.SIGTERM)  # one worker only: the other must stop at the same step
+        out, err = agent.communicate(timeout=90)
+    finally:
+        agent.kill()
+    assert agent.returncode == 0, err[-3000:]
+    assert "stopped by signal" in out
+    ckpts = sorted(int(p.name.split("_")[1]) for p in (run / "checkpoints").iterdir())
+    stop = ckpts[-1]
+    assert _metrics(run)[-1]["step"] == stop
+    # Both ranks wrote their part of that checkpoint (each rank's RNG state is a per-rank entry).
+    meta = torch.load(run / "checkpoints" / f"step_{stop}" / ".metadata", weights_only=False)
+    assert {k for k in meta.state_dict_metadata if k.startswith("train.rng.")} >= {"train.rng.rank0.torch",
+                                                                                  "train.rng.rank1.torch"}
+    if stop == 30:
+        pytest.skip("SIGTERM arrived only after the last step (a very slow machine); nothing to resume")
+    torchrun([*LONG, "strategy=ddp"], run)  # the same command resumes from the SIGTERM save
+    assert_params_equal(final_params(run, LONG), final_params(uninterrupted, LONG), exact=True)
+
+
+def test_two_torchrun_agents_as_two_nodes(single_process, tmp_path):
+    ref_dir, _ = single_process
+    run = tmp_path / "multinode"
+    port = free_port()
+    agents = [
+        subprocess.Popen(torchrun_cmd([*TINY, "strategy=ddp"], run, nproc=1, extra=[
+            "--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=twonodes"]),
+            cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outs = [a.communicate(timeout=120) for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    assert sum("distckpt run summary" in out for out, _ in outs) == 1  # rank 0 only
+    assert "strategy=ddp x2" in "".join(out for out, _ in outs)
+    assert_params_equal(final_params(run, TINY), final_params(ref_dir, TINY), exact=False)
