@@ -201,7 +201,8 @@ class GradSyncGuard:
     Args:
         model: the model: plain, DDP, FSDP or FSDP2. Names are reported as in the user's model.
         every: compare gradients on every ``every``-th call of :meth:`check` (1: every step).
-        params_every: compare replicated parameters every ``params_every`` calls (0: never).
+        params_every: compare replicated parameters on every ``params_every``-th checked step
+            (the first included; 0: never).
         no_grad_steps: consecutive checked steps without a gradient before reporting a parameter.
         on_no_grad: ``"warn"``, ``"raise"`` or ``"ignore"``.
         rtol: relative tolerance of the comparisons (see above).
@@ -266,7 +267,8 @@ class GradSyncGuard:
         report = GuardReport(step=step)
         if step % self.every:
             return report
-        with_params = self.params_every > 0 and step % self.params_every == 0
+        # Counted in checked steps, so that `every` and `params_every` need not divide each other.
+        with_params = self.params_every > 0 and (step // self.every) % self.params_every == 0
         params = self._params()
         fp, numels, sharded, device = self._local_fingerprints(params, with_params)
         rank, world = self._world()

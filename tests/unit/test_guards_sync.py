@@ -104,3 +104,15 @@ def test_weights_prefix_does_not_depend_on_first_length():
     a = _weights(torch.device("cpu"), 1, 10).clone()
     b = _weights(torch.device("cpu"), 1, 5 * 4096)
     assert torch.equal(a, b[: a.numel()])
+
+
+def test_params_every_counts_checked_steps():
+    model = TwoHeads()
+    guard = GradSyncGuard(model, every=3, params_every=2, on_no_grad="ignore")
+    flags = []
+    for _ in range(12):
+        _step(model)
+        r = guard.check()
+        flags.append((r.grads_checked, r.params_checked))
+    assert [i for i, (g, _) in enumerate(flags) if g] == [0, 3, 6, 9]
+    assert [i for i, (_, p) in enumerate(flags) if p] == [0, 6]
