@@ -107,19 +107,19 @@ def _bounds(mp: ModelProfile, static: int, *, strategy: str = "ddp", world_size:
 
     ``static`` counts every gradient. Without gradient accumulation (``zero_grad(set_to_none=True)``,
     PyTorch's default), backward creates them block by block from the last: while block i runs its
-    backward, the gradients of the blocks before it do not exist yet, nor any block's at the head.
+    backward, the gradients of the blocks before it (and of the embeddings) do not exist yet: the
+    profile measured which gradients exist when each block's backward ends.
     """
     div = max(1, world_size) if strategy in ("fsdp", "fsdp2") else 1
-    absent = [0] * len(mp.blocks)
-    if not grad_accumulation:
-        before = 0
-        for i, b in enumerate(mp.blocks):
-            absent[i] = before // div
-            before += b.grad_bytes
+    if grad_accumulation:
+        absent = [0] * len(mp.blocks)
+        head_absent = 0
+    else:
+        absent = [max(0, mp.trainable_bytes - b.grads_ready_bytes) // div for b in mp.blocks]
+        head_absent = max(0, mp.trainable_bytes - mp.head_grads_bytes) // div
     per_block = [static - absent[i] + mp.pre_bytes + b.footprint_bytes + b.overhead_bytes
                  for i, b in enumerate(mp.blocks)]
-    all_blocks = 0 if grad_accumulation else sum(b.grad_bytes for b in mp.blocks) // div
-    end = static - all_blocks + mp.pre_bytes + mp.post_bytes + mp.head_overhead_bytes
+    end = static - head_absent + mp.pre_bytes + mp.post_bytes + mp.head_overhead_bytes
     return per_block, end
 
 

@@ -35,8 +35,10 @@ class BlockProfile:
         saved_input_bytes: the part of ``activation_bytes`` that is the block's input.
         overhead_bytes: memory above the held activations at the block's forward/backward peak
             (gradients of activations, temporaries), measured in the sample step.
-        grad_bytes: gradients of the parameters that only this block uses (they do not exist yet
-            while backward runs the blocks after it, unless gradients are accumulated).
+        grads_ready_bytes: gradient bytes that exist when this block's backward ends (MemTracker),
+            the most that exist while it runs: without gradient accumulation, backward creates
+            gradients block by block from the last, so those of earlier blocks (and of the
+            embeddings) do not exist yet.
     """
 
     fqn: str
@@ -45,7 +47,7 @@ class BlockProfile:
     input_bytes: int = 0
     saved_input_bytes: int = 0
     overhead_bytes: int = 0
-    grad_bytes: int = 0
+    grads_ready_bytes: int = 0
 
     @property
     def held_bytes(self) -> int:
@@ -73,6 +75,7 @@ class ModelProfile:
         pre_bytes: activations saved outside the blocks before the last block ends (embeddings).
         post_bytes: activations saved after the last block (final norm, head, a loss in the model).
         head_overhead_bytes: memory above the held activations at the peak outside the blocks.
+        head_grads_bytes: gradient bytes that exist when the last block's backward begins.
         measured_peak_bytes: peak of the sample step without checkpointing (MemTracker on CPU,
             ``torch.cuda.max_memory_allocated`` on CUDA), without optimizer state.
         device: the device type the sample step ran on.
@@ -88,6 +91,7 @@ class ModelProfile:
     pre_bytes: int = 0
     post_bytes: int = 0
     head_overhead_bytes: int = 0
+    head_grads_bytes: int = 0
     measured_peak_bytes: int = 0
     device: str = "cpu"
 
@@ -179,11 +183,11 @@ def _preserved_state(model: nn.Module, device: torch.device) -> Iterator[None]:
                     b.copy_(v)
 
 
-def _mem_states() -> tuple[Any, Any]:
-    # MemTracker's per-module peak snapshots are keyed by this enum (private, hence guarded).
+def _mem_states(post: bool = False) -> tuple[Any, Any]:
+    # MemTracker's per-module snapshots are keyed by this enum (private, hence in one place).
     from torch.distributed._tools.mem_tracker import _ModState
 
-    return _ModState.PEAK_FW, _ModState.PEAK_BW
+    return (_ModState.POST_BW, _ModState.PRE_BW) if post else (_ModState.PEAK_FW, _ModState.PEAK_BW)
 
 
 def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inputs: Any) -> ModelProfile:
@@ -311,23 +315,29 @@ def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inpu
     def distinct(ts: list[torch.Tensor]) -> int:
         return _distinct_bytes(ts) if ts else 0
 
-    # Trainable parameters used by one block only (shared ones count as outside the blocks).
-    users: dict[tuple[str, int], list[int]] = {}
-    for i, (_, m) in enumerate(blocks):
-        for p in m.parameters():
-            if p.requires_grad:
-                users.setdefault(_storage_key(p), []).append(i)
-    own = [0] * n
-    for p in params:
-        owners = users.get(_storage_key(p), [])
-        if len(set(owners)) == 1 and p.requires_grad:
-            own[owners[0]] += _storage_bytes(p)
-            users[_storage_key(p)] = []  # count a storage once
+    # Gradients present when each block's backward ends, and when the last block's begins (the
+    # head's backward is over by then): they grow monotonically during backward.
+    post_bw = _mem_states(post=True)
+
+    def grads_at(stats: Any, state: Any) -> int:
+        snaps = stats.snapshots.get(state, []) if stats is not None else []
+        return max(((snap.get(dev) or {}).get("Gradient", 0) for snap in snaps), default=0)
+
+    all_grads = distinct([p for p in params if p.requires_grad])
+    stats_of = [tracker.memory_tracking.get(m) for _, m in blocks]
+    # Block i's backward is over once block i-1's begins; that snapshot also catches a parameter
+    # gradient accumulated just after the hook at the end of block i's backward.
+    ready = [
+        max(grads_at(stats_of[i], post_bw[0]), grads_at(stats_of[i - 1], post_bw[1]) if i else 0) or all_grads
+        for i in range(n)
+    ]
+    head_grads = grads_at(tracker.memory_tracking.get(blocks[-1][1]), post_bw[1]) if blocks else all_grads
 
     profiles = tuple(
         BlockProfile(
             fqn=name, activation_bytes=held[i], forward_flops=int(flops[i]), input_bytes=in_bytes[i],
-            saved_input_bytes=saved_input[i], overhead_bytes=overhead[i], grad_bytes=own[i],
+            saved_input_bytes=saved_input[i], overhead_bytes=overhead[i],
+            grads_ready_bytes=ready[i],
         )
         for i, (name, _) in enumerate(blocks)
     )
@@ -342,6 +352,7 @@ def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inpu
         pre_bytes=pre,
         post_bytes=post,
         head_overhead_bytes=head_overhead,
+        head_grads_bytes=head_grads,
         measured_peak_bytes=int(measured_peak),
         device=device.type,
     )
