@@ -3,7 +3,8 @@
 Two gloo CPU ranks train a ~20M-parameter GPT (``benchmarks.models.GPT``, every block checkpointed)
 under DDP. Steps with and without ``guard.check()`` alternate (interleaved, so load changes on the
 machine hit both alike); the overhead is the ratio of the median step times minus one. The time of
-``check()`` itself is also timed on its own (median) and reported as a fraction of the median step.
+``check()`` itself is also timed on its own, after a barrier (median), and reported as a fraction of
+the median step.
 Writes ``benchmarks/results/guards.md``.
 """
 
@@ -53,6 +54,7 @@ def _rank(rank: int, world: int, port: int, steps: int, batch_size: int, out: mp
         dist.barrier()
         t0 = time.perf_counter()
         ddp(idx, tgt).backward()
+        dist.barrier()  # in both kinds of steps: check() alone is then timed without the ranks' skew
         if guarded:
             t1 = time.perf_counter()
             guard.check()
@@ -109,7 +111,8 @@ without `guard.check()`, interleaved; medians. Machine: {platform.processor() or
 
 The step-time ratio carries the noise of a shared machine; the time of `check()` alone is the
 overhead proper (one float32 pass over each gradient for the sum of squares, one gemv for the
-projection, one all-gather of 6 float64 per parameter tensor).
+projection, one all-gather of 6 float64 per parameter tensor), timed after a barrier so that it does
+not include one rank waiting for the other.
 """
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "guards.md").write_text(text)
