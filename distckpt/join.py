@@ -64,10 +64,11 @@ class SyncState:
     """
 
     def __init__(self, names: list[str], registered: list[nn.Parameter], mode: str, group: Any,
-                 strategy: str, reentrant: set[int]):
+                 strategy: str, reentrant: set[int], static_check: bool = False):
         self.names = names
         self.registered = registered
         self.mode = mode
+        self.static_check = static_check  # graph='static': refuse a step whose used set differs
         self.group = group
         self.strategy = strategy
         self.reentrant = reentrant  # indices of params inside reentrant-checkpointed blocks
@@ -195,6 +196,11 @@ class SyncState:
         task = torch._C._current_graph_task_id()
         if self.task_id != task:
             self.task_id = task
+            if self.static_check:
+                # Here, before any parameter's gradient is accumulated, DDP has not reduced anything, so
+                # a changed graph raises this ConfigError instead of DDP's "graph has changed" or a desync.
+                # `used` covers every forward of the step: the engine knows the whole graph.
+                self._check_static(self.used.clone(), self.in_graph.clone())
             # Queued now, this runs before DDP's finalize (queued by the last bucket); it queues the
             # real work behind it, so that resetting grads happens after the reduction wrote them.
             torch.autograd.Variable._execution_engine.queue_callback(
@@ -215,15 +221,14 @@ class SyncState:
 
     def _end_of_backward(self) -> None:
         used = self.used.clone()
-        in_graph = self.in_graph.clone()
         fired = self._fired.clone()
         self._fired.zero_()
         self._reset_step()
         for i in self.reentrant:
             used[i] = bool(fired[i] > 0)
         self._window_used |= used
-        if self.mode == "static" or self.reentrant:
-            self._check(used, in_graph, fired)
+        if self.reentrant:
+            self._check_reentrant(fired)
         if not self.sync:
             return
         window = self._window_used.to(torch.uint8)
@@ -235,39 +240,40 @@ class SyncState:
             if none_at_start is None or none_at_start[i]:
                 self.registered[i].grad = None
 
-    def _check(self, used: torch.Tensor, in_graph: torch.Tensor, fired: torch.Tensor) -> None:
-        """graph='static' and reentrant blocks: the used set must be the same on every rank and step."""
+    def _check_static(self, used: torch.Tensor, in_graph: torch.Tensor) -> None:
+        """graph='static': the used set must be the same on every rank and step."""
         n = len(self.names)
-        local = torch.cat([used.to(torch.int32), fired, -used.to(torch.int32), -fired])
-        red = self._allreduce(local)
-        hi_used, hi_fired, lo_used, lo_fired = red[:n], red[n:2 * n], -red[2 * n:3 * n], -red[3 * n:]
-        if self.mode == "static":
-            if self._static_used is None:
-                unused_in_graph = (in_graph & ~used)
-                if unused_in_graph.any() or not torch.equal(hi_used, lo_used):
-                    bad = (unused_in_graph | (hi_used != lo_used)).nonzero().flatten().tolist()
-                    raise ConfigError(
-                        f"graph='static' but {self._names(bad)} got no gradient on some rank in step {self.step} "
-                        "(computed but not in the loss, or used by some ranks only). Use graph='auto'.")
-                self._static_used = used
-            elif not torch.equal(hi_used.bool(), self._static_used) or not torch.equal(lo_used.bool(),
-                                                                                        self._static_used):
-                bad = ((hi_used.bool() != self._static_used) | (lo_used.bool() != self._static_used))
+        red = self._allreduce(torch.cat([used, ~used]).to(torch.uint8)).bool()
+        anywhere, not_everywhere = red[:n], red[n:]
+        varies = anywhere & not_everywhere
+        if self._static_used is None:
+            bad = (in_graph & ~used) | varies
+            if bad.any():
                 raise ConfigError(
-                    f"graph='static' but the parameters used in step {self.step} differ from the first step's "
-                    f"({self._names(bad.nonzero().flatten().tolist())}). Use graph='auto' (or 'dynamic').")
-        if self.reentrant:
-            idx = sorted(self.reentrant)
-            if self._first_fired is None:
-                self._first_fired = hi_fired.clone()
-            bad = [i for i in idx if lo_fired[i] == 0 or hi_fired[i] != lo_fired[i]
-                   or hi_fired[i] != self._first_fired[i]]
-            if bad:
-                raise ConfigError(
-                    f"{self._names(bad)} inside reentrant-checkpointed blocks got no gradient, or a different "
-                    f"number of gradients, on some rank in step {self.step}: with reentrant checkpointing "
-                    f"{self.strategy} can only sync blocks that every step uses the same way on every rank. "
-                    "Use distckpt.wrap(..., reentrant=False).")
+                    f"graph='static' but {self._names(bad.nonzero().flatten().tolist())} got no gradient on some "
+                    f"rank in step {self.step} (computed but not in the loss, or used by some ranks only). Use "
+                    "graph='auto'.")
+            self._static_used = used
+        elif varies.any() or not torch.equal(anywhere, self._static_used):
+            bad = varies | (anywhere != self._static_used)
+            raise ConfigError(
+                f"graph='static' but the parameters used in step {self.step} differ from the first step's "
+                f"({self._names(bad.nonzero().flatten().tolist())}). Use graph='auto' (or 'dynamic').")
+
+    def _check_reentrant(self, fired: torch.Tensor) -> None:
+        """Params inside reentrant blocks: the same number of gradients on every rank and step."""
+        n = len(self.names)
+        red = self._allreduce(torch.cat([fired, -fired]))
+        hi, lo = red[:n], -red[n:]
+        if self._first_fired is None:
+            self._first_fired = hi.clone()
+        bad = [i for i in sorted(self.reentrant) if lo[i] == 0 or hi[i] != lo[i] or hi[i] != self._first_fired[i]]
+        if bad:
+            raise ConfigError(
+                f"{self._names(bad)} inside reentrant-checkpointed blocks got no gradient, or a different "
+                f"number of gradients, on some rank in step {self.step}: with reentrant checkpointing "
+                f"{self.strategy} can only sync blocks that every step uses the same way on every rank. "
+                "Use distckpt.wrap(..., reentrant=False).")
 
     def _names(self, idx: list[int]) -> str:
         shown = ", ".join(self.names[i] for i in idx[:3])

@@ -147,7 +147,9 @@ def parallelize(model: nn.Module, strategy: str = "ddp", *, graph: str = "auto",
     re_blocks = _reentrant_blocks(model)
     re_idx = {index[f"{bn}.{pn}"] for bn, b in model.named_modules() if b in re_blocks
               for pn, p in b.named_parameters() if p.requires_grad}
-    mode = "static" if graph == "static" else "join"
+    # DDP's static graph needs no join; FSDP has no such flag, so graph='static' joins there too (a used
+    # set that differs across ranks would otherwise desync its reduce-scatter before the check runs).
+    mode = "static" if graph == "static" and strategy == "ddp" else "join"
 
     if re_idx and strategy != "ddp":
         raise ConfigError(
@@ -172,7 +174,8 @@ def parallelize(model: nn.Module, strategy: str = "ddp", *, graph: str = "auto",
         wrapped, units, group = _apply_fsdp2(model, names, owners, device_mesh, kwargs)
 
     registered_by_name = {_clean_fqn(n): p for n, p in wrapped.named_parameters()}
-    state = SyncState(names, [registered_by_name[n] for n in names], mode, group, strategy, re_idx)
+    state = SyncState(names, [registered_by_name[n] for n in names], mode, group, strategy, re_idx,
+                      static_check=graph == "static")
     for unit, prepend in units:
         state.attach(unit, prepend)
     if re_idx:
@@ -310,6 +313,13 @@ def accumulate(model: nn.Module) -> Iterator[None]:
     from torch.distributed.fsdp import FSDPModule
 
     state: SyncState | None = getattr(model, _STATE, None)
+    if getattr(model, "static_graph", False):
+        # DDP's static graph asserts inside its reducer ('expect_autograd_hooks_') when a step skips sync.
+        why = "reentrant checkpointing" if state is not None and state.reentrant else "graph='static'"
+        raise ConfigError(
+            f"gradient accumulation cannot skip sync under DDP static_graph=True (set for {why}). Use "
+            "distckpt.wrap(..., reentrant=False) and graph='auto', or accumulate by summing the micro-batch "
+            "losses before one backward.")
     if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(False)
         ctx: Any = contextlib.nullcontext()
