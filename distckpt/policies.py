@@ -166,10 +166,12 @@ class Selective:
     """Op-level checkpointing inside every block: keep the outputs of expensive ops
     (matmuls, attention) and recompute the cheap pointwise ones.
 
-    ``save_ops`` overrides the default list of ops whose outputs are kept.
+    ``save_ops`` overrides the default list of ops whose outputs are kept (aten ops or names);
+    ``every_other_matmul=False`` keeps every matmul output instead of every other one.
     """
 
     save_ops: tuple[Any, ...] | None = None
+    every_other_matmul: bool = True
 
     def select(self, plan: Plan) -> list[int]:
         return list(range(len(plan.blocks)))
@@ -177,7 +179,7 @@ class Selective:
     def context_fn(self) -> Callable[[], tuple[Any, Any]]:
         from distckpt.selective import selective_context_fn
 
-        return selective_context_fn(self.save_ops)
+        return selective_context_fn(self.save_ops, self.every_other_matmul)
 
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,

@@ -65,6 +65,8 @@ def test_op_list_is_configurable():
     mm_only, _, _ = _block_step(copy.deepcopy(block), x, selective_context_fn(save_ops=["aten.mm", "addmm"],
                                                                             every_other_matmul=False))
     default, _, grads = _block_step(copy.deepcopy(block), x, selective_context_fn())
+    via_policy, _, _ = _block_step(copy.deepcopy(block), x, Selective(("mm", "addmm"), False).context_fn())
+    assert via_policy == mm_only
     assert nothing == full  # saving no op is full recompute
     assert full < default < mm_only  # every-other-matmul keeps less than every matmul
     assert resolve_ops([torch.ops.aten.mm.default, "bmm"]) == {torch.ops.aten.mm, torch.ops.aten.bmm}
