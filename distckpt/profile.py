@@ -207,6 +207,9 @@ def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inpu
     phase = {"done": 0}  # blocks whose forward has finished; == n means "after the last block"
     first_saver: dict[tuple[str, int], tuple[int, int]] = {}  # storage -> (owner, bytes); owner -1 pre, n post
     input_keys: list[dict[tuple[str, int], int]] = [{} for _ in range(n)]
+    # Storages are told apart by address, so block inputs stay referenced until the end: a freed
+    # input's address reused by a later saved tensor would otherwise be taken for that input.
+    keep: list[torch.Tensor] = []
     flops = [0] * n
     counter = FlopCounterMode(display=False)
     flop_start: dict[int, int] = {}
@@ -225,6 +228,7 @@ def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inpu
             key = _storage_key(t)
             if key not in static_keys:
                 input_keys[i][key] = _storage_bytes(t)
+                keep.append(t)
         flop_start[i] = counter.get_total_flops()
 
     def post_hook(module: nn.Module, a: Any, kw: Any, out: Any) -> None:
@@ -255,6 +259,7 @@ def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inpu
     finally:
         for h in handles:
             h.remove()
+        keep.clear()
 
     # Attribute each saved storage once. A storage that is some block's input belongs to that
     # block's input (the consumer keeps it whether or not the producer is checkpointed).
