@@ -121,7 +121,8 @@ def _optional_verify(model: torch.nn.Module, example: dict[str, torch.Tensor], e
     except NotImplementedError:
         warnings.warn("trainer.verify_recompute: not available in this version; skipped.", stacklevel=2)
         return "not available"
-    return str(report)
+    # RecomputeMismatchError propagates: training on a recompute that differs would be silently wrong.
+    return "ok (recompute equals forward)" if getattr(report, "ok", True) else str(report)
 
 
 def _quiet_torch_warnings() -> None:
@@ -191,7 +192,7 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -> Loo
                          autocast=autocast_factory(cfg.precision, device), clip=clip_fn(model, strategy), guard=guard)
         finally:
             sink.close()
-        result.guard = _guard_report(guard, verified)
+        result.guard = _guard_report(guard, result.guard_checks, verified)
         result.checkpointed = blocks
         if rank == 0:
             print(_summary(cfg, result, path, model), flush=True)
@@ -201,10 +202,9 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -> Loo
             dist.destroy_process_group()
 
 
-def _guard_report(guard: Any, verified: str) -> str:
-    parts = [f"grad sync: {getattr(guard, 'summary', lambda: 'on')() if guard is not None else 'off'}"]
-    parts.append(f"recompute check: {verified}")
-    return "; ".join(parts)
+def _guard_report(guard: Any, checks: int, verified: str) -> str:
+    sync = f"{checks} steps compared across ranks, all in sync" if guard is not None else "off"
+    return f"grad sync: {sync}; recompute check: {verified}"
 
 
 def _summary(cfg: DictConfig, r: LoopResult, path: str, model: torch.nn.Module) -> str:

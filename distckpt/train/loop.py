@@ -75,6 +75,7 @@ class LoopResult:
     samples_per_s: float = 0.0
     peak_memory_mib: float = 0.0
     guard: str = "off"
+    guard_checks: int = 0  # steps whose gradients the GradSyncGuard compared across ranks (all agreed)
     checkpointed: list[str] = field(default_factory=list)  # FQNs of the activation-checkpointed blocks
     checkpoints: list[str] = field(default_factory=list)
 
@@ -210,8 +211,9 @@ def fit(
                 for k, v in losses.items():
                     sums[k] = sums.get(k, 0) + v.detach().float() / len(micro)
             tasks = sorted(sums)
-            if guard is not None:
-                guard.check()
+            if guard is not None:  # a collective: every rank checks at every step (the guard skips by `every`)
+                report = guard.check()
+                result.guard_checks += bool(getattr(report, "grads_checked", True))
             if scaler is not None:
                 scaler.unscale_(optimizer)
             norm = clip(opts.clip_grad_norm if opts.clip_grad_norm > 0 else math.inf)

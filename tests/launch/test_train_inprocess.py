@@ -116,3 +116,11 @@ def test_hf_causal_lm_from_a_config_name(tmp_path):
                                  "trainer.max_steps=2", "trainer.save_every=0"])
     assert set(res.losses) == {"loss", "lm", "cls"} and res.step == 2
     assert res.checkpointed == ["lm.transformer.h.0", "lm.transformer.h.1"]  # found by distckpt.wrap
+
+
+def test_guards_run_when_enabled(tmp_path):
+    res = _train(tmp_path, "a", [*NONE, "trainer.guard_every=2", "trainer.verify_recompute=true",
+                                 "trainer.save_every=0"])
+    assert res.guard_checks == 3  # steps 1, 3, 5 of 6
+    assert res.guard == "grad sync: 3 steps compared across ranks, all in sync; recompute check: ok " \
+                        "(recompute equals forward)"
