@@ -94,8 +94,9 @@ class SyncState:
         self.consumers: dict[int, list[Any]] = {}
         self.visited: set[Any] = set()
         self.forwards = 0
-        self.used = torch.zeros(len(self.names), dtype=torch.bool)
-        self.in_graph = torch.zeros(len(self.names), dtype=torch.bool)
+        # Python lists, not tensors: read per parameter in backward, where tensor indexing costs.
+        self.used = [False] * len(self.names)
+        self.in_graph = [False] * len(self.names)
         self.task_id: int | None = None
         self.joined: set[_Key] = set()
 
@@ -121,21 +122,23 @@ class SyncState:
     def _pre_forward(self, unit: _Unit) -> None:
         if not torch.is_grad_enabled():
             return
-        if self.forwards >= _MAX_PENDING_FORWARDS:
+        if unit is self.units[-1] and self.forwards >= _MAX_PENDING_FORWARDS:  # the root: a new forward
             warnings.warn(
                 f"distckpt: {self.forwards} forwards with grad enabled and no backward; their sync records "
                 "were dropped. Run evaluation under torch.no_grad() to avoid this.", stacklevel=3)
             self._reset_step()
-        unit.tensors, unit.keys = [], []
-        for i, owner, attr in unit.params:
-            t = getattr(owner, attr)
-            if not t.requires_grad:
-                continue
-            edge = get_gradient_edge(t)
-            key = (edge.node, edge.output_nr)
-            self.param_keys[key] = i
-            unit.tensors.append(t)
-            unit.keys.append(key)
+        tensors = [getattr(owner, attr) for _, owner, attr in unit.params]
+        if len(tensors) != len(unit.tensors) or any(a is not b for a, b in zip(tensors, unit.tensors)):
+            # New tensors (FSDP1 makes new views each forward): find where their gradients flow in.
+            # Leaf params keep theirs: holding the key keeps autograd's accumulator node the same.
+            unit.tensors = tensors
+            unit.keys = []
+            for t in tensors:
+                edge = get_gradient_edge(t) if t.requires_grad else None
+                unit.keys.append((edge.node, edge.output_nr) if edge is not None else None)
+        for (i, _, _), key in zip(unit.params, unit.keys):
+            if key is not None:
+                self.param_keys[key] = i
 
     def _post_forward(self, unit: _Unit, out: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -147,10 +150,12 @@ class SyncState:
         if unit is self.units[-1]:
             self.forwards += 1
         self._walk([flat[k].grad_fn for k in idx])
-        joined = unit.keys if self.mode == "join" else []
-        tensors = [unit.tensors[j] for j, key in enumerate(unit.keys) if self.param_keys[key] not in self.reentrant] \
-            if joined else []
-        keys = [key for key in joined if self.param_keys[key] not in self.reentrant]
+        keys, tensors = [], []
+        if self.mode == "join":
+            for key, t in zip(unit.keys, unit.tensors):
+                if key is not None and self.param_keys[key] not in self.reentrant:
+                    keys.append(key)
+                    tensors.append(t)
         # One join per output tensor, each also taking the params: an output the loss does not use
         # then stays unreachable, so its consumers do not count as used (a head computed but not in the
         # loss). The first join that runs in a backward delivers the zeros; the others deliver nothing.
@@ -183,24 +188,25 @@ class SyncState:
 
     def on_join_backward(self, keys: list[_Key]) -> list[bool]:
         """Which of ``keys`` this backward reaches through the real graph; queues the end-of-step work."""
-        will = torch._C._will_engine_execute_node
-        if self._none_at_start is None:
-            # First backward of an accumulation window: an unused param's grad is untouched so far
-            # (only the join writes it, later in this backward).
-            self._none_at_start = [p.grad is None for p in self.registered]
-        for i, nodes in self.consumers.items():
-            if not self.used[i]:
+        task = torch._C._current_graph_task_id()
+        if self.task_id != task:
+            # The first join of this backward: the engine already knows the whole graph, so `used`
+            # covers every forward of the step; the other joins only read it.
+            self.task_id = task
+            if self._none_at_start is None:
+                # First backward of an accumulation window: an unused param's grad is untouched so far
+                # (only the join writes it, later in this backward).
+                self._none_at_start = [p.grad is None for p in self.registered]
+            will = torch._C._will_engine_execute_node
+            for i, nodes in self.consumers.items():
                 self.in_graph[i] = True
                 if any(will(n) for n in nodes):
                     self.used[i] = True
-        task = torch._C._current_graph_task_id()
-        if self.task_id != task:
-            self.task_id = task
             if self.static_check:
                 # Here, before any parameter's gradient is accumulated, DDP has not reduced anything, so
                 # a changed graph raises this ConfigError instead of DDP's "graph has changed" or a desync.
                 # `used` covers every forward of the step: the engine knows the whole graph.
-                self._check_static(self.used.clone(), self.in_graph.clone())
+                self._check_static(torch.tensor(self.used), torch.tensor(self.in_graph))
             # Queued now, this runs before DDP's finalize (queued by the last bucket); it queues the
             # real work behind it, so that resetting grads happens after the reduction wrote them.
             torch.autograd.Variable._execution_engine.queue_callback(
@@ -208,7 +214,7 @@ class SyncState:
             )
         out = []
         for k in keys:
-            out.append(bool(self.used[self.param_keys[k]]) or k in self.joined)
+            out.append(self.used[self.param_keys[k]] or k in self.joined)
             self.joined.add(k)
         return out
 
@@ -220,7 +226,7 @@ class SyncState:
         return t.cpu()
 
     def _end_of_backward(self) -> None:
-        used = self.used.clone()
+        used = torch.tensor(self.used)
         fired = self._fired.clone()
         self._fired.zero_()
         self._reset_step()
