@@ -43,7 +43,7 @@ def _free_port() -> int:
 
 
 def _init_distributed(strategy: str, device: torch.device) -> bool:
-    """Join the job's process group (torchrun's env) or make a 1-process one; True if we created it."""
+    """Join the job's process group (torchrun's env) or make a 1-process one; True if this call made it."""
     if dist.is_initialized() or (strategy == "none" and int(os.environ.get("WORLD_SIZE", "1")) == 1):
         return False
     if "RANK" not in os.environ:  # `python launch/train.py strategy=ddp`: a job of one process
@@ -151,55 +151,54 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -> Loo
     _quiet_torch_warnings()
     t = cfg.trainer
     device = _device(t.device)
-    created = _init_distributed(cfg.strategy.name, device)
+    # The process group stays up when train() returns: tearing a gloo group down from Python can
+    # deadlock (measured here: the DDP reducer's destructor joins gloo's worker thread while holding
+    # the GIL, and that thread waits for the GIL to free a tensor). launch/train.py exits with os._exit.
+    _init_distributed(cfg.strategy.name, device)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank != 0:
+        logging.getLogger("distckpt").setLevel(logging.WARNING)
+    path = _run_dir(run_dir)
+    if rank == 0:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        (Path(path) / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+
+    torch.manual_seed(t.seed)  # the same initial parameters on every rank
+    data = build_data(cfg.data, cfg.model)
+    model = build_model(cfg.model, cfg.data)
+    example = micro_batches(data.global_batch(0), 0, dist.get_world_size() if dist.is_initialized() else 1,
+                            t.grad_accum)[0]
+    _wrap(model, cfg, example)
+    blocks = distckpt.checkpointed(model)  # before parallelize: the user's names, no wrapper prefixes
+    verified = _optional_verify(model, example, t.verify_recompute)
+    model.to(device)
+    strategy = cfg.strategy.name
+    model = distckpt.parallelize(model, strategy, graph=cfg.strategy.graph,
+                                 **parallel_kwargs(cfg.precision, strategy))
+    optimizer, scheduler = build_optimizer(cfg.optim, model, t.max_steps)
+    state = TrainState(model, optimizer, scheduler, build_scaler(cfg.precision, strategy, device))
+    guard = _optional_guard(model, t.guard_every)
+    torch.manual_seed(t.seed + 1 + rank)  # dropout: one stream per rank, restored on resume
+
+    sink = MetricSink(path, tensorboard=cfg.logger.tensorboard, wandb_mode=cfg.logger.wandb,
+                      wandb_project=cfg.logger.wandb_project,
+                      config=OmegaConf.to_container(cfg, resolve=True), enabled=rank == 0)
+    opts = LoopOptions(
+        max_steps=t.max_steps, grad_accum=t.grad_accum, clip_grad_norm=t.clip_grad_norm, log_every=t.log_every,
+        save_every=t.save_every, keep_last=t.keep_last, eval_every=t.eval_every, resume=t.resume,
+        on_nonfinite=t.on_nonfinite, guard_every=t.guard_every, progress=t.progress,
+        nan_at_steps=tuple(t.fault.nan_at_steps), kill_at_step=t.fault.kill_at_step, kill_rank=t.fault.kill_rank,
+    )
     try:
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        if rank != 0:
-            logging.getLogger("distckpt").setLevel(logging.WARNING)
-        path = _run_dir(run_dir)
-        if rank == 0:
-            Path(path).mkdir(parents=True, exist_ok=True)
-            (Path(path) / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-
-        torch.manual_seed(t.seed)  # the same initial parameters on every rank
-        data = build_data(cfg.data, cfg.model)
-        model = build_model(cfg.model, cfg.data)
-        example = micro_batches(data.global_batch(0), 0, dist.get_world_size() if dist.is_initialized() else 1,
-                                t.grad_accum)[0]
-        _wrap(model, cfg, example)
-        blocks = distckpt.checkpointed(model)  # before parallelize: the user's names, no wrapper prefixes
-        verified = _optional_verify(model, example, t.verify_recompute)
-        model.to(device)
-        strategy = cfg.strategy.name
-        model = distckpt.parallelize(model, strategy, graph=cfg.strategy.graph,
-                                     **parallel_kwargs(cfg.precision, strategy))
-        optimizer, scheduler = build_optimizer(cfg.optim, model, t.max_steps)
-        state = TrainState(model, optimizer, scheduler, build_scaler(cfg.precision, strategy, device))
-        guard = _optional_guard(model, t.guard_every)
-        torch.manual_seed(t.seed + 1 + rank)  # dropout: one stream per rank, restored on resume
-
-        sink = MetricSink(path, tensorboard=cfg.logger.tensorboard, wandb_mode=cfg.logger.wandb,
-                          wandb_project=cfg.logger.wandb_project,
-                          config=OmegaConf.to_container(cfg, resolve=True), enabled=rank == 0)
-        opts = LoopOptions(
-            max_steps=t.max_steps, grad_accum=t.grad_accum, clip_grad_norm=t.clip_grad_norm, log_every=t.log_every,
-            save_every=t.save_every, keep_last=t.keep_last, eval_every=t.eval_every, resume=t.resume,
-            on_nonfinite=t.on_nonfinite, guard_every=t.guard_every, progress=t.progress,
-            nan_at_steps=tuple(t.fault.nan_at_steps), kill_at_step=t.fault.kill_at_step, kill_rank=t.fault.kill_rank,
-        )
-        try:
-            result = fit(model, state, data, opts=opts, run_dir=path, sink=sink, device=device,
-                         autocast=autocast_factory(cfg.precision, device), clip=clip_fn(model, strategy), guard=guard)
-        finally:
-            sink.close()
-        result.guard = _guard_report(guard, result.guard_checks, verified)
-        result.checkpointed = blocks
-        if rank == 0:
-            print(_summary(cfg, result, path, model), flush=True)
-        return result
+        result = fit(model, state, data, opts=opts, run_dir=path, sink=sink, device=device,
+                     autocast=autocast_factory(cfg.precision, device), clip=clip_fn(model, strategy), guard=guard)
     finally:
-        if created and dist.is_initialized():
-            dist.destroy_process_group()
+        sink.close()
+    result.guard = _guard_report(guard, result.guard_checks, verified)
+    result.checkpointed = blocks
+    if rank == 0:
+        print(_summary(cfg, result, path, model), flush=True)
+    return result
 
 
 def _guard_report(guard: Any, checks: int, verified: str) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `launch` and `distckpt` from a checkout
@@ -23,15 +24,31 @@ register()
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
+    import torch.distributed as dist
+
     from distckpt.errors import ConfigError
     from launch.run import train
 
+    code = 0
     try:
         train(cfg)
     except ConfigError as e:  # found after composition (e.g. a policy this version lacks)
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
+        code = 2
+    except Exception:
+        if not dist.is_initialized():
+            raise
+        traceback.print_exc()
+        code = 1
+    if dist.is_initialized():
+        # Skip interpreter teardown: destroying a gloo process group from Python can deadlock (see
+        # launch/run.py), which would leave torchrun waiting forever. Everything is written and closed.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    if code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":

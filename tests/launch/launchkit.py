@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -52,10 +54,27 @@ def torchrun_cmd(overrides: list[str], run_dir: Path, *, nproc: int = 2, extra: 
 def torchrun(overrides: list[str], run_dir: Path, *, nproc: int = 2, extra: list[str] | None = None,
              timeout: float = 120) -> subprocess.CompletedProcess:
     """Run the launcher under torchrun; fail the test with its output if it fails."""
-    proc = subprocess.run(torchrun_cmd(overrides, run_dir, nproc=nproc, extra=extra), cwd=ROOT, env=env(),
-                          capture_output=True, text=True, timeout=timeout)
+    agent = popen(torchrun_cmd(overrides, run_dir, nproc=nproc, extra=extra))
+    try:
+        out, err = agent.communicate(timeout=timeout)
+    finally:
+        kill_group(agent)
+    proc = subprocess.CompletedProcess(agent.args, agent.returncode, out, err)
     assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc
+
+
+def popen(cmd: list[str]) -> subprocess.Popen:
+    """Start ``cmd`` in its own process group, so that :func:`kill_group` also reaches torchrun's workers."""
+    return subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """Kill what is left of ``proc``'s process group (a hung or failed test must not leave workers behind)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def final_params(run_dir: Path, model_overrides: list[str], step: int | None = None) -> dict[str, torch.Tensor]:

@@ -11,7 +11,17 @@ import time
 from pathlib import Path
 
 import pytest
-from launchkit import ROOT, TINY, assert_params_equal, compose, env, final_params, free_port, torchrun, torchrun_cmd
+from launchkit import (
+    TINY,
+    assert_params_equal,
+    compose,
+    final_params,
+    free_port,
+    kill_group,
+    popen,
+    torchrun,
+    torchrun_cmd,
+)
 from torch.distributed.checkpoint import FileSystemReader
 
 from launch.run import train
@@ -90,8 +100,7 @@ def _worker_pids(agent: subprocess.Popen) -> list[int]:
 
 def test_sigterm_saves_on_every_rank_at_the_same_step_then_resumes_bitwise(uninterrupted, tmp_path):
     run = tmp_path / "term"
-    agent = subprocess.Popen(torchrun_cmd([*LONG, "strategy=ddp"], run), cwd=ROOT,
-                             env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    agent = popen(torchrun_cmd([*LONG, "strategy=ddp"], run))
     try:
         deadline = time.monotonic() + 90
         while not _metrics(run) and time.monotonic() < deadline:
@@ -101,7 +110,7 @@ def test_sigterm_saves_on_every_rank_at_the_same_step_then_resumes_bitwise(unint
         os.kill(pids[-1], signal.SIGTERM)  # one worker only: the other must stop at the same step
         out, err = agent.communicate(timeout=90)
     finally:
-        agent.kill()
+        kill_group(agent)
     assert agent.returncode == 0, err[-3000:]
     assert "stopped by signal" in out
     ckpts = sorted(int(p.name.split("_")[1]) for p in (run / "checkpoints").iterdir())
@@ -121,12 +130,15 @@ def test_two_torchrun_agents_as_two_nodes(single_process, tmp_path):
     run = tmp_path / "multinode"
     port = free_port()
     agents = [
-        subprocess.Popen(torchrun_cmd([*TINY, "strategy=ddp"], run, nproc=1, extra=[
-            "--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=twonodes"]),
-            cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        popen(torchrun_cmd([*TINY, "strategy=ddp"], run, nproc=1, extra=[
+            "--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=twonodes"]))
         for _ in range(2)
     ]
-    outs = [a.communicate(timeout=120) for a in agents]
+    try:
+        outs = [a.communicate(timeout=120) for a in agents]
+    finally:
+        for a in agents:
+            kill_group(a)
     assert [a.returncode for a in agents] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
     assert sum("distckpt run summary" in out for out, _ in outs) == 1  # rank 0 only
     assert "strategy=ddp x2" in "".join(out for out, _ in outs)
