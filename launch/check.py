@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 from omegaconf import DictConfig
+
+from launch.config import CONF_DIR
 
 
 def _first_line(e: BaseException) -> str:
@@ -26,6 +29,10 @@ def explain(e: BaseException) -> str:
     if "Could not override" in msg or "not in struct" in msg:
         return f"{msg}\nunknown key: check its spelling against conf/ (python launch/train.py --cfg job lists them)."
     if "Could not find" in msg or "Could not load" in msg:
+        group = msg.split("'")[3].split("/")[0] if msg.count("'") >= 4 else ""
+        options = sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml")) if group else []
+        if options:
+            return f"{msg}\nchoose one of: {', '.join(f'{group}={o}' for o in options)}."
         return f"{msg}\nchoose one of the files in conf/<group>/ (e.g. strategy=ddp)."
     if key:
         return f"{msg}\nfix the override {key}=..."

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from launchkit import ROOT, compose, env
 from omegaconf import OmegaConf
 
@@ -27,8 +28,13 @@ def test_groups_are_the_documented_ones():
 def test_every_config_file_composes(group, option):
     cfg = compose([f"{group}={option}", *NEEDS.get((group, option), [])])
     validate(cfg, world_size=2 if cfg.strategy.name != "none" else 1)
-    OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    assert cfg[group].name == option if "name" in cfg[group] else True
+    resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    written = yaml.safe_load((CONF / group / f"{option}.yaml").read_text())
+    written.pop("defaults")
+    assert written, f"conf/{group}/{option}.yaml sets nothing"
+    for key, value in written.items():  # every value in the file reached the composed config, typed
+        if not (isinstance(value, str) and "${" in value):
+            assert resolved[group][key] == value, (key, resolved[group][key], value)
 
 
 def test_default_run_dir_is_the_same_for_every_rank_of_a_launch(monkeypatch):
