@@ -1,9 +1,9 @@
-"""Multi-task models and the ways a training step uses them (DESIGN.md's table), shared by the
-parallel tests and the benchmark.
+"""Multi-task models and the ways a training step uses them (DESIGN.md's table), for the parallel tests.
 
 A pattern is a local loss ``loss(model, x, step, rank) -> scalar`` run on one rank's shard of the
-global batch. The single-process reference runs every rank's local loss on its shard in one process
-and averages them (what DDP's gradient averaging computes), without checkpointing.
+global batch (with gradient accumulation, ``step`` counts micro-batches). The single-process
+reference runs every rank's local loss on its shard in one process and averages them (what DDP's
+gradient averaging computes), without checkpointing.
 """
 
 from __future__ import annotations
@@ -165,7 +165,9 @@ PATTERNS = {
         Pattern("lora", all_heads, {"lora": True}, static=True),
         Pattern("lora_two_forwards", two_forwards, {"lora": True}, static=True),
         Pattern("frozen_embed", all_heads, {"frozen_embed": True}, static=True),
-        Pattern("accumulate", sampled, {}, micro_batches=2),
+        # Micro-batch m of step s runs as local step 2s+m: heads change between micro-batches, and one
+        # head is unused over each whole window (its grad must stay None).
+        Pattern("accumulate", by_step, {}, micro_batches=2),
     ]
 }
 
@@ -198,7 +200,8 @@ def reference(pattern: Pattern, world_size: int, steps: int = 3) -> tuple[list[d
         opt.zero_grad(set_to_none=True)
         for micro in range(pattern.micro_batches):
             x = batch(step, micro)
-            total = sum(pattern.loss(model, shard(x, r, world_size), step, r) for r in range(world_size))
+            local_step = step * pattern.micro_batches + micro
+            total = sum(pattern.loss(model, shard(x, r, world_size), local_step, r) for r in range(world_size))
             (total / (world_size * pattern.micro_batches)).backward()
         grads.append({n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()
                       if p.requires_grad})

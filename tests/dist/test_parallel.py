@@ -67,7 +67,8 @@ def _train(rank, world_size, name, strategy, reentrant, graph, steps=STEPS, kwar
             x = shard(batch(step, micro), rank, world_size)
             last = micro == pattern.micro_batches - 1
             with contextlib.nullcontext() if last else distckpt.accumulate(pm):
-                (pattern.loss(pm, x, step, rank) / pattern.micro_batches).backward()
+                local_step = step * pattern.micro_batches + micro
+                (pattern.loss(pm, x, local_step, rank) / pattern.micro_batches).backward()
         grads.append(_full_grads(pm, strategy))
         opt.step()
     return grads, _full_params(pm, strategy)
