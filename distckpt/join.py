@@ -72,6 +72,12 @@ class SyncState:
         self.group = group
         self.strategy = strategy
         self.reentrant = reentrant  # indices of params inside reentrant-checkpointed blocks
+        # FSDP2 accumulates a param's gradient over any number of autograd passes, so params inside
+        # reentrant blocks join too (their nested backward adds the real gradient). DDP's static graph
+        # counts each firing, so there they do not.
+        self.join_reentrant = strategy == "fsdp2"
+        self._hooked: set[int] = set()
+        self._delivered = [0] * len(names)
         self.units: list[_Unit] = []
         self.handles: list[Any] = []
         self.sync = True  # False inside distckpt.accumulate: no reduction on this micro-batch
@@ -133,6 +139,12 @@ class SyncState:
             # Leaf params keep theirs: holding the key keeps autograd's accumulator node the same.
             unit.tensors = tensors
             unit.keys = []
+            if self.join_reentrant:
+                for (i, _, _), t in zip(unit.params, tensors):
+                    if i in self.reentrant and t.requires_grad and id(t) not in self._hooked:
+                        # The unsharded param FSDP2 accumulates into: count its gradients (nested too).
+                        self._hooked.add(id(t))
+                        self.handles.append(t.register_post_accumulate_grad_hook(lambda _p, i=i: self._fire(i)))
             for t in tensors:
                 edge = get_gradient_edge(t) if t.requires_grad else None
                 unit.keys.append((edge.node, edge.output_nr) if edge is not None else None)
@@ -153,7 +165,7 @@ class SyncState:
         keys, tensors = [], []
         if self.mode == "join":
             for key, t in zip(unit.keys, unit.tensors):
-                if key is not None and self.param_keys[key] not in self.reentrant:
+                if key is not None and (self.join_reentrant or self.param_keys[key] not in self.reentrant):
                     keys.append(key)
                     tensors.append(t)
         # One join per output tensor, each also taking the params: an output the loss does not use
@@ -214,7 +226,11 @@ class SyncState:
             )
         out = []
         for k in keys:
-            out.append(self.used[self.param_keys[k]] or k in self.joined)
+            i = self.param_keys[k]
+            skip = self.used[i] or k in self.joined
+            if not skip and i in self.reentrant:
+                self._delivered[i] += 1  # a firing that is the join's zero, not a real gradient
+            out.append(skip)
             self.joined.add(k)
         return out
 
@@ -231,9 +247,10 @@ class SyncState:
         self._fired.zero_()
         self._reset_step()
         for i in self.reentrant:
-            used[i] = bool(fired[i] > 0)
+            used[i] = bool(fired[i] > self._delivered[i])
+        self._delivered = [0] * len(self.names)
         self._window_used |= used
-        if self.reentrant:
+        if self.reentrant and not self.join_reentrant:
             self._check_reentrant(fired)
         if not self.sync:
             return

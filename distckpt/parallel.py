@@ -151,11 +151,11 @@ def parallelize(model: nn.Module, strategy: str = "ddp", *, graph: str = "auto",
     # set that differs across ranks would otherwise desync its reduce-scatter before the check runs).
     mode = "static" if graph == "static" and strategy == "ddp" else "join"
 
-    if re_idx and strategy != "ddp":
+    if re_idx and strategy == "fsdp":
         raise ConfigError(
-            f"reentrant checkpointing under {strategy} is not supported by distckpt: FSDP reduces a unit's "
-            "gradients once per backward, while a reentrant block's gradients arrive in nested backwards. Use "
-            "distckpt.wrap(..., reentrant=False).")
+            "reentrant checkpointing under FSDP1 is not supported by distckpt: FSDP reduces a unit's flat "
+            "gradient from a hook that a reentrant block's nested backward fires on its own. Use "
+            "distckpt.wrap(..., reentrant=False), or strategy='fsdp2'.")
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -178,7 +178,7 @@ def parallelize(model: nn.Module, strategy: str = "ddp", *, graph: str = "auto",
                       static_check=graph == "static")
     for unit, prepend in units:
         state.attach(unit, prepend)
-    if re_idx:
+    if re_idx and strategy == "ddp":
         state.count_reentrant_firings([(i, state.registered[i]) for i in sorted(re_idx)])
     setattr(wrapped, _STATE, state)
     return wrapped
