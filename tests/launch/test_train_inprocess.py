@@ -124,3 +124,12 @@ def test_guards_run_when_enabled(tmp_path):
     assert res.guard_checks == 3  # steps 1, 3, 5 of 6
     assert res.guard == "grad sync: 3 steps compared across ranks, all in sync; recompute check: ok " \
                         "(recompute equals forward)"
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_tracks_fp32(tmp_path, precision):
+    ref = _train(tmp_path, "fp32", [*NONE, "trainer.save_every=0"])
+    res = _train(tmp_path, precision, [*NONE, f"precision={precision}", "trainer.save_every=0"])
+    assert res.skipped_steps == [] and res.step == 6
+    assert res.losses["loss"] == pytest.approx(ref.losses["loss"], rel=2e-2)
+    assert res.losses["loss"] != ref.losses["loss"]  # autocast really ran in lower precision
