@@ -31,7 +31,7 @@ __all__ = ["CheckpointOptions", "checkpointed", "checkpointing_disabled", "is_ch
 logger = logging.getLogger("distckpt")
 
 # Prefixes that wrappers insert into FQNs; checkpointed() reports names as in the user's model.
-_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+_WRAPPER_NAMES = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
 
 
 @dataclass(frozen=True)
@@ -94,11 +94,10 @@ def is_checkpointed(module: nn.Module) -> bool:
 
 
 def _clean_fqn(name: str) -> str:
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    if name.startswith("module.") or name == "module":
-        name = name[len("module."):]
-    return name
+    parts = [p for p in name.split(".") if p not in _WRAPPER_NAMES]
+    if parts and parts[0] == "module":  # DDP's root
+        parts = parts[1:]
+    return ".".join(parts)
 
 
 def checkpointed(model: nn.Module) -> list[str]:

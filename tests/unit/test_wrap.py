@@ -587,3 +587,26 @@ def test_pickle_and_deepcopy_keep_checkpointing(tmp_path):
         assert other.layers[0]._distckpt_norms == [other.layers[0].bn]  # the copy's own BatchNorm
         x = torch.randn(5, 4)
         assert_same(step(model, x), step(other, x))
+
+
+def test_checkpointed_names_through_ddp_and_fsdp(dist_pool):
+    names = dist_pool.run(_names_under_wrappers)
+    assert names[0] == names[1] == {s: ["layers.0", "layers.2"] for s in ("ddp", "fsdp", "fsdp2")}
+
+
+def _names_under_wrappers(rank, world_size):
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    out = {}
+    model = distckpt.wrap(Net(n=3), "every:2")
+    out["ddp"] = distckpt.checkpointed(DistributedDataParallel(model))
+    model = distckpt.wrap(Net(n=3), "every:2")
+    fsdp = FullyShardedDataParallel(model, auto_wrap_policy=lambda module, recurse, **kw: recurse or is_checkpointed(
+        module), device_id=torch.device("cpu"), use_orig_params=True)
+    out["fsdp"] = distckpt.checkpointed(fsdp)
+    model = distckpt.wrap(Net(n=3), "every:2")
+    for layer in model.layers:
+        fully_shard(layer)
+    out["fsdp2"] = distckpt.checkpointed(fully_shard(model))
+    return out
