@@ -301,3 +301,28 @@ def test_preflight_accepts(dist_pool):
     assert dist_pool.run(_user_ddp, True, None) == [True, True]  # ddp_kwargs(graph="static") is safe
     for strategy in ("ddp", "fsdp", "fsdp2"):
         assert dist_pool.run(_preflight_parallelized, strategy) == [True, True]
+
+
+def _names_and_eval(rank, world_size, strategy):
+    pattern = PATTERNS["all_heads"]
+    plain = build(pattern)
+    keys = list(plain.state_dict())
+    model = build(pattern)
+    distckpt.wrap(model, "full", blocks=lambda m: isinstance(m, _BLOCKS))
+    pm = distckpt.parallelize(model, strategy)
+    x = shard(batch(0, 0), rank, world_size)
+    with torch.no_grad():  # evaluation: no join, no records kept
+        out = pm(x)
+    state = pm._distckpt_sync
+    assert state.forwards == 0 and not state.consumers
+    ref = plain(x)
+    same = all(torch.allclose(out[t], ref[t], atol=1e-6) for t in out)
+    names = [_clean_fqn(n) for n in (pm.module if strategy == "ddp" else pm).state_dict()]
+    return same, names == keys
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_eval_and_state_dict_keys(dist_pool, strategy):
+    """Under no_grad the model runs plainly; state_dict keys are the unwrapped model's."""
+    assert dist_pool.run(_names_and_eval, strategy) == [(True, True)] * 2
