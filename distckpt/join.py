@@ -58,9 +58,12 @@ class SyncState:
     Args:
         names: clean FQNs of the trainable parameters (same order on every rank).
         registered: the parameters as the optimizer sees them (sharded under FSDP), same order.
-        mode: ``"join"`` (graph auto/dynamic) or ``"static"`` (check that the graph stays the same).
+        mode: ``"join"`` (unused params join with zero gradients) or ``"static"`` (DDP static graph:
+            no join).
         group: process group for the used-bits all-reduce.
-        strategy: for error messages.
+        strategy: ``"ddp"``, ``"fsdp"`` or ``"fsdp2"``.
+        reentrant: indices of the params inside reentrant-checkpointed blocks.
+        static_check: graph='static': raise ConfigError at the first step whose used set differs.
     """
 
     def __init__(self, names: list[str], registered: list[nn.Parameter], mode: str, group: Any,
