@@ -257,9 +257,19 @@ class SyncState:
             self._check_reentrant(fired)
         if not self.sync:
             return
-        window = self._window_used.to(torch.uint8)
-        self._window_used = torch.zeros(len(self.names), dtype=torch.bool)
         none_at_start, self._none_at_start = self._none_at_start, None
+        window = self._window_used
+        if none_at_start is not None:
+            # A parameter no forward used may still have a real gradient: one used only in the loss,
+            # outside every unit's forward (a learnable temperature, a regularizer). Its gradient is
+            # reduced by now; a nonzero value on any rank means it was used, so it keeps its gradient.
+            for i in (~window).nonzero().flatten().tolist():
+                grad = self.registered[i].grad if none_at_start[i] else None
+                if grad is not None:
+                    grad = grad.to_local() if hasattr(grad, "to_local") else grad
+                    window[i] = bool(grad.numel() and grad.ne(0).any())
+        window = window.to(torch.uint8)
+        self._window_used = torch.zeros(len(self.names), dtype=torch.bool)
         self.step += 1
         any_used = self._allreduce(window).bool()
         for i in (~any_used).nonzero().flatten().tolist():

@@ -71,8 +71,10 @@ class MultiTask(nn.Module):
     """embed -> blocks -> one head per task; ``forward(x, tasks)`` computes only the given heads."""
 
     def __init__(self, n_blocks: int = 2, d: int = D, lora: bool = False, frozen_embed: bool = False,
-                 heads_inside: bool = False):
+                 heads_inside: bool = False, loss_param: bool = False):
         super().__init__()
+        if loss_param:
+            self.log_scale = nn.Parameter(torch.tensor(0.1))  # read by the loss only, never by forward
         self.embed = nn.Linear(D_IN, d)
         self.blocks = nn.ModuleList([(LoraBlock if lora else Block)(d) for _ in range(n_blocks)])
         self.heads_inside = heads_inside
@@ -136,6 +138,12 @@ def sampled(model, x, step, rank):
     return _mse(model(x, (t,))[t], x)
 
 
+def loss_only_param(model, x, step, rank):
+    # A parameter used in the loss only, outside the model's forward (a learnable temperature).
+    scale = getattr(model, "module", model).log_scale.exp()
+    return sampled(model, x, step, rank) * scale
+
+
 def all_heads_then_zero(model, x, step, rank):
     # Every head is computed; "b" is weighted zero (used: its grad is a real zero, not None), "c" unused.
     out = model(x)
@@ -165,6 +173,7 @@ PATTERNS = {
         Pattern("lora", all_heads, {"lora": True}, static=True),
         Pattern("lora_two_forwards", two_forwards, {"lora": True}, static=True),
         Pattern("frozen_embed", all_heads, {"frozen_embed": True}, static=True),
+        Pattern("loss_only_param", loss_only_param, {"loss_param": True}),
         # Micro-batch m of step s runs as local step 2s+m: heads change between micro-batches, and one
         # head is unused over each whole window (its grad must stay None).
         Pattern("accumulate", by_step, {}, micro_batches=2),
