@@ -4,22 +4,29 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 TORCH   ?= torch==2.13.0
 STAMP   := $(VENV)/.installed
+RUN_STAMP := $(VENV)/.installed-run
 NPROC   ?= $(shell $(PY) -c "import shutil,subprocess;print(subprocess.run(['nvidia-smi','-L'],capture_output=True,text=True).stdout.count('GPU ') if shutil.which('nvidia-smi') else 0)" 2>/dev/null)
 
 .PHONY: setup train test lint format bench clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+# What `make train` needs: torch and the launcher's packages.
+$(RUN_STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	@# torch first and pinned: the local CPU wheel where one lies on disk, the CUDA build from PyPI on a GPU machine.
 	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[launch]"
+	touch $(RUN_STAMP)
+
+# Everything: tests, lint, benchmarks.
+$(STAMP): $(RUN_STAMP)
 	$(BIN)/python -m pip install -q -e ".[dev,launch,bench]"
 	touch $(STAMP)
 
 # The default job (or ARGS="strategy=fsdp2 trainer.max_steps=50 ..."); overrides are checked before torchrun
 # starts, so a bad one prints one line and exits 2. Outputs: outputs/<model>-<strategy>/<run id>/.
-train: $(STAMP)
+train: $(RUN_STAMP)
 	@if [ "$(NPROC)" -gt 0 ] 2>/dev/null; then n=$(NPROC); else n=2; fi; \
 	DISTCKPT_NPROC=$$n $(BIN)/python launch/train.py --check $(ARGS) || exit $$?; \
 	echo "torchrun --standalone --nproc_per_node=$$n launch/train.py $(ARGS)"; \
