@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import socket
 import statistics
 import time
 from pathlib import Path
@@ -21,6 +20,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from benchmarks.ranks import run_ranks
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -64,23 +65,13 @@ def _rank(rank: int, world: int, port: int, steps: int, batch_size: int, out: mp
         dist.barrier()  # a step ends when the slowest rank ends it
         if step >= 2:  # warm-up: the first two steps allocate
             times[guarded].append(time.perf_counter() - t0)
-    out.put((rank, n_params, times, check_times))
+    out.put((rank, (n_params, times, check_times)))
     dist.destroy_process_group()
 
 
 def measure(steps: int, batch_size: int, world: int = 2) -> dict[str, float]:
     """Run the two ranks; return the medians and ratios (from rank 0)."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_rank, args=(r, world, port, steps, batch_size, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = dict((r, rest) for r, *rest in (out.get(timeout=3600) for _ in procs))
-    for p in procs:
-        p.join()
+    results = run_ranks(_rank, world, steps, batch_size)
     n_params, times, check_times = results[0]
     plain, guarded = statistics.median(times[False]), statistics.median(times[True])
     check = statistics.median(check_times)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import socket
 import statistics
 import time
 from pathlib import Path
@@ -30,6 +29,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+
+from benchmarks.ranks import run_ranks
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TASKS = ("a", "b", "c")
@@ -122,17 +123,7 @@ def _rank(rank: int, world: int, port: int, steps: int, batch_size: int, out: mp
 
 def measure(steps: int, batch_size: int, world: int = 2) -> dict[str, dict[str, float]]:
     """Run the two ranks; return, per pattern, the medians and their ratio (from rank 0)."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_rank, args=(r, world, port, steps, batch_size, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = dict(out.get(timeout=7200) for _ in procs)
-    for p in procs:
-        p.join()
+    results = run_ranks(_rank, world, steps, batch_size, timeout=7200)
     summary = {}
     for name, (n_params, times, _) in results[0].items():
         auto, hand = statistics.median(times["auto"]), statistics.median(times["hand"])
