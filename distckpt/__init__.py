@@ -8,7 +8,7 @@ Wrap the blocks first, then parallelize::
 
 from distckpt.chunk import chunk_feed_forward
 from distckpt.errors import ConfigError, GradDesyncError, RecomputeMismatchError
-from distckpt.guards import GradSyncGuard, verify_recompute
+from distckpt.guards import GradSyncGuard, NoGradientError, verify_recompute
 from distckpt.parallel import accumulate, ddp_kwargs, parallelize, preflight
 from distckpt.policies import Budget, EveryN, FirstN, Fraction, Full, Selective, parse_policy
 from distckpt.wrap import checkpointed, checkpointing_disabled, wrap
@@ -24,6 +24,7 @@ __all__ = [
     "Full",
     "GradDesyncError",
     "GradSyncGuard",
+    "NoGradientError",
     "RecomputeMismatchError",
     "Selective",
     "accumulate",
