@@ -275,10 +275,11 @@ def _run_checkpointed(module: nn.Module, inner: Callable[..., Any], opts: Checkp
 
             args = (*args, *(kwargs[k] for k in tensor_keys))
             kwargs = {}
-        return tuc.checkpoint(
-            fn, *args, use_reentrant=False, preserve_rng_state=opts.preserve_rng_state,
-            context_fn=_context_fn(opts, module._distckpt_norms), **kwargs,
-        )
+        context_fn = _context_fn(opts, module._distckpt_norms)
+        if context_fn is not tuc.noop_context_fn:
+            # Passed only when needed: torch.compile traces checkpoint without a context_fn argument.
+            kwargs = {**kwargs, "context_fn": context_fn}
+        return tuc.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=opts.preserve_rng_state, **kwargs)
 
 
 # --- wrap ---------------------------------------------------------------------------------------

@@ -610,3 +610,13 @@ def _names_under_wrappers(rank, world_size):
         fully_shard(layer)
     out["fsdp2"] = distckpt.checkpointed(fully_shard(model))
     return out
+
+
+def test_torch_compile_traces_wrapped_blocks():
+    plain = Net(n=3)
+    wrapped = copy.deepcopy(plain)
+    distckpt.wrap(wrapped, "full")
+    compiled = torch.compile(wrapped, backend="aot_eager")  # dynamo + AOT autograd, no C++ build
+    x = torch.randn(6, 4)
+    loss, _ = step(compiled, x)  # grads read from the wrapped model: compile prefixes names with _orig_mod.
+    assert_same(step(plain, x), (loss, grads(wrapped)), exact=False)
