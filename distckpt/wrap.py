@@ -56,6 +56,10 @@ class _CheckpointedMixin:
         if self._distckpt_disabled or not torch.is_grad_enabled():
             # Nothing is saved for backward without grad (eval, inference): run the block as is.
             return inner(*args, **kwargs)
+        if self._distckpt_norms and torch.compiler.is_compiling():
+            # A compiled recompute would update BatchNorm running stats a second time (measured), and
+            # dynamo cannot trace the context that prevents it: such blocks run eagerly (a graph break).
+            return _run_checkpointed_eager(self, inner, self._distckpt_options, args, kwargs)
         return _run_checkpointed(self, inner, self._distckpt_options, args, kwargs)
 
 
@@ -280,6 +284,9 @@ def _run_checkpointed(module: nn.Module, inner: Callable[..., Any], opts: Checkp
             # Passed only when needed: torch.compile traces checkpoint without a context_fn argument.
             kwargs = {**kwargs, "context_fn": context_fn}
         return tuc.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=opts.preserve_rng_state, **kwargs)
+
+
+_run_checkpointed_eager = torch.compiler.disable(_run_checkpointed)
 
 
 # --- wrap ---------------------------------------------------------------------------------------
