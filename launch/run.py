@@ -202,7 +202,13 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -> Loo
 
 
 def _guard_report(guard: Any, checks: int, verified: str) -> str:
-    sync = f"{checks} steps compared across ranks, all in sync" if guard is not None else "off"
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if guard is None:
+        sync = "off"
+    elif world > 1:
+        sync = f"{checks} steps compared across {world} ranks, all in sync"
+    else:  # one process: nothing to compare, only parameters that get no gradient are watched
+        sync = f"{checks} steps checked (one process: no-gradient check only)"
     return f"grad sync: {sync}; recompute check: {verified}"
 
 

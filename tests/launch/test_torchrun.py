@@ -70,7 +70,7 @@ def test_strategy_matches_single_process(strategy, single_process, tmp_path):
     run = tmp_path / strategy
     proc = torchrun([*TINY, f"strategy={strategy}", "trainer.guard_every=1", "trainer.verify_recompute=true"], run)
     assert "distckpt run summary" in proc.stdout and f"strategy={strategy} x2" in proc.stdout
-    assert "grad sync: 6 steps compared across ranks, all in sync; recompute check: ok" in proc.stdout
+    assert "grad sync: 6 steps compared across 2 ranks, all in sync; recompute check: ok" in proc.stdout
     assert "blocks.0, blocks.1" in proc.stdout  # the summary says what was checkpointed
     last = _metrics(run)[-1]
     assert last["step"] == 6
