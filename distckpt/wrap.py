@@ -59,7 +59,7 @@ class _CheckpointedMixin:
         if self._distckpt_norms and torch.compiler.is_compiling():
             # A compiled recompute would update BatchNorm running stats a second time (measured), and
             # dynamo cannot trace the context that prevents it: such blocks run eagerly (a graph break).
-            return _run_checkpointed_eager(self, inner, self._distckpt_options, args, kwargs)
+            return _EAGER_RUN[0](self, inner, self._distckpt_options, args, kwargs)
         return _run_checkpointed(self, inner, self._distckpt_options, args, kwargs)
 
 
@@ -78,6 +78,7 @@ class _CheckpointedMixin:
 def _rebuild_checkpointed(constructor: Callable[..., Any], args: tuple[Any, ...]) -> Any:
     obj = constructor(*args)
     obj.__class__ = _checkpointed_class(type(obj))
+    _prepare_eager_run()  # its state (BatchNorm list included) is set after this returns
     return obj
 
 
@@ -286,7 +287,15 @@ def _run_checkpointed(module: nn.Module, inner: Callable[..., Any], opts: Checkp
         return tuc.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=opts.preserve_rng_state, **kwargs)
 
 
-_run_checkpointed_eager = torch.compiler.disable(_run_checkpointed)
+# torch.compiler.disable(_run_checkpointed), made eagerly by wrap (or unpickling) when a block holds
+# BatchNorm statistics: not at import, since it imports torch._dynamo (a second), and not while
+# dynamo traces, which would trace its creation.
+_EAGER_RUN: list[Callable[..., Any]] = []
+
+
+def _prepare_eager_run() -> None:
+    if not _EAGER_RUN:
+        _EAGER_RUN.append(torch.compiler.disable(_run_checkpointed))
 
 
 # --- wrap ---------------------------------------------------------------------------------------
@@ -452,5 +461,7 @@ def wrap(
         block.__class__ = _checkpointed_class(type(block))
         block._distckpt_options = opts
         block._distckpt_norms = _stateful_norms(block)  # found once, not on every forward
+        if block._distckpt_norms:
+            _prepare_eager_run()
     logger.info("distckpt.wrap: policy %s checkpoints %d of %d blocks", pol, len(chosen), len(candidates))
     return model
