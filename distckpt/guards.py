@@ -232,6 +232,7 @@ class GradSyncGuard:
         self.rtol = float(rtol)
         self.group = group
         self.step = 0
+        self._layout_checked = False
         self._missing: dict[str, int] = {}  # name -> consecutive checked steps without gradient
         self._reported: set[str] = set()
 
@@ -274,6 +275,16 @@ class GradSyncGuard:
         rank, world = self._world()
         if world > 1:
             comm = self._comm_device(device)
+            if not self._layout_checked:
+                # Once: the all-gather below needs the same parameter count on every rank.
+                counts = torch.tensor([len(params), -len(params)], dtype=torch.int64, device=comm)
+                dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.group)
+                self._layout_checked = True
+                if int(counts[0]) != -int(counts[1]):
+                    raise GradDesyncError(
+                        f"GradSyncGuard: ranks hold different numbers of parameter tensors ({-int(counts[1])} to "
+                        f"{int(counts[0])}; this rank {len(params)}): the model differs across ranks. Build the "
+                        "same model on every rank (same config and seed) before wrapping it.")
             local = fp.to(comm)
             out = local.new_empty((world * local.shape[0], _N_FIELDS))
             # The one collective; all_gather_single is its name from torch 2.13 on.

@@ -314,3 +314,20 @@ def test_real_silent_desync_is_caught(dist_pool, case):
     named = "blocks.0.fc2.bias (gradient): ranks [1] differ from rank 0" if case == "lora" else \
         "blocks.0.fc1.weight (gradient): ranks [1] differ from rank 0"
     assert named in msg0
+
+
+def _different_models(rank: int, world: int) -> str:
+    model = _model(ckpt=False)
+    if rank == 1:
+        model.extra = nn.Linear(2, 2)  # this rank built another model
+    guard = GradSyncGuard(model)
+    try:
+        guard.check()
+    except distckpt.GradDesyncError as e:
+        return str(e)
+    return ""
+
+
+def test_different_parameter_lists_raise_instead_of_hanging(dist_pool):
+    msgs = dist_pool.run(_different_models, timeout=30)
+    assert all("different numbers of parameter tensors" in m and "same model on every rank" in m for m in msgs), msgs
