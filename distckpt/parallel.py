@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from distckpt.errors import ConfigError
 from distckpt.join import SyncState, _Unit, param_owner
-from distckpt.wrap import _clean_fqn, is_checkpointed
+from distckpt.wrap import _clean_fqn, is_checkpointed, pending_plan
 
 __all__ = ["accumulate", "ddp_kwargs", "parallelize", "preflight"]
 
@@ -140,6 +140,10 @@ def parallelize(model: nn.Module, strategy: str = "ddp", *, graph: str = "auto",
         raise ConfigError(
             f"distckpt.parallelize got a model already wrapped in {kind}. Pass the plain model (after "
             "distckpt.wrap); parallelize applies the wrapper itself.")
+    if strategy in ("fsdp", "fsdp2") and pending_plan(model):
+        raise ConfigError(
+            f"distckpt.wrap(model, budget) has not chosen its blocks yet (it waits for the first forward), but "
+            f"{strategy} makes one unit per checkpointed block now. Pass example_inputs=(a batch) to distckpt.wrap.")
     preflight(model)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     owners = [param_owner(model, n) for n in names]

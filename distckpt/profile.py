@@ -142,7 +142,17 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return [t for t in leaves if isinstance(t, torch.Tensor)]
 
 
+@dataclass(frozen=True)
+class Call:
+    """Positional and keyword arguments of one forward call, as a sample batch."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
 def _as_args(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if isinstance(example_inputs, Call):
+        return tuple(example_inputs.args), dict(example_inputs.kwargs)
     if isinstance(example_inputs, dict):
         return (), dict(example_inputs)
     if isinstance(example_inputs, (tuple, list)):
@@ -403,7 +413,8 @@ def profile_model(model: nn.Module, blocks: list[tuple[str, nn.Module]], example
     Args:
         model: the model, with none of ``blocks`` checkpointed.
         blocks: the candidate blocks ``[(fqn, module), ...]`` in forward order.
-        example_inputs: a tuple of positional arguments, a dict of keyword arguments, or one tensor.
+        example_inputs: a tuple of positional arguments, a dict of keyword arguments, one tensor, or
+            a :class:`Call` holding both.
 
     Returns:
         A :class:`ModelProfile`.
@@ -411,7 +422,7 @@ def profile_model(model: nn.Module, blocks: list[tuple[str, nn.Module]], example
     Raises:
         ValueError: when the model's output holds nothing to call backward on.
     """
-    key = (tuple(name for name, _ in blocks), _signature(example_inputs), model.training)
+    key = (tuple(name for name, _ in blocks), _signature(_as_args(example_inputs)), model.training)
     cache = _CACHE.setdefault(model, {})
     if key not in cache:
         cache[key] = _agree(_measure(model, blocks, example_inputs))

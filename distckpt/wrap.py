@@ -24,7 +24,7 @@ import torch.utils.checkpoint as tuc
 
 from distckpt.blocks import BlockSpec, find_blocks
 from distckpt.errors import ConfigError
-from distckpt.policies import Plan, Policy, parse_policy, select_blocks
+from distckpt.policies import Budget, Plan, Policy, parse_policy, select_blocks
 
 __all__ = ["CheckpointOptions", "checkpointed", "checkpointing_disabled", "is_checkpointed", "unwrap", "wrap"]
 
@@ -413,7 +413,10 @@ def wrap(
         offload: ``"cpu"`` keeps the tensors saved at block boundaries in host memory
             (pinned on CUDA).
         example_inputs: a sample batch (tuple of args or dict of kwargs) for policies that profile
-            the model (``budget``).
+            the model (``budget``). Without it, ``budget`` profiles the first training forward
+            (grad enabled, ``model.training``) with that forward's inputs and chooses its blocks
+            then, identically on every rank; under FSDP/FSDP2, which make one unit per checkpointed
+            block at ``parallelize`` time, pass it.
 
     Returns:
         ``model``.
@@ -449,13 +452,26 @@ def wrap(
                 f"{name} is nested with the already checkpointed {outer[0]}: it would be recomputed "
                 "twice. Choose blocks that do not contain each other."
             )
+    _cancel_first_forward_plan(model)
     if pol is None:
         return model
+    opts = CheckpointOptions(reentrant, preserve_rng_state, offload, context_fn)
+    if example_inputs is None and isinstance(pol, Budget):
+        # No sample batch: profile on the first training forward, with its inputs.
+        handle = model.register_forward_pre_hook(
+            functools.partial(_plan_on_first_forward, pol, candidates, opts), with_kwargs=True)
+        model._distckpt_pending_plan = handle
+        return model
+    _apply_plan(model, pol, candidates, opts, example_inputs)
+    return model
+
+
+def _apply_plan(model: nn.Module, pol: Policy, candidates: list[tuple[str, nn.Module]], opts: CheckpointOptions,
+                example_inputs: Any) -> None:
     from torch.distributed import get_world_size, is_initialized
 
     plan = Plan(model, candidates, example_inputs, get_world_size() if is_initialized() else 1)
     chosen = select_blocks(pol, plan)
-    opts = CheckpointOptions(reentrant, preserve_rng_state, offload, context_fn)
     for i in chosen:
         block = candidates[i][1]
         block.__class__ = _checkpointed_class(type(block))
@@ -464,4 +480,25 @@ def wrap(
         if block._distckpt_norms:
             _prepare_eager_run()
     logger.info("distckpt.wrap: policy %s checkpoints %d of %d blocks", pol, len(chosen), len(candidates))
-    return model
+
+
+def _plan_on_first_forward(pol: Policy, candidates: list[tuple[str, nn.Module]], opts: CheckpointOptions,
+                           model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Forward pre-hook: plan a budget on the first training forward's inputs, then go away."""
+    if not (torch.is_grad_enabled() and model.training):
+        return  # evaluation forwards say nothing about training memory
+    _cancel_first_forward_plan(model)
+    from distckpt.profile import Call
+
+    _apply_plan(model, pol, candidates, opts, Call(args, kwargs))
+
+
+def _cancel_first_forward_plan(model: nn.Module) -> None:
+    handle = model.__dict__.pop("_distckpt_pending_plan", None)
+    if handle is not None:
+        handle.remove()
+
+
+def pending_plan(model: nn.Module) -> bool:
+    """Whether a ``budget`` policy still waits for the first training forward to choose its blocks."""
+    return "_distckpt_pending_plan" in model.__dict__

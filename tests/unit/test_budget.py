@@ -109,8 +109,10 @@ def test_parse_and_auto():
     model = GPT(GPTConfig(vocab=32, seq=8, dim=16, heads=2, layers=2))
     with pytest.raises(ConfigError, match="explicit size"):
         distckpt.wrap(model, "budget:auto", example_inputs=batch(model.cfg, 2))
-    with pytest.raises(ConfigError, match="example_inputs"):
-        distckpt.wrap(model, "budget:1MiB")
+    distckpt.wrap(model, "budget:1KiB")  # no sample batch: planned on the first training forward
+    assert distckpt.checkpointed(model) == []
+    with pytest.raises(ConfigError, match="no choice of checkpointed blocks fits"):
+        model(*batch(model.cfg, 2))
 
 
 def _train_peak(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> int:
