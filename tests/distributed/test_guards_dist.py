@@ -81,6 +81,15 @@ def _parallel(model: nn.Module, strategy: str) -> nn.Module:
 # --- injected faults -----------------------------------------------------------------------------
 
 
+def _desync_message(guard: GradSyncGuard) -> str:
+    """Run one check; the GradDesyncError message, or "no error"."""
+    try:
+        guard.check()
+    except distckpt.GradDesyncError as e:
+        return str(e)
+    return "no error"
+
+
 def _fault(rank: int, world: int, fault: str) -> str:
     model = _parallel(_model(), "ddp")
     guard = GradSyncGuard(model, params_every=1)
@@ -100,11 +109,7 @@ def _fault(rank: int, world: int, fault: str) -> str:
                 p.grad = None
             elif fault == "param":
                 model.module.head.bias += 1e-3
-    try:
-        guard.check()
-    except distckpt.GradDesyncError as e:
-        return str(e)
-    return "no error"
+    return _desync_message(guard)
 
 
 @pytest.mark.parametrize("fault", ["scale", "swap", "none"])
@@ -176,11 +181,7 @@ def _sharded_missing(rank: int, world: int) -> str:
     _ddp_step(rank, model)
     if rank == 1:
         model.blocks[2].fc2.weight.grad = None  # this rank's shard lost its gradient
-    try:
-        guard.check()
-    except distckpt.GradDesyncError as e:
-        return str(e)
-    return "no error"
+    return _desync_message(guard)
 
 
 def test_fsdp2_missing_shard_gradient_is_caught(dist_pool):
@@ -321,11 +322,7 @@ def _different_models(rank: int, world: int) -> str:
     if rank == 1:
         model.extra = nn.Linear(2, 2)  # this rank built another model
     guard = GradSyncGuard(model)
-    try:
-        guard.check()
-    except distckpt.GradDesyncError as e:
-        return str(e)
-    return ""
+    return _desync_message(guard)
 
 
 def test_different_parameter_lists_raise_instead_of_hanging(dist_pool):
