@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from distckpt.errors import ConfigError
 from distckpt.join import SyncState, _Unit, param_owner
-from distckpt.wrap import _clean_fqn, is_checkpointed, pending_plan
+from distckpt.wrap import _clean_fqn, is_checkpointed, parallel_kind, pending_plan
 
 __all__ = ["accumulate", "ddp_kwargs", "parallelize", "preflight"]
 
@@ -36,17 +36,6 @@ def _check_graph(graph: str) -> None:
 
 def _reentrant_blocks(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if is_checkpointed(m) and m._distckpt_options.reentrant]
-
-
-def _is_wrapped(model: nn.Module) -> str | None:
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-    from torch.nn.parallel import DistributedDataParallel
-
-    if isinstance(model, DistributedDataParallel):
-        return "DistributedDataParallel"
-    if any(isinstance(m, (FullyShardedDataParallel, FSDPModule)) for m in model.modules()):
-        return "FSDP"
-    return None
 
 
 # --- DDP ----------------------------------------------------------------------------------------
@@ -135,7 +124,7 @@ def parallelize(model: nn.Module, strategy: str = "ddp", *, graph: str = "auto",
         raise ConfigError(
             f"strategy={strategy!r} needs torch.distributed initialized: run under torchrun and call "
             "dist.init_process_group first, or use strategy='none'.")
-    kind = _is_wrapped(model)
+    kind = parallel_kind(model)
     if kind:
         raise ConfigError(
             f"distckpt.parallelize got a model already wrapped in {kind}. Pass the plain model (after "

@@ -301,20 +301,23 @@ def _prepare_eager_run() -> None:
 # --- wrap ---------------------------------------------------------------------------------------
 
 
-def _refuse_parallel(model: nn.Module) -> None:
+def parallel_kind(model: nn.Module) -> str | None:
+    """``"DistributedDataParallel"`` or ``"FSDP"`` when ``model`` is already wrapped, else None."""
     from torch.nn.parallel import DistributedDataParallel
 
-    kind = None
     if isinstance(model, DistributedDataParallel):
-        kind = "DistributedDataParallel"
-    else:
-        try:
-            from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+        return "DistributedDataParallel"
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return None
+    if any(isinstance(m, (FullyShardedDataParallel, FSDPModule)) for m in model.modules()):
+        return "FSDP"
+    return None
 
-            if any(isinstance(m, (FullyShardedDataParallel, FSDPModule)) for m in model.modules()):
-                kind = "FSDP"
-        except ImportError:  # pragma: no cover - torch built without distributed
-            pass
+
+def _refuse_parallel(model: nn.Module) -> None:
+    kind = parallel_kind(model)
     if kind:
         raise ConfigError(
             f"distckpt.wrap got a model already wrapped in {kind}. Checkpointing must be applied to "
