@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import logging
 import warnings
 from collections.abc import Callable, Iterator
@@ -54,8 +55,10 @@ class _CheckpointedMixin:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         inner = super().forward  # type: ignore[misc]
         if self._distckpt_disabled or not torch.is_grad_enabled():
-            # Nothing is saved for backward without grad (eval, inference): run the block as is.
+            # Nothing is saved for backward without grad (eval, inference): run the block as is,
+            # a KV cache included.
             return inner(*args, **kwargs)
+        args, kwargs = _without_cache(self, args, kwargs)
         if self._distckpt_norms and torch.compiler.is_compiling():
             # A compiled recompute would update BatchNorm running stats a second time (measured), and
             # dynamo cannot trace the context that prevents it: such blocks run eagerly (a graph break).
@@ -128,6 +131,63 @@ def checkpointing_disabled(model: nn.Module) -> Iterator[None]:
 
 
 # --- running one checkpointed block -------------------------------------------------------------
+
+# Arguments through which a (Hugging Face) layer writes a KV cache. The recompute would write it a
+# second time (wrong shapes with a padded batch, CheckpointError in encoder-decoders, extra memory),
+# so a checkpointed layer runs without it, as HF's own GradientCheckpointingLayer does.
+_CACHE_ARGS = ("past_key_values", "past_key_value", "cache", "layer_past")
+_WARNED_CACHE: set[type] = set()
+
+
+@functools.cache
+def _cache_positions(cls: type) -> tuple[tuple[int, str], ...]:
+    """Positional slots of ``use_cache`` and the cache arguments of ``cls.forward`` (GPT-2 passes
+    its cache positionally)."""
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]  # without self
+    except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
+        return ()
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    out = []
+    for i, p in enumerate(params):
+        if p.kind not in positional:
+            break
+        if p.name in (*_CACHE_ARGS, "use_cache"):
+            out.append((i, p.name))
+    return tuple(out)
+
+
+def _cache_on(name: str, value: Any) -> bool:
+    return bool(value) if name == "use_cache" else value is not None
+
+
+def _without_cache(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                   ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``use_cache=False`` and no cache object for a block about to be checkpointed (HF's
+    ``_can_checkpoint_with_cache`` layers, which only read the cache, keep it)."""
+    keep = getattr(module, "_can_checkpoint_with_cache", False)
+    names = ("use_cache",) if keep else ("use_cache", *_CACHE_ARGS)
+    changed = []
+    slots = [(i, n) for i, n in _cache_positions(module._distckpt_orig_class)
+             if i < len(args) and n in names and _cache_on(n, args[i])]
+    if slots:
+        new_args = list(args)
+        for i, name in slots:
+            new_args[i] = False if name == "use_cache" else None
+            changed.append(name)
+        args = tuple(new_args)
+    hits = [k for k in names if _cache_on(k, kwargs.get(k))]
+    if hits:
+        kwargs = {**kwargs, **{k: False if k == "use_cache" else None for k in hits}}
+        changed += hits
+    if changed and type(module) not in _WARNED_CACHE:
+        _WARNED_CACHE.add(type(module))
+        warnings.warn(
+            f"distckpt: {module._distckpt_orig_class.__name__} is checkpointed, so in training it runs without a "
+            f"KV cache, as with Hugging Face's gradient checkpointing ({', '.join(sorted(set(changed)))} ignored). "
+            "Forwards under torch.no_grad() (generation) keep their cache.", stacklevel=3)
+    return args, kwargs
+
 
 
 def _stateful_norms(module: nn.Module) -> list[nn.Module]:
@@ -202,15 +262,16 @@ def _offload_hooks(pin_memory: bool) -> torch.autograd.graph.saved_tensors_hooks
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
-def _has_nested_tensor(value: Any) -> bool:
+def _has_nested_tensor(value: Any, grad_only: bool = False) -> bool:
+    """Whether ``value`` holds a tensor (with ``grad_only``, one that requires grad)."""
     if isinstance(value, torch.Tensor):
-        return True
+        return value.requires_grad or not grad_only
     if isinstance(value, (list, tuple, set)):
-        return any(_has_nested_tensor(v) for v in value)
+        return any(_has_nested_tensor(v, grad_only) for v in value)
     if isinstance(value, dict):
-        return any(_has_nested_tensor(v) for v in value.values())
+        return any(_has_nested_tensor(v, grad_only) for v in value.values())
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return any(_has_nested_tensor(getattr(value, f.name)) for f in dataclasses.fields(value))
+        return any(_has_nested_tensor(getattr(value, f.name), grad_only) for f in dataclasses.fields(value))
     return False
 
 
@@ -218,13 +279,16 @@ def _run_reentrant(module: nn.Module, inner: Callable[..., Any], opts: Checkpoin
                    args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     name = type(module).__name__
     # Reentrant checkpoint (an autograd.Function) only sees top-level tensor arguments: gradients
-    # of tensors passed by keyword or inside containers would be silently dropped.
-    bad = [k for k, v in kwargs.items() if _has_nested_tensor(v)]
-    bad += [f"argument {i}" for i, a in enumerate(args) if not isinstance(a, torch.Tensor) and _has_nested_tensor(a)]
+    # of tensors passed by keyword or inside containers would be silently dropped. Tensors that need
+    # no gradient (position_ids, an attention mask, rotary cos/sin made from buffers) lose nothing.
+    bad = [k for k, v in kwargs.items() if _has_nested_tensor(v, grad_only=True)]
+    bad += [f"argument {i}" for i, a in enumerate(args)
+            if not isinstance(a, torch.Tensor) and _has_nested_tensor(a, grad_only=True)]
     if bad:
         raise ConfigError(
             f"reentrant checkpointing of {name} would drop the gradients of tensors passed as "
-            f"{', '.join(bad)} (keyword or nested arguments). Use distckpt.wrap(..., reentrant=False)."
+            f"{', '.join(bad)} (keyword or nested arguments that require grad). "
+            "Use distckpt.wrap(..., reentrant=False)."
         )
     fn = functools.partial(inner, **kwargs) if kwargs else inner
     norms = module._distckpt_norms
@@ -360,6 +424,10 @@ def _foreign_checkpointing(model: nn.Module) -> None:
         for _, m in model.named_modules():
             if getattr(m, "gradient_checkpointing", False) is True:
                 m.gradient_checkpointing = False
+            if getattr(m, "_require_grads_hook", None) is not None and hasattr(m, "disable_input_require_grads"):
+                # HF (reentrant) and peft make the embeddings' output require grad with a hook; distckpt's
+                # blocks need none, and it costs a backward through the embeddings (1.354x vs 1.329x FLOPs).
+                m.disable_input_require_grads()
         warnings.warn(
             "distckpt.wrap: the model had Hugging Face gradient checkpointing enabled "
             f"({len(hf)} modules); it was disabled so that no block is recomputed twice, and "
