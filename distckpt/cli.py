@@ -4,9 +4,47 @@ checkpointing under DDP/FSDP/FSDP2 (see :mod:`distckpt.doctor`)."""
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
+from pathlib import Path
 
-__all__ = ["main"]
+__all__ = ["add_doctor_flags", "doctor_options", "main"]
+
+# The launcher's doctor (Hydra mode), in a distckpt checkout; the library never imports the launcher.
+LAUNCH_DOCTOR = Path("launch") / "doctor.py"
+
+
+def add_doctor_flags(parser: argparse.ArgumentParser) -> None:
+    """The run flags of ``distckpt doctor``, shared with the launcher's ``python launch/doctor.py``."""
+    parser.add_argument("--strategy", choices=("none", "ddp", "fsdp", "fsdp2"), default=None,
+                        help="data parallelism (default: ddp, or the config's strategy)")
+    parser.add_argument("--policy", default=None, help="checkpointing policy, e.g. full, every:2 (default: full, "
+                        "or the blocks the factory already wrapped)")
+    parser.add_argument("--reentrant", action="store_true", help="use reentrant checkpointing")
+    parser.add_argument("--no-preserve-rng-state", dest="preserve_rng_state", action="store_false",
+                        help="recompute without restoring the RNG state")
+    parser.add_argument("--graph", choices=("auto", "static", "dynamic"), default=None,
+                        help="DDP graph setting (default: auto, or the config's)")
+    parser.add_argument("--steps", type=int, default=3, help="training steps to run (default 3)")
+    parser.add_argument("--nproc", type=int, default=2, help="CPU ranks (default 2)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a run counts as a hang")
+
+
+def doctor_options(args: argparse.Namespace, **fields: object):  # -> DoctorOptions (lazy import)
+    """The :class:`~distckpt.doctor.DoctorOptions` of parsed doctor flags, plus ``fields``.
+
+    Raises:
+        ConfigError: ``--steps`` or ``--nproc`` below 1.
+    """
+    from distckpt.doctor import DoctorOptions
+    from distckpt.errors import ConfigError
+
+    if args.steps < 1 or args.nproc < 1:
+        raise ConfigError("--steps and --nproc must be >= 1.")
+    return DoctorOptions(strategy=args.strategy, policy=args.policy, reentrant=args.reentrant,
+                         preserve_rng_state=args.preserve_rng_state, graph=args.graph, steps=args.steps,
+                         nproc=args.nproc, timeout=args.timeout, **fields)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -18,24 +56,25 @@ def _parser() -> argparse.ArgumentParser:
         description="Spawn CPU ranks (gloo), build the model, checkpoint and parallelize it, run a few steps with "
                     "GradSyncGuard and verify_recompute, and print what is safe and the settings to use. Exit 0 "
                     "when safe, 1 otherwise. The model comes from --factory pkg.module:make (make() returns "
-                    "(model, loss_fn, batch_fn); see distckpt.doctor) or from the launcher's Hydra config "
-                    "(distckpt doctor model=gpt strategy=ddp ...).",
+                    "(model, loss_fn, batch_fn); see distckpt.doctor) or, in a distckpt checkout, from the "
+                    "launcher's Hydra config (distckpt doctor model=gpt strategy=ddp ... runs "
+                    "python launch/doctor.py with the same arguments).",
     )
     doc.add_argument("overrides", nargs="*", help="Hydra overrides of the launcher's config (key=value)")
     doc.add_argument("--factory", help="pkg.module:function returning (model, loss_fn, batch_fn)")
-    doc.add_argument("--strategy", choices=("none", "ddp", "fsdp", "fsdp2"), default=None,
-                     help="data parallelism (default: ddp, or the config's strategy)")
-    doc.add_argument("--policy", default=None, help="checkpointing policy, e.g. full, every:2 (default: full, "
-                     "or the blocks the factory already wrapped)")
-    doc.add_argument("--reentrant", action="store_true", help="use reentrant checkpointing")
-    doc.add_argument("--no-preserve-rng-state", dest="preserve_rng_state", action="store_false",
-                     help="recompute without restoring the RNG state")
-    doc.add_argument("--graph", choices=("auto", "static", "dynamic"), default=None,
-                     help="DDP graph setting (default: auto, or the config's)")
-    doc.add_argument("--steps", type=int, default=3, help="training steps to run (default 3)")
-    doc.add_argument("--nproc", type=int, default=2, help="CPU ranks (default 2)")
-    doc.add_argument("--timeout", type=float, default=300.0, help="seconds before a run counts as a hang")
+    add_doctor_flags(doc)
     return parser
+
+
+def _delegate(argv: list[str]) -> int:
+    """``distckpt doctor <overrides>``: run the launcher's doctor of this checkout with the same arguments."""
+    script = Path.cwd() / LAUNCH_DOCTOR
+    if not script.is_file():
+        print(f"distckpt doctor: launcher overrides need a distckpt checkout: run `python {LAUNCH_DOCTOR} "
+              "model=... ` from its root, or use --factory pkg.module:make.", file=sys.stderr)
+        return 2
+    rest = argv[argv.index("doctor") + 1:]
+    return subprocess.run([sys.executable, str(script), *rest], env=dict(os.environ)).returncode
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,8 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     Returns:
         The exit code: 0 safe, 1 not safe, 2 bad usage.
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
-    from distckpt.doctor import DoctorOptions, doctor
+    from distckpt.doctor import doctor
     from distckpt.errors import ConfigError
 
     if not args.factory and not args.overrides:
@@ -55,14 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.factory and args.overrides:
         print("distckpt doctor: give either --factory or Hydra overrides, not both.", file=sys.stderr)
         return 2
-    if args.steps < 1 or args.nproc < 1:
-        print("distckpt doctor: --steps and --nproc must be >= 1.", file=sys.stderr)
-        return 2
-    opts = DoctorOptions(factory=args.factory, overrides=list(args.overrides), strategy=args.strategy,
-                         policy=args.policy, reentrant=args.reentrant, preserve_rng_state=args.preserve_rng_state,
-                         graph=args.graph, steps=args.steps, nproc=args.nproc, timeout=args.timeout)
     try:
-        return doctor(opts)
+        if args.overrides:
+            doctor_options(args)  # bad flags are reported here, not by the launcher
+            return _delegate(argv)
+        return doctor(doctor_options(args, factory=args.factory))
     except ConfigError as e:
         print(f"distckpt doctor: {e}", file=sys.stderr)
         return 2

@@ -24,7 +24,7 @@ import socket
 import sys
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -38,14 +38,16 @@ __all__ = ["DoctorOptions", "Finding", "doctor", "load_factory"]
 class DoctorOptions:
     """What ``distckpt doctor`` runs (the command line's flags)."""
 
-    factory: str | None = None
-    overrides: list[str] = field(default_factory=list)  # Hydra overrides of the launcher's config
-    strategy: str | None = None  # None: ddp, or the config's strategy in the Hydra mode
+    # "pkg.module:function", or a picklable zero-argument callable with the same contract (the
+    # launcher's `python launch/doctor.py` passes one that builds its Hydra config's model).
+    factory: str | Callable[[], Any] | None = None
+    label: str | None = None  # what is diagnosed, for the verdict's first line (default: the factory)
+    strategy: str | None = None  # None: ddp
     policy: str | None = None
     reentrant: bool = False
     preserve_rng_state: bool = True
-    graph: str | None = None  # None: auto, or the config's
-    policy_label: str | None = None  # the config's ckpt policy (Hydra mode), for the verdict
+    graph: str | None = None  # None: auto
+    policy_label: str | None = None  # the policy the factory applied itself (the launcher's config), for the verdict
     steps: int = 3
     nproc: int = 2
     lr: float = 1e-2
@@ -84,65 +86,20 @@ def load_factory(spec: str) -> Callable[[], Any]:
     return fn
 
 
-# --- the subject: model, loss and batches, from a factory or from the launcher's config -----------
+# --- the subject: model, loss and batches, from the factory ----------------------------------------
 
 
 def _subject(opts: DoctorOptions) -> tuple[nn.Module, Callable[[nn.Module, Any], torch.Tensor], Callable[..., Any]]:
-    if opts.factory:
-        made = load_factory(opts.factory)()
-        if not (isinstance(made, tuple) and len(made) == 3):
-            from distckpt.errors import ConfigError
+    made = (load_factory(opts.factory) if isinstance(opts.factory, str) else opts.factory)()
+    if not (isinstance(made, tuple) and len(made) == 3):
+        from distckpt.errors import ConfigError
 
-            raise ConfigError(f"{opts.factory}() must return (model, loss_fn, batch_fn); got {type(made).__name__}.")
-        return made
-    return _hydra_subject(opts)
+        raise ConfigError(f"{_label(opts)}() must return (model, loss_fn, batch_fn); got {type(made).__name__}.")
+    return made
 
 
-def _compose(overrides: list[str]) -> Any:
-    """The launcher's config for ``overrides`` (Hydra ``compose`` over the checkout's ``conf/``).
-
-    Raises:
-        ConfigError: not run from a distckpt checkout (``launch/`` is not a package), or a bad override.
-    """
-    from distckpt.errors import ConfigError
-
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        from launch.check import compose
-    except ImportError as e:
-        raise ConfigError(f"the Hydra mode of distckpt doctor needs the launcher (launch/ and conf/ of a distckpt "
-                          f"checkout, and hydra-core): {e}. Run it from the repository root, or use --factory.") from e
-    try:
-        return compose(list(overrides))
-    except Exception as e:  # Hydra's own errors name the bad key
-        raise ConfigError(f"bad launcher overrides {' '.join(overrides)}: {str(e).splitlines()[0]}") from e
-
-
-def _hydra_subject(opts: DoctorOptions) -> tuple[nn.Module, Callable[[nn.Module, Any], torch.Tensor], Callable]:
-    """The model, loss and data of the launcher's config (``distckpt doctor model=gpt ...``), built by
-    the launcher's own builders and wrapped as its ``ckpt`` group says (fp32: precision is not applied)."""
-    import distckpt
-    from distckpt.train.data import micro_batches
-    from launch.build import build_data, build_model
-
-    cfg = _compose(opts.overrides)
-    torch.manual_seed(cfg.trainer.seed)
-    data = build_data(cfg.data, cfg.model)
-    model = build_model(cfg.model, cfg.data)
-    c = cfg.ckpt
-    if opts.policy is None:
-        example = micro_batches(data.global_batch(0), 0, opts.nproc, 1)[0]
-        distckpt.wrap(model, c.policy, blocks=list(c.blocks) if c.blocks else None, reentrant=c.reentrant,
-                      preserve_rng_state=opts.preserve_rng_state, example_inputs=(example,))
-
-    def loss_fn(m: nn.Module, batch: Any) -> torch.Tensor:
-        return sum(m(batch).values())  # the launcher's loss: the sum of the task losses
-
-    def batch_fn(step: int, rank: int, world: int) -> Any:
-        return micro_batches(data.global_batch(step), rank, world, 1)[0]
-
-    return model, loss_fn, batch_fn
+def _label(opts: DoctorOptions) -> str:
+    return opts.label or (opts.factory if isinstance(opts.factory, str) else getattr(opts.factory, "__name__", "?"))
 
 
 # --- one rank ------------------------------------------------------------------------------------
@@ -346,7 +303,7 @@ def _settings(opts: DoctorOptions, used: dict[str, Any] | None, findings: list[F
     call = f'distckpt.wrap(model, "{policy}", reentrant={reentrant}, preserve_rng_state={preserve}'
     keep = [b for b in blocks if b not in exclude]
     # Blocks the factory chose itself are named, since no policy string says which they are.
-    if exclude or (used and not used["by_doctor"] and opts.factory and len(keep) <= 8):
+    if exclude or (used and not used["by_doctor"] and opts.policy_label is None and len(keep) <= 8):
         call += f", blocks={keep!r}"
     return call + f'); distckpt.parallelize(model, "{opts.strategy}", graph="{opts.graph}")'
 
@@ -356,7 +313,7 @@ def render(opts: DoctorOptions, results: dict[int, list[Finding]]) -> tuple[bool
     used = next((f.data for fs in results.values() for f in fs if f.check == "settings"), None)
     reentrant = used["reentrant"] if used else opts.reentrant
     preserve = used["preserve_rng_state"] if used else opts.preserve_rng_state
-    lines = [f"distckpt doctor: {opts.factory or ' '.join(opts.overrides) or 'launcher config'}  "
+    lines = [f"distckpt doctor: {_label(opts)}  "
              f"strategy={opts.strategy} policy={opts.policy or opts.policy_label or 'as wrapped'} "
              f"reentrant={reentrant} "
              f"preserve_rng_state={preserve}  ({opts.nproc} CPU rank(s), {opts.steps} step(s))"]
@@ -401,16 +358,17 @@ def doctor(opts: DoctorOptions) -> int:
 
     Returns:
         0 when every check passed on every rank, 1 otherwise.
+
+    Raises:
+        ConfigError: no factory, or a factory spec that cannot be imported.
     """
     opts = dataclasses.replace(opts)
-    if opts.factory:
+    if isinstance(opts.factory, str):
         load_factory(opts.factory)  # a bad spec is a usage error (ConfigError), before spawning ranks
-    else:
-        cfg = _compose(opts.overrides)
-        opts.strategy = opts.strategy or cfg.strategy.name
-        opts.policy_label = str(cfg.ckpt.policy)
-        if opts.graph is None:
-            opts.graph = cfg.strategy.graph
+    elif not callable(opts.factory):
+        from distckpt.errors import ConfigError
+
+        raise ConfigError("distckpt doctor needs a factory: --factory pkg.module:make (see distckpt.doctor).")
     opts.strategy = opts.strategy or "ddp"
     opts.graph = opts.graph or "auto"
     if opts.strategy == "none":

@@ -30,6 +30,7 @@ from launch.build import (
     parallel_kwargs,
 )
 from launch.config import validate
+from launch.loggers import build_writers
 
 log = logging.getLogger("distckpt.launch")
 
@@ -180,9 +181,8 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -> Loo
     guard = _optional_guard(model, t.guard_every)
     torch.manual_seed(t.seed + 1 + rank)  # dropout: one stream per rank, restored on resume
 
-    sink = MetricSink(path, tensorboard=cfg.logger.tensorboard, wandb_mode=cfg.logger.wandb,
-                      wandb_project=cfg.logger.wandb_project,
-                      config=OmegaConf.to_container(cfg, resolve=True), enabled=rank == 0)
+    writers = build_writers(cfg.logger, path, OmegaConf.to_container(cfg, resolve=True), enabled=rank == 0)
+    sink = MetricSink(path, writers=writers, enabled=rank == 0)
     opts = LoopOptions(
         max_steps=t.max_steps, grad_accum=t.grad_accum, clip_grad_norm=t.clip_grad_norm, log_every=t.log_every,
         save_every=t.save_every, keep_last=t.keep_last, eval_every=t.eval_every, resume=t.resume,

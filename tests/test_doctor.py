@@ -16,6 +16,7 @@ from distckpt.cli import main
 
 pytestmark = pytest.mark.dist
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 
 
 class Block(nn.Module):
@@ -117,12 +118,30 @@ def test_usage_errors_exit_2(capsys):
 
 
 def test_hydra_config_mode(capsys, monkeypatch):
-    """`distckpt doctor model=... strategy=...`: the launcher's config, built by its builders."""
+    """`python launch/doctor.py model=... strategy=...`: the launcher's config, built by its builders."""
     pytest.importorskip("hydra")
-    monkeypatch.chdir(os.path.dirname(HERE))  # the checkout's root: launch/ and conf/
-    code = main(["doctor", "model=mlp", "data=synthetic", "strategy=fsdp2", "--steps", "1"])
+    monkeypatch.chdir(ROOT)  # the checkout's root: launch/ and conf/
+    monkeypatch.syspath_prepend(ROOT)
+    from launch.doctor import main as launch_doctor
+
+    code = launch_doctor(["model=mlp", "data=synthetic", "strategy=fsdp2", "--steps", "1"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "strategy=fsdp2" in out and "4 checkpointed block(s)" in out and "verdict: SAFE" in out
     assert 'distckpt.parallelize(model, "fsdp2", graph="auto")' in out
-    assert main(["doctor", "model=no_such_model"]) == 2
+    assert launch_doctor(["model=no_such_model"]) == 2
+
+
+def test_overrides_delegate_to_the_launcher(capfd, monkeypatch):
+    """`distckpt doctor <overrides>` in a checkout runs `python launch/doctor.py` with the same arguments."""
+    pytest.importorskip("hydra")
+    monkeypatch.chdir(ROOT)
+    assert main(["doctor", "model=no_such_model", "--steps", "1"]) == 2  # the launcher's own error, exit 2
+    assert "bad launcher overrides model=no_such_model" in capfd.readouterr().err
+
+
+def test_overrides_outside_a_checkout_exit_2(capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # no launch/ here
+    assert main(["doctor", "model=gpt"]) == 2
+    err = capsys.readouterr().err
+    assert "python launch/doctor.py" in err and len(err.strip().splitlines()) == 1
