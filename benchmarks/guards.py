@@ -16,10 +16,10 @@ import platform
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from benchmarks.ranks import run_ranks
 
@@ -33,10 +33,8 @@ def _config():  # noqa: ANN202 - benchmarks.models imported lazily in the ranks
     return GPTConfig(vocab=4096, seq=128, dim=384, heads=6, layers=10)
 
 
-def _rank(rank: int, world: int, port: int, steps: int, batch_size: int, out: mp.Queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _rank(rank: int, world: int, steps: int, batch_size: int) -> Any:
+    # run_ranks set up the gloo group, with the cores shared out between the ranks.
     import distckpt
     from benchmarks.models import GPT, batch
 
@@ -65,8 +63,7 @@ def _rank(rank: int, world: int, port: int, steps: int, batch_size: int, out: mp
         dist.barrier()  # a step ends when the slowest rank ends it
         if step >= 2:  # warm-up: the first two steps allocate
             times[guarded].append(time.perf_counter() - t0)
-    out.put((rank, (n_params, times, check_times)))
-    dist.destroy_process_group()
+    return n_params, times, check_times
 
 
 def measure(steps: int, batch_size: int, world: int = 2) -> dict[str, float]:

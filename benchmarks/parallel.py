@@ -23,10 +23,10 @@ import platform
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -76,10 +76,8 @@ PATTERNS = {
 }
 
 
-def _rank(rank: int, world: int, port: int, steps: int, batch_size: int, out: mp.Queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _rank(rank: int, world: int, steps: int, batch_size: int) -> Any:
+    # run_ranks set up the gloo group, with the cores shared out between the ranks.
     import distckpt
     from benchmarks.models import batch
 
@@ -117,8 +115,7 @@ def _rank(rank: int, world: int, port: int, steps: int, batch_size: int, out: mp
                 cpu[kind].append(c1 - c0)
         results[name] = (n_params, times, cpu)
         del models
-    out.put((rank, results))
-    dist.destroy_process_group()
+    return results
 
 
 def measure(steps: int, batch_size: int, world: int = 2) -> dict[str, dict[str, float]]:

@@ -19,13 +19,9 @@ import copy
 import dataclasses
 import importlib
 import os
-import queue
-import socket
 import sys
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -131,22 +127,6 @@ def _estimate(model: nn.Module, loss_fn: Callable, batch: Any) -> list[tuple[str
     return [(p.fqn, p.activation_bytes - p.saved_input_bytes, p.forward_flops) for p in profiles]
 
 
-def _rank_main(rank: int, world: int, port: int, opts: DoctorOptions, path: list[str], out: Any) -> None:
-    sys.path[:] = path
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    import torch.distributed as dist
-
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=min(60.0, opts.timeout / 2)))
-    try:
-        out.put((rank, _diagnose(rank, world, opts)))
-    except BaseException as e:  # reported by the parent as a finding
-        out.put((rank, [Finding("doctor", False, f"{type(e).__name__}: {e}", traceback.format_exc(limit=4))]))
-    finally:
-        dist.destroy_process_group()
-
-
 def _diagnose(rank: int, world: int, opts: DoctorOptions) -> list[Finding]:
     import distckpt
     from distckpt.guards import GradSyncGuard
@@ -242,38 +222,20 @@ def _diagnose(rank: int, world: int, opts: DoctorOptions) -> list[Finding]:
 # --- the parent: spawn, collect, print -----------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_ranks(opts: DoctorOptions) -> dict[int, list[Finding]]:
-    import torch.multiprocessing as mp
+    from distckpt._spawn import RankFailure, run_ranks
 
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    path = [os.getcwd(), *sys.path]
-    procs = [ctx.Process(target=_rank_main, args=(r, opts.nproc, port, opts, path, out), daemon=True)
-             for r in range(opts.nproc)]
-    for p in procs:
-        p.start()
+    ranks = run_ranks(_diagnose, opts.nproc, opts, timeout=opts.timeout, pg_timeout=min(60.0, opts.timeout / 2))
     results: dict[int, list[Finding]] = {}
-    try:
-        while len(results) < opts.nproc:
-            rank, findings = out.get(timeout=opts.timeout)
-            results[rank] = findings
-    except queue.Empty:
-        for r in range(opts.nproc):
-            results.setdefault(r, [Finding("hang", False, f"rank {r} did not finish in {opts.timeout:.0f}s: a "
-                                           "collective one rank never joined", "run with --strategy none to "
-                                           "isolate the model, then compare reentrant/graph settings")])
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+    for rank, value in ranks.items():
+        if not isinstance(value, RankFailure):
+            results[rank] = value
+        elif value.kind == "timeout":
+            results[rank] = [Finding("hang", False, f"{value.message}: a collective one rank never joined",
+                                     "run with --strategy none to isolate the model, then compare "
+                                     "reentrant/graph settings")]
+        else:  # raised outside the checks, which report their own failures as findings
+            results[rank] = [Finding("doctor", False, f"{value.kind}: {value.message}", value.traceback)]
     return results
 
 

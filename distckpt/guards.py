@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils.checkpoint as tuc
 
+from distckpt._dist import rank_world
 from distckpt.errors import ConfigError, GradDesyncError, RecomputeMismatchError
 from distckpt.wrap import _clean_fqn, checkpointing_disabled, is_checkpointed
 
@@ -242,9 +243,7 @@ class GradSyncGuard:
         return [(_clean_fqn(n), p) for n, p in _inner(self.model).named_parameters()]
 
     def _world(self) -> tuple[int, int]:
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(self.group), dist.get_world_size(self.group)
-        return 0, 1
+        return rank_world(self.group)
 
     def _comm_device(self, fallback: torch.device) -> torch.device:
         backend = dist.get_backend(self.group)

@@ -17,6 +17,8 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 import distckpt
+from distckpt._dist import rank_world
+from distckpt._spawn import free_port
 from distckpt.errors import ConfigError
 from distckpt.train import LoopOptions, LoopResult, MetricSink, TrainState, fit, format_summary
 from distckpt.train.data import micro_batches
@@ -35,21 +37,13 @@ from launch.loggers import build_writers
 log = logging.getLogger("distckpt.launch")
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _init_distributed(strategy: str, device: torch.device) -> bool:
     """Join the job's process group (torchrun's env) or make a 1-process one; True if this call made it."""
     if dist.is_initialized() or (strategy == "none" and int(os.environ.get("WORLD_SIZE", "1")) == 1):
         return False
     if "RANK" not in os.environ:  # `python launch/train.py strategy=ddp`: a job of one process
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+                          MASTER_PORT=str(free_port()))
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(minutes=10)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -156,7 +150,7 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -> Loo
     # deadlock (measured here: the DDP reducer's destructor joins gloo's worker thread while holding
     # the GIL, and that thread waits for the GIL to free a tensor). launch/train.py exits with os._exit.
     _init_distributed(cfg.strategy.name, device)
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = rank_world()[0]
     if rank != 0:
         logging.getLogger("distckpt").setLevel(logging.WARNING)
     path = _run_dir(run_dir)
@@ -167,8 +161,7 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -> Loo
     torch.manual_seed(t.seed)  # the same initial parameters on every rank
     data = build_data(cfg.data, cfg.model)
     model = build_model(cfg.model, cfg.data)
-    example = micro_batches(data.global_batch(0), 0, dist.get_world_size() if dist.is_initialized() else 1,
-                            t.grad_accum)[0]
+    example = micro_batches(data.global_batch(0), 0, rank_world()[1], t.grad_accum)[0]
     _wrap(model, cfg, example)
     blocks = distckpt.checkpointed(model)  # before parallelize: the user's names, no wrapper prefixes
     verified = _optional_verify(model, example, t.verify_recompute)
@@ -202,7 +195,7 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -> Loo
 
 
 def _guard_report(guard: Any, checks: int, verified: str) -> str:
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = rank_world()[1]
     if guard is None:
         sync = "off"
     elif world > 1:
@@ -215,7 +208,7 @@ def _guard_report(guard: Any, checks: int, verified: str) -> str:
 def _summary(cfg: DictConfig, r: LoopResult, path: str, model: torch.nn.Module) -> str:
     blocks = r.checkpointed
     shown = ", ".join(blocks[:4]) + (f", ... ({len(blocks)} blocks)" if len(blocks) > 4 else "")
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = rank_world()[1]
     losses = ", ".join(f"{k} {v:.4f}" for k, v in r.losses.items())
     mem_kind = "CUDA allocated" if torch.cuda.is_available() else "peak RSS"
     rows = [

@@ -1,7 +1,8 @@
 """A small multi-process test harness: N gloo ranks on CPU that run test functions.
 
-Kept here instead of ``torch.testing._internal`` (private, changes between releases). The ranks are
-started once per test session and reused (a spawn costs seconds of imports); a call that fails on
+Kept here instead of ``torch.testing._internal`` (private, changes between releases). Each rank is
+set up by the library's spawner (:func:`distckpt._spawn.init_rank`); the ranks are started once per
+test session and reused (a spawn costs seconds of imports); a call that fails on
 some rank, or does not finish in time (a hang), restarts them so the next test starts clean.
 
 Usage::
@@ -15,15 +16,15 @@ Usage::
 
 from __future__ import annotations
 
-import os
 import queue
-import socket
 import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing as mp
+
+from distckpt._spawn import free_port, init_rank
 
 __all__ = ["DistPool", "RankError"]
 
@@ -43,21 +44,10 @@ class RankError(RuntimeError):
         return "\n".join(msg for _, msg, _ in self.errors.values())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, world_size: int, port: int, path: list[str], inbox: Any, outbox: Any) -> None:
-    sys.path[:] = path
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
-    import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    init_rank(rank, world_size, port, path=path, threads=1)
     while True:
         job = inbox.get()
         if job is None:
@@ -80,7 +70,7 @@ class DistPool:
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         self._outbox = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(self.world_size)]
         self._procs = [

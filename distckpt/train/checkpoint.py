@@ -27,13 +27,15 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
+from distckpt._dist import rank_world
+
 __all__ = ["TrainState", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    return rank_world()[0]
 
 
 def _barrier() -> None:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from distckpt._dist import local_tensor, rank_world
 from distckpt.errors import ConfigError
 from distckpt.parallel import accumulate
 from distckpt.train.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -80,12 +81,6 @@ class LoopResult:
     checkpoints: list[str] = field(default_factory=list)
 
 
-def _world() -> tuple[int, int]:
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def _all_sum(t: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized():
         # gloo has no AVG; a SUM also merges the flags (any rank > 0 means "some rank").
@@ -125,7 +120,7 @@ class _StopRequest:
 def _params_finite(model: nn.Module) -> bool:
     bad = torch.zeros(1)
     for p in model.parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p  # FSDP2 DTensor: check this rank's shard
+        local = local_tensor(p)  # FSDP2 DTensor: check this rank's shard
         if not torch.isfinite(local.detach()).all():
             bad += 1
             break
@@ -165,7 +160,7 @@ def fit(
     Raises:
         NonFiniteLossError: a non-finite loss with ``opts.on_nonfinite == "stop"``.
     """
-    rank, world = _world()
+    rank, world = rank_world()
     ckpt_dir = Path(run_dir) / "checkpoints"
     result = LoopResult()
     if opts.resume:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import warnings
 from pathlib import Path
 
 import torch
+
+from distckpt._spawn import free_port  # noqa: F401 - re-exported for the launcher tests
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
@@ -29,12 +30,6 @@ def compose(overrides: list[str]):
 
     cfg = compose_all(overrides)
     return DictConfig({k: v for k, v in cfg.items() if k != "hydra"})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def env() -> dict[str, str]:
