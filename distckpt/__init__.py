@@ -8,9 +8,10 @@ Wrap the blocks first, then parallelize::
 
 from distckpt.chunk import chunk_feed_forward
 from distckpt.errors import ConfigError, GradDesyncError, RecomputeMismatchError
-from distckpt.guards import GradSyncGuard, NoGradientError, verify_recompute
 from distckpt.parallel import accumulate, ddp_kwargs, parallelize, preflight
 from distckpt.policies import Budget, EveryN, FirstN, Fraction, Full, Selective, parse_policy
+from distckpt.recompute_check import verify_recompute
+from distckpt.sync_guard import GradSyncGuard, NoGradientError
 from distckpt.wrap import checkpointed, checkpointing_disabled, wrap
 
 __version__ = "0.1.0"

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["local_tensor", "rank_world"]
+__all__ = ["local_shard", "local_tensor", "rank_world", "unwrap_ddp"]
 
 
 def rank_world(group: Any = None) -> tuple[int, int]:
@@ -20,3 +20,33 @@ def rank_world(group: Any = None) -> tuple[int, int]:
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The part of ``t`` this rank holds: a DTensor's (FSDP2) local shard, any other tensor itself."""
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def unwrap_ddp(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's module under DDP (FSDP keeps its wrappers in the tree; their names are cleaned)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+_DTENSOR: Any = None
+
+
+def _dtensor_types() -> Any:
+    global _DTENSOR
+    if _DTENSOR is None:
+        try:
+            from torch.distributed.tensor import DTensor, Replicate
+
+            _DTENSOR = (DTensor, Replicate)
+        except ImportError:  # pragma: no cover - torch without distributed
+            _DTENSOR = ()
+    return _DTENSOR
+
+
+def local_shard(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The tensor this rank holds, and whether other ranks hold other parts of it (a sharded DTensor)."""
+    types = _dtensor_types()
+    if types and isinstance(t, types[0]):
+        return t.to_local(), not all(isinstance(p, types[1]) for p in t.placements)
+    return t, False

@@ -129,7 +129,7 @@ def _estimate(model: nn.Module, loss_fn: Callable, batch: Any) -> list[tuple[str
 
 def _diagnose(rank: int, world: int, opts: DoctorOptions) -> list[Finding]:
     import distckpt
-    from distckpt.guards import GradSyncGuard
+    from distckpt.sync_guard import GradSyncGuard
     from distckpt.wrap import checkpointed, unwrap
 
     findings: list[Finding] = []

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import distckpt
-from distckpt.guards import verify_recompute
+from distckpt.recompute_check import verify_recompute
 
 
 class Block(nn.Module):
