@@ -119,6 +119,19 @@ def _bounds(mp: ModelProfile, static: int, *, strategy: str = "ddp", world_size:
         head_absent = max(0, mp.trainable_bytes - mp.head_grads_bytes) // div
     per_block = [static - absent[i] + mp.pre_bytes + b.footprint_bytes + b.overhead_bytes
                  for i, b in enumerate(mp.blocks)]
+    if not grad_accumulation and all(b.grads_at_peak_bytes >= 0 for b in mp.blocks):
+        # Measured split: the forward peak has no gradient yet; the backward peak has the gradients
+        # that existed at that instant. A checkpointed block recomputes its forward during its
+        # backward, so its forward temporaries are counted with those gradients too. Pairing the
+        # largest activations with the gradients at the end of the block's backward (above) counts
+        # one block's gradients twice: the whole savings range of a small model.
+        all_absent = mp.trainable_bytes // div
+        per_block = []
+        for b in mp.blocks:
+            at_peak = static - max(0, mp.trainable_bytes - b.grads_at_peak_bytes) // div
+            base = mp.pre_bytes + b.footprint_bytes
+            per_block.append(max(static - all_absent + base + b.forward_overhead_bytes,
+                                 at_peak + base + max(b.forward_overhead_bytes, b.backward_overhead_bytes)))
     end = static - head_absent + mp.pre_bytes + mp.post_bytes + mp.head_overhead_bytes
     return per_block, end
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["BlockProfile", "ModelProfile", "profile_blocks", "profile_model", "scalar_loss"]
+__all__ = ["BlockProfile", "ModelProfile", "memory_tracker", "profile_blocks", "profile_model", "scalar_loss"]
 
 logger = logging.getLogger("distckpt")
 
@@ -39,6 +39,12 @@ class BlockProfile:
             the most that exist while it runs: without gradient accumulation, backward creates
             gradients block by block from the last, so those of earlier blocks (and of the
             embeddings) do not exist yet.
+        forward_overhead_bytes: the part of ``overhead_bytes`` measured at the block's forward peak,
+            when (without gradient accumulation) no gradient exists yet.
+        backward_overhead_bytes: the part measured at the block's backward peak.
+        grads_at_peak_bytes: gradient bytes that exist at the block's backward peak (fewer than
+            ``grads_ready_bytes``: the block's own gradients are mostly created after it); ``-1``
+            when not measured (then the budget uses ``grads_ready_bytes`` with ``overhead_bytes``).
     """
 
     fqn: str
@@ -48,6 +54,9 @@ class BlockProfile:
     saved_input_bytes: int = 0
     overhead_bytes: int = 0
     grads_ready_bytes: int = 0
+    forward_overhead_bytes: int = 0
+    backward_overhead_bytes: int = 0
+    grads_at_peak_bytes: int = -1
 
     @property
     def held_bytes(self) -> int:
@@ -200,8 +209,39 @@ def _mem_states(post: bool = False) -> tuple[Any, Any]:
     return (_ModState.POST_BW, _ModState.PRE_BW) if post else (_ModState.PEAK_FW, _ModState.PEAK_BW)
 
 
-def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inputs: Any) -> ModelProfile:
+class _NoHook:
+    """Stands in for the gradient-hook handles MemTracker keeps per parameter."""
+
+    def remove(self) -> None:
+        pass
+
+
+def memory_tracker(*external: Any) -> Any:
+    """A ``MemTracker`` tracking ``external`` (modules, optimizers, tensors) that also works on
+    models with frozen parameters (LoRA), for one ``with`` block.
+
+    MemTracker registers a gradient hook on every parameter of each module it sees run, and
+    ``register_hook`` raises on a tensor that does not require grad. A frozen parameter never gets a
+    gradient, so it needs no hook: each one is marked as already hooked (a no-op handle).
+
+    Returns:
+        A ``torch.distributed._tools.mem_tracker.MemTracker``, not yet entered.
+    """
     from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(*external)
+    leaves, _ = tree_flatten(external)
+    for module in (m for m in leaves if isinstance(m, nn.Module)):
+        for p in module.parameters():
+            if not p.requires_grad:
+                # Private MemTracker map param -> (grad hook, post-accumulate hook): a present entry
+                # skips register_hook, which raises on frozen params (verified on torch 2.13).
+                tracker._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
+    return tracker
+
+
+def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inputs: Any) -> ModelProfile:
     from torch.utils.flop_counter import FlopCounterMode
 
     args, kwargs = _as_args(example_inputs)
@@ -251,8 +291,7 @@ def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inpu
     for _, m in blocks:
         handles.append(m.register_forward_pre_hook(pre_hook, with_kwargs=True))
         handles.append(m.register_forward_hook(post_hook, with_kwargs=True))
-    tracker = MemTracker()
-    tracker.track_external(model, *batch)
+    tracker = memory_tracker(model, *batch)
     cuda = device.type == "cuda"
     try:
         with _preserved_state(model, device):
@@ -306,16 +345,35 @@ def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inpu
             best = max(best, s.get("Activation", 0) + s.get("Temp", 0))
         return best
 
+    def grads_at_act_peak(snaps: list[dict[Any, dict[str, int]]]) -> int:
+        # Gradient bytes in the snapshot where activations and temporaries peak (the same instant).
+        best, grads = -1, 0
+        for snap in snaps:
+            s = snap.get(dev) or next(iter(snap.values()), {})
+            act = s.get("Activation", 0) + s.get("Temp", 0)
+            if act > best:
+                best, grads = act, s.get("Gradient", 0)
+        return grads
+
     overhead = [0] * n
+    overhead_fw = [0] * n
+    overhead_bw = [0] * n
+    grads_peak = [-1] * n
     prefix = 0
     block_peaks = []
     for i, (_, m) in enumerate(blocks):
         stats = tracker.memory_tracking.get(m)
         footprint = inner[i] + in_bytes[i]
         if stats is not None:
-            measured = max(act_at(stats.snapshots.get(peak_fw, [])), act_at(stats.snapshots.get(peak_bw, [])))
+            fw_snaps, bw_snaps = stats.snapshots.get(peak_fw, []), stats.snapshots.get(peak_bw, [])
+            measured_fw, measured_bw = act_at(fw_snaps), act_at(bw_snaps)
+            measured = max(measured_fw, measured_bw)
             block_peaks.append(measured)
             overhead[i] = max(0, measured - (pre + prefix + footprint))
+            overhead_fw[i] = max(0, measured_fw - (pre + prefix + footprint))
+            overhead_bw[i] = max(0, measured_bw - (pre + prefix + footprint))
+            if bw_snaps:
+                grads_peak[i] = grads_at_act_peak(bw_snaps)
         prefix += held[i]
     peak_snap = tracker.get_tracker_snapshot("peak")
     s = peak_snap.get(dev) or next(iter(peak_snap.values()), {})
@@ -352,7 +410,8 @@ def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inpu
         BlockProfile(
             fqn=name, activation_bytes=held[i], forward_flops=int(flops[i]), input_bytes=in_bytes[i],
             saved_input_bytes=saved_input[i], overhead_bytes=overhead[i],
-            grads_ready_bytes=ready[i],
+            grads_ready_bytes=ready[i], forward_overhead_bytes=overhead_fw[i],
+            backward_overhead_bytes=overhead_bw[i], grads_at_peak_bytes=grads_peak[i],
         )
         for i, (name, _) in enumerate(blocks)
     )
