@@ -39,13 +39,40 @@ def explain(e: BaseException) -> str:
     return msg
 
 
+# Config groups renamed: old name -> new name. The old `ckpt` (activation checkpointing) read as the
+# DCP checkpoints of `checkpoints/` and `trainer.save_every`.
+RENAMED_GROUPS = {"ckpt": "ac"}
+
+
+def refuse_renamed(overrides: list[str]) -> None:
+    """Raise on an override that uses a renamed group (``ckpt=full``, ``ckpt.policy=...``, ``+ckpt.x=1``).
+
+    Raises:
+        ConfigError: naming the group's new name and the override to write instead.
+    """
+    from distckpt.errors import ConfigError
+
+    for o in overrides:
+        key, eq, value = o.lstrip("+~").partition("=")
+        group, _, rest = key.partition(".")
+        if group in RENAMED_GROUPS:
+            new = RENAMED_GROUPS[group] + (f".{rest}" if rest else "") + (f"{eq}{value}" if eq else "")
+            raise ConfigError(f"the config group `{group}` is now called `{RENAMED_GROUPS[group]}`: "
+                              f"write {new} instead of {o}.")
+
+
 def compose(overrides: list[str]) -> DictConfig:
-    """Compose ``conf/config.yaml`` with ``overrides`` as ``@hydra.main`` would (Hydra settings included)."""
+    """Compose ``conf/config.yaml`` with ``overrides`` as ``@hydra.main`` would (Hydra settings included).
+
+    Raises:
+        ConfigError: an override uses a renamed group (see :func:`refuse_renamed`).
+    """
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
     from launch.config import CONF_DIR, register
 
+    refuse_renamed(overrides)
     register()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return hydra_compose(config_name="config", overrides=overrides, return_hydra_config=True)

@@ -66,7 +66,7 @@ class DataConfig:
     noise: float = 0.05  # synthetic tokens only
 
 
-# --- strategy, activation checkpointing, precision --------------------------------------------------
+# --- strategy, activation checkpointing (the `ac` group), precision --------------------------------------------------
 @dataclass
 class StrategyConfig:
     name: str = "ddp"  # none | ddp | fsdp | fsdp2
@@ -74,7 +74,7 @@ class StrategyConfig:
 
 
 @dataclass
-class CkptConfig:
+class ACConfig:
     name: str = "full"
     policy: str = "full"  # distckpt.wrap spec: none, full, every:N, first:N, fraction:F, budget:SIZE, selective
     n: int = 2  # every_n
@@ -146,7 +146,7 @@ class Config:
     model: Any = MISSING
     data: DataConfig = MISSING
     strategy: StrategyConfig = MISSING
-    ckpt: CkptConfig = MISSING
+    ac: ACConfig = MISSING  # activation checkpointing; `ckpt` was its old name (refused in launch/check.py)
     precision: PrecisionConfig = MISSING
     optim: OptimConfig = MISSING
     logger: LoggerConfig = MISSING
@@ -169,7 +169,7 @@ def register() -> None:
     for group, name, node in [
         ("model", "gpt_schema", GPTModelConfig), ("model", "mlp_schema", MLPModelConfig),
         ("model", "hf_schema", HFModelConfig), ("data", "data_schema", DataConfig),
-        ("strategy", "strategy_schema", StrategyConfig), ("ckpt", "ckpt_schema", CkptConfig),
+        ("strategy", "strategy_schema", StrategyConfig), ("ac", "ac_schema", ACConfig),
         ("precision", "precision_schema", PrecisionConfig), ("optim", "optim_schema", OptimConfig),
         ("logger", "logger_schema", LoggerConfig), ("trainer", "trainer_schema", TrainerConfig),
     ]:
@@ -232,8 +232,8 @@ def validate(cfg: DictConfig, world_size: int = 1) -> None:
     if cfg.precision.sharded and s not in ("fsdp", "fsdp2"):
         raise ConfigError(f"precision.sharded=true needs strategy=fsdp or fsdp2 (got strategy={s}); "
                           "use precision=bf16 (autocast) instead.")
-    if cfg.ckpt.reentrant and s == "fsdp2":
-        raise ConfigError("ckpt.reentrant=true under strategy=fsdp2 is not supported (FSDP2 hooks need the "
-                          "non-reentrant checkpoint); set ckpt.reentrant=false.")
+    if cfg.ac.reentrant and s == "fsdp2":
+        raise ConfigError("ac.reentrant=true under strategy=fsdp2 is not supported (FSDP2 hooks need the "
+                          "non-reentrant checkpoint); set ac.reentrant=false.")
     if "n_head" in m and m.d_model % m.n_head:
         raise ConfigError(f"model.d_model={m.d_model} must be divisible by model.n_head={m.n_head}.")

@@ -39,7 +39,7 @@ def _compose(overrides: list[str]) -> Any:
 
 def build_subject(overrides: tuple[str, ...], wrap: bool, nproc: int, preserve_rng_state: bool) -> tuple:
     """The doctor's factory for a config: ``(model, loss_fn, batch_fn)`` of the launcher's job, wrapped
-    as its ``ckpt`` group says when ``wrap`` (fp32: precision is not applied). Runs on every rank."""
+    as its ``ac`` group says when ``wrap`` (fp32: precision is not applied). Runs on every rank."""
     import distckpt
     from distckpt.train.data import micro_batches
     from launch.build import build_data, build_model
@@ -48,7 +48,7 @@ def build_subject(overrides: tuple[str, ...], wrap: bool, nproc: int, preserve_r
     torch.manual_seed(cfg.trainer.seed)
     data = build_data(cfg.data, cfg.model)
     model = build_model(cfg.model, cfg.data)
-    c = cfg.ckpt
+    c = cfg.ac
     if wrap:
         example = micro_batches(data.global_batch(0), 0, nproc, 1)[0]
         distckpt.wrap(model, c.policy, blocks=list(c.blocks) if c.blocks else None, reentrant=c.reentrant,
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = _compose(args.overrides)
-        opts = doctor_options(args, label=" ".join(args.overrides), policy_label=str(cfg.ckpt.policy))
+        opts = doctor_options(args, label=" ".join(args.overrides), policy_label=str(cfg.ac.policy))
         opts.strategy = opts.strategy or cfg.strategy.name
         opts.graph = opts.graph or cfg.strategy.graph
         # The config's checkpointing, unless --policy overrides it (then the doctor wraps).

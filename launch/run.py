@@ -88,13 +88,13 @@ def _run_dir(run_dir: str | os.PathLike[str] | None) -> str:
 
 
 def _wrap(model: torch.nn.Module, cfg: DictConfig, example: dict[str, torch.Tensor]) -> None:
-    c = cfg.ckpt
+    c = cfg.ac
     try:
         distckpt.wrap(model, c.policy, blocks=list(c.blocks) if c.blocks else None, reentrant=c.reentrant,
                       offload="cpu" if c.offload else None, example_inputs=(example,))
     except NotImplementedError as e:
-        raise ConfigError(f"ckpt={c.name} ({c.policy}) is not available in this version ({e}); "
-                          "use ckpt=full or ckpt=every_n.") from None
+        raise ConfigError(f"ac={c.name} ({c.policy}) is not available in this version ({e}); "
+                          "use ac=full or ac=every_n.") from None
 
 
 def _optional_guard(model: torch.nn.Module, every: int) -> Any:
@@ -214,7 +214,7 @@ def _summary(cfg: DictConfig, r: LoopResult, path: str, model: torch.nn.Module) 
     rows = [
         ("run dir", path),
         ("job", f"model={cfg.model.name} data={cfg.data.name} strategy={cfg.strategy.name} x{world} "
-                f"ckpt={cfg.ckpt.policy} precision={cfg.precision.name}"),
+                f"ac={cfg.ac.policy} precision={cfg.precision.name}"),
         ("steps", f"{r.start_step} -> {r.step} of {cfg.trainer.max_steps}"
                   + (f" (resumed from {Path(r.resumed_from).name})" if r.resumed_from else "")
                   + (" (stopped by signal; rerun the same command to resume)" if r.stopped_by_signal else "")),

@@ -21,7 +21,7 @@ NEEDS = {("data", "digits"): ["model=mlp"], ("precision", "bf16_sharded"): ["str
 
 
 def test_groups_are_the_documented_ones():
-    assert GROUPS == ["ckpt", "data", "logger", "model", "optim", "precision", "strategy", "trainer"]
+    assert GROUPS == ["ac", "data", "logger", "model", "optim", "precision", "strategy", "trainer"]
 
 
 @pytest.mark.parametrize("group,option", [(g, f.stem) for g in GROUPS for f in sorted((CONF / g).glob("*.yaml"))])
@@ -45,10 +45,31 @@ def test_default_run_dir_is_the_same_for_every_rank_of_a_launch(monkeypatch):
     assert cfg.hydra.run.dir == "outputs/gpt-ddp/1f3a9c2e"
 
 
-def test_ckpt_group_builds_policy_specs():
-    assert compose(["ckpt=every_n", "ckpt.n=3"]).ckpt.policy == "every:3"
-    assert compose(["ckpt=budget", "ckpt.size=20GiB"]).ckpt.policy == "budget:20GiB"
-    assert compose(["ckpt=selective"]).ckpt.policy == "selective"
+def test_ac_group_builds_policy_specs():
+    assert compose(["ac=every_n", "ac.n=3"]).ac.policy == "every:3"
+    assert compose(["ac=budget", "ac.size=20GiB"]).ac.policy == "budget:20GiB"
+    assert compose(["ac=selective"]).ac.policy == "selective"
+
+
+@pytest.mark.parametrize("override,instead", [("ckpt=full", "ac=full"), ("ckpt.policy=every:2", "ac.policy=every:2"),
+                                              ("+ckpt.reentrant=true", "ac.reentrant=true")])
+def test_old_group_name_ckpt_is_refused(override, instead, capsys, monkeypatch):
+    """The group was renamed `ckpt` -> `ac`: the old name fails before torchrun with one line naming `ac`."""
+    monkeypatch.setattr(sys, "argv", ["train.py", "--check", override])
+    with pytest.raises(SystemExit) as e:
+        check_overrides(["--check", override])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"config error: the config group `ckpt` is now called `ac`: write {instead} instead of {override}."]
+
+
+def test_old_group_name_fails_make_train_check_step(tmp_path):
+    """What `make train ARGS=ckpt=full` runs before torchrun: `launch/train.py --check`, exit 2."""
+    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), "--check", "ckpt=full"], cwd=ROOT,
+                          env=dict(env(), DISTCKPT_NPROC="2"), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["config error: the config group `ckpt` is now called `ac`: "
+                                                "write ac=full instead of ckpt=full."]
 
 
 @pytest.mark.parametrize("override,expect", [

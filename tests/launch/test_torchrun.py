@@ -37,7 +37,7 @@ LONG = [*TINY, "trainer.max_steps=30", "trainer.save_every=4", "trainer.keep_las
 def single_process(tmp_path_factory):
     """The reference: one process, no parallelism, no checkpointing, same global batch and init."""
     run = tmp_path_factory.mktemp("ref") / "none"
-    result = train(compose([*TINY, "strategy=none", "ckpt=none"]), run_dir=run)
+    result = train(compose([*TINY, "strategy=none", "ac=none"]), run_dir=run)
     return run, result
 
 
@@ -57,7 +57,7 @@ def _metrics(run: Path) -> list[dict]:
 def test_ddp_matches_single_process(uninterrupted, tmp_path):
     run, proc = uninterrupted
     assert "strategy=ddp x2" in proc.stdout and "0 -> 30 of 30" in proc.stdout
-    ref = train(compose([*LONG, "strategy=none", "ckpt=none"]), run_dir=tmp_path / "none")
+    ref = train(compose([*LONG, "strategy=none", "ac=none"]), run_dir=tmp_path / "none")
     last = _metrics(run)[-1]
     assert last["step"] == 30 and last["loss"] == pytest.approx(ref.losses["loss"], rel=1e-4)
     assert_params_equal(final_params(run, LONG), final_params(tmp_path / "none", LONG), exact=False)
