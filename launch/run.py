@@ -89,33 +89,18 @@ def _run_dir(run_dir: str | os.PathLike[str] | None) -> str:
 
 def _wrap(model: torch.nn.Module, cfg: DictConfig, example: dict[str, torch.Tensor]) -> None:
     c = cfg.ac
-    try:
-        distckpt.wrap(model, c.policy, blocks=list(c.blocks) if c.blocks else None, reentrant=c.reentrant,
-                      offload="cpu" if c.offload else None, example_inputs=(example,))
-    except NotImplementedError as e:
-        raise ConfigError(f"ac={c.name} ({c.policy}) is not available in this version ({e}); "
-                          "use ac=full or ac=every_n.") from None
+    distckpt.wrap(model, c.policy, blocks=list(c.blocks) if c.blocks else None, reentrant=c.reentrant,
+                  offload="cpu" if c.offload else None, example_inputs=(example,))
 
 
 def _optional_guard(model: torch.nn.Module, every: int) -> Any:
-    if every <= 0:
-        return None
-    try:
-        return distckpt.GradSyncGuard(model, every=every)
-    except NotImplementedError:
-        warnings.warn("trainer.guard_every: GradSyncGuard is not available in this version; running without it.",
-                      stacklevel=2)
-        return None
+    return distckpt.GradSyncGuard(model, every=every) if every > 0 else None
 
 
 def _optional_verify(model: torch.nn.Module, example: dict[str, torch.Tensor], enabled: bool) -> str:
     if not enabled:
         return "off"
-    try:
-        report = distckpt.verify_recompute(model, lambda m: sum(m(example).values()))
-    except NotImplementedError:
-        warnings.warn("trainer.verify_recompute: not available in this version; skipped.", stacklevel=2)
-        return "not available"
+    report = distckpt.verify_recompute(model, lambda m: sum(m(example).values()))
     # RecomputeMismatchError propagates: training on a recompute that differs would be silently wrong.
     return "ok (recompute equals forward)" if getattr(report, "ok", True) else str(report)
 

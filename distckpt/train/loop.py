@@ -24,7 +24,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distckpt._dist import local_tensor, rank_world
-from distckpt.errors import ConfigError
 from distckpt.parallel import accumulate
 from distckpt.train.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
 from distckpt.train.data import StepData, micro_batches
@@ -299,13 +298,3 @@ def _evaluate(model: nn.Module, data: StepData, device: torch.device, autocast: 
             return float(sum(weights.get(k, 1.0) * v.float() for k, v in losses.items()))
     finally:
         model.train()
-
-
-def check_options(opts: LoopOptions) -> None:
-    """Raise :class:`ConfigError` for loop options that cannot work."""
-    if opts.max_steps < 1:
-        raise ConfigError(f"trainer.max_steps={opts.max_steps} must be >= 1.")
-    if opts.grad_accum < 1:
-        raise ConfigError(f"trainer.grad_accum={opts.grad_accum} must be >= 1.")
-    if opts.on_nonfinite not in ("skip", "stop"):
-        raise ConfigError(f"trainer.on_nonfinite={opts.on_nonfinite!r}: use 'skip' or 'stop'.")

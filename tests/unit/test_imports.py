@@ -1,4 +1,4 @@
-"""The library imports with torch alone, and its public API is the one DESIGN.md fixes."""
+"""The library imports with torch alone, and its public API is the one the README's API table lists."""
 
 import inspect
 import subprocess
