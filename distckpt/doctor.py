@@ -129,7 +129,6 @@ def _estimate(model: nn.Module, loss_fn: Callable, batch: Any) -> list[tuple[str
 
 def _diagnose(rank: int, world: int, opts: DoctorOptions) -> list[Finding]:
     import distckpt
-    from distckpt.sync_guard import GradSyncGuard
     from distckpt.wrap import checkpointed, unwrap
 
     findings: list[Finding] = []
@@ -172,6 +171,18 @@ def _diagnose(rank: int, world: int, opts: DoctorOptions) -> list[Finding]:
     except Exception as e:
         findings.append(Finding("parallelize", False, f"{type(e).__name__}: {e}"))
         return findings
+    findings += _train_against_reference(pmodel, ref, loss_fn, batch_fn, rank, world, opts)
+    return findings
+
+
+def _train_against_reference(pmodel: nn.Module, ref: nn.Module, loss_fn: Callable, batch_fn: Callable, rank: int,
+                             world: int, opts: DoctorOptions) -> list[Finding]:
+    """``opts.steps`` SGD steps of the parallel model under GradSyncGuard, each compared with the
+    single-process reference on the global batch."""
+    import distckpt
+    from distckpt.sync_guard import GradSyncGuard
+
+    findings: list[Finding] = []
     guard = GradSyncGuard(pmodel, params_every=1, no_grad_steps=min(2, opts.steps), on_no_grad="ignore")
     opt = torch.optim.SGD([p for p in pmodel.parameters() if p.requires_grad], lr=opts.lr)
     ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=opts.lr)
