@@ -124,3 +124,15 @@ def test_hf_reentrant(dist_pool, family, strategy, dpo):
     """reentrant=True on HF decoders (position_ids and rotary cos/sin need no grad, so nothing is refused),
     with and without LoRA (pytorch#121594), also two forwards before one backward: exact."""
     _check(dist_pool, family, strategy, reentrant=True, dpo=dpo)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama_lora", "bert", "t5"])
+def test_dropout_is_on(family):
+    """The control for the seeding above: the same shard with another seed gives another loss, so the
+    comparisons run with dropout active."""
+    model = FAMILIES[family].build()
+    with torch.no_grad():
+        losses = [_local_loss(family, model, step, 0, dpo=False) for step in (0, 0)]
+        torch.manual_seed(1)
+        other = FAMILIES[family].loss(model, _shard(family, 0, 0))
+    assert torch.equal(losses[0], losses[1]) and not torch.equal(losses[0], other)
