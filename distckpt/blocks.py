@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Union
 
@@ -12,13 +13,46 @@ import torch.nn as nn
 
 from distckpt.errors import ConfigError
 
-__all__ = ["BlockSpec", "find_blocks", "repeated_block_groups"]
+__all__ = ["BlockSpec", "conditional_reason", "find_blocks", "repeated_block_groups"]
 
 logger = logging.getLogger("distckpt")
 
 BlockSpec = Union[type, str, Callable[[nn.Module], bool], Sequence[Union[type, str]], None]
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential)
+
+
+# Modules that run on some inputs only. A mixture-of-experts layer runs each expert on the tokens routed
+# to it, so ranks run different experts: such a module cannot be an FSDP unit (nor a block to profile).
+# Told by name, as no static property separates "for e in experts: if routed: e(x)" from a stack of layers.
+_EXPERTS = re.compile(r"expert", re.IGNORECASE)
+_ROUTERS = re.compile(r"^(gate|router|routing|gating|wg|switch)$", re.IGNORECASE)
+_CONTAINER_TYPES = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+def _container_reason(name: str, container: nn.Module, parent: nn.Module) -> str | None:
+    leaf = name.rpartition(".")[2]
+    if _EXPERTS.search(leaf):
+        return f"{name} looks like a mixture-of-experts expert list"
+    routers = [k for k, _ in parent.named_children() if _ROUTERS.match(k)]
+    if routers:
+        return f"{name} sits beside the router {name.rpartition('.')[0] + '.' if '.' in name else ''}{routers[0]}"
+    return None
+
+
+def conditional_reason(model: nn.Module, fqn: str) -> str | None:
+    """Why the module at ``fqn`` probably runs conditionally (it is, or is inside, an expert list or
+    a container beside a router), or None."""
+    parts = fqn.split(".")
+    for k in range(1, len(parts) + 1):
+        name = ".".join(parts[:k])
+        container = model.get_submodule(name)
+        if isinstance(container, _CONTAINER_TYPES):
+            parent = model.get_submodule(".".join(parts[:k - 1])) if k > 1 else model
+            why = _container_reason(name, container, parent)
+            if why:
+                return why
+    return None
 
 
 def _outermost(named: Iterable[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
@@ -48,8 +82,8 @@ def repeated_block_groups(model: nn.Module) -> list[tuple[type, list[tuple[str, 
     """
     groups: dict[type, list[tuple[str, nn.Module]]] = {}
     for name, container in model.named_modules():
-        if not isinstance(container, _CONTAINERS):
-            continue
+        if not isinstance(container, _CONTAINERS) or (name and conditional_reason(model, name)):
+            continue  # not a container, or an expert list (conditional: never a block on its own)
         prefix = f"{name}." if name else ""
         by_class: dict[type, list[tuple[str, nn.Module]]] = {}
         for k, c in container.named_children():

@@ -1,5 +1,5 @@
 """parallelize / ddp_kwargs / preflight / accumulate: DDP, FSDP and FSDP2 around checkpointed blocks,
-with gradients equal to a single-process run for every multi-task pattern (see distckpt.join)."""
+with gradients equal to a single-process run for every multi-task pattern (see distckpt.param_sync)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from distckpt import _torch_compat as compat
+from distckpt.blocks import conditional_reason
 from distckpt.errors import ConfigError
-from distckpt.join import SyncState, _Unit, param_owner
+from distckpt.param_sync import SyncState, _Unit, param_owner
 from distckpt.wrap import _clean_fqn, is_checkpointed, parallel_kind, pending_plan
 
 __all__ = ["accumulate", "ddp_kwargs", "parallelize", "preflight"]
@@ -134,10 +136,13 @@ def parallelize(model: nn.Module, strategy: str = "ddp", *, graph: str = "auto",
             f"distckpt.wrap(model, budget) has not chosen its blocks yet (it waits for the first forward), but "
             f"{strategy} makes one unit per checkpointed block now. Pass example_inputs=(a batch) to distckpt.wrap.")
     preflight(model)
+    if strategy in ("fsdp", "fsdp2"):
+        _refuse_conditional_units(model, strategy)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     owners = [param_owner(model, n) for n in names]
     index = {n: i for i, n in enumerate(names)}
     re_blocks = _reentrant_blocks(model)
+    ddp = None
     re_idx = {index[f"{bn}.{pn}"] for bn, b in model.named_modules() if b in re_blocks
               for pn, p in b.named_parameters() if p.requires_grad}
     # DDP's static graph needs no join; FSDP has no such flag, so graph='static' joins there too (a used
@@ -161,6 +166,7 @@ def parallelize(model: nn.Module, strategy: str = "ddp", *, graph: str = "auto",
         # Checkpointing is inside the blocks; DDP wraps the root last.
         wrapped = DDP(model, device_ids=[dev] if dev.type == "cuda" else None, **flags)
         units = [(unit, False)]
+        ddp = wrapped
     elif strategy == "fsdp":
         wrapped, units, group = _apply_fsdp(model, names, owners, device_mesh, kwargs)
     else:
@@ -168,13 +174,28 @@ def parallelize(model: nn.Module, strategy: str = "ddp", *, graph: str = "auto",
 
     registered_by_name = {_clean_fqn(n): p for n, p in wrapped.named_parameters()}
     state = SyncState(names, [registered_by_name[n] for n in names], mode, group, strategy, re_idx,
-                      static_check=graph == "static")
+                      static_check=graph == "static", ddp=ddp)
     for unit, prepend in units:
         state.attach(unit, prepend)
     if re_idx and strategy == "ddp":
         state.count_reentrant_firings([(i, state.registered[i]) for i in sorted(re_idx)])
     setattr(wrapped, _STATE, state)
     return wrapped
+
+
+def _refuse_conditional_units(model: nn.Module, strategy: str) -> None:
+    """A block that runs on some ranks only cannot be an FSDP unit: the ranks' all-gathers would pair
+    different units' parameters, silently (pytorch#158719). Refused here; the end-of-step check in
+    distckpt.param_sync catches what a name cannot tell."""
+    for name, m in model.named_modules():
+        if is_checkpointed(m):
+            why = conditional_reason(model, name)
+            if why:
+                raise ConfigError(
+                    f"{name} is checkpointed, so {strategy} would make it its own unit, but it runs conditionally "
+                    f"({why}): ranks that route differently would pair the all-gathers of different units and "
+                    "compute wrong values. Checkpoint and shard the layer that contains the router instead, e.g. "
+                    "distckpt.wrap(model) with blocks=None, or blocks=<the layer class>.")
 
 
 def _fsdp_group(device_mesh: Any, kwargs: dict[str, Any]) -> Any:
@@ -206,7 +227,7 @@ def _apply_fsdp2(model: nn.Module, names: list[str], owners: list[tuple[nn.Modul
     for _, block in blocks:
         fully_shard(block, mesh=device_mesh, **kwargs)
     fully_shard(model, mesh=device_mesh, **kwargs)
-    units = [(_Unit(b, [(i, *owners[i]) for i in owned[bn]]), True) for bn, b in blocks]
+    units = [(_Unit(b, [(i, *owners[i]) for i in owned[bn]], bn), True) for bn, b in blocks]
     # prepend=True: the join must run before FSDP2's post-forward hook reshards the parameters.
     units.append((_Unit(model, [(i, *owners[i]) for i in owned[""]]), True))
     group = device_mesh.get_group() if device_mesh is not None else None
@@ -232,7 +253,7 @@ def _apply_fsdp(model: nn.Module, names: list[str], owners: list[tuple[nn.Module
     wrapped = FSDP(model, auto_wrap_policy=policy, device_id=kwargs.pop("device_id", _device()),
                    use_orig_params=True, **extra, **kwargs)
     # FSDP1 runs the inner module's hooks while the unit is unsharded: the join goes there.
-    units = [(_Unit(b, [(i, *owners[i]) for i in owned[bn]]), False) for bn, b in blocks]
+    units = [(_Unit(b, [(i, *owners[i]) for i in owned[bn]], bn), False) for bn, b in blocks]
     units.append((_Unit(model, [(i, *owners[i]) for i in owned[""]]), False))
     return wrapped, units, _fsdp_group(device_mesh, kwargs)
 
@@ -253,14 +274,13 @@ def preflight(model: nn.Module) -> None:
     Raises:
         ConfigError: naming the cause and the fix.
     """
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
 
     parallel_types = (DistributedDataParallel, FullyShardedDataParallel, FSDPModule)
     for name, m in model.named_modules():
         inner = [n for n, c in m.named_modules() if n and isinstance(c, parallel_types)]
-        if (is_checkpointed(m) or isinstance(m, CheckpointWrapper)) and inner:
+        if (is_checkpointed(m) or isinstance(m, compat.checkpoint_wrapper_class())) and inner:
             where = _clean_fqn(name) or type(m).__name__
             raise ConfigError(
                 f"{where} is checkpointed around the FSDP/DDP unit {_clean_fqn(inner[0])}: the recompute runs "

@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint as tuc
 
+from distckpt import _torch_compat as compat
 from distckpt.blocks import BlockSpec, find_blocks
 from distckpt.errors import ConfigError
 from distckpt.policies import Budget, Plan, Policy, parse_policy, select_blocks
@@ -50,6 +51,7 @@ class _CheckpointedMixin:
 
     _distckpt_options: CheckpointOptions
     _distckpt_norms: list[nn.Module]  # BatchNorm-like modules whose running stats the recompute must not touch
+    _distckpt_cache_slots: tuple[tuple[int, str], ...] = ()  # positional cache arguments of forward
     _distckpt_disabled: int = 0
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -139,7 +141,6 @@ _CACHE_ARGS = ("past_key_values", "past_key_value", "cache", "layer_past")
 _WARNED_CACHE: set[type] = set()
 
 
-@functools.cache
 def _cache_positions(cls: type) -> tuple[tuple[int, str], ...]:
     """Positional slots of ``use_cache`` and the cache arguments of ``cls.forward`` (GPT-2 passes
     its cache positionally)."""
@@ -168,8 +169,7 @@ def _without_cache(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     keep = getattr(module, "_can_checkpoint_with_cache", False)
     names = ("use_cache",) if keep else ("use_cache", *_CACHE_ARGS)
     changed = []
-    slots = [(i, n) for i, n in _cache_positions(module._distckpt_orig_class)
-             if i < len(args) and n in names and _cache_on(n, args[i])]
+    slots = [(i, n) for i, n in module._distckpt_cache_slots if i < len(args) and n in names and _cache_on(n, args[i])]
     if slots:
         new_args = list(args)
         for i, name in slots:
@@ -391,11 +391,7 @@ def _refuse_parallel(model: nn.Module) -> None:
 
 def _foreign_checkpointing(model: nn.Module) -> None:
     """Refuse or replace checkpointing applied by other tools, so no block is recomputed twice."""
-    try:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-    except ImportError:  # pragma: no cover
-        CheckpointWrapper = ()  # type: ignore[assignment,misc]
-    wrapped = [n for n, m in model.named_modules() if isinstance(m, CheckpointWrapper)]
+    wrapped = [n for n, m in model.named_modules() if isinstance(m, compat.checkpoint_wrapper_class())]
     if wrapped:
         raise ConfigError(
             f"{type(model).__name__} already uses PyTorch's checkpoint_wrapper at {wrapped[0]}"
@@ -403,12 +399,7 @@ def _foreign_checkpointing(model: nn.Module) -> None:
             "recompute those blocks twice. Remove apply_activation_checkpointing (distckpt.wrap "
             "replaces it and keeps parameter names), or skip distckpt.wrap."
         )
-    try:
-        from torch.distributed._composable.contract import _get_registry
-
-        composable = [n for n, m in model.named_modules() if "checkpoint" in (_get_registry(m) or {})]
-    except ImportError:  # pragma: no cover
-        composable = []
+    composable = compat.composable_checkpoint_fqns(model)
     if composable:
         raise ConfigError(
             f"{type(model).__name__} already uses torch.distributed._composable.checkpoint at "
@@ -453,6 +444,7 @@ def unwrap(model: nn.Module, modules: list[nn.Module] | None = None) -> int:
                 )
             m.__class__ = orig
             del m._distckpt_options, m._distckpt_norms
+            m.__dict__.pop("_distckpt_cache_slots", None)
             count += 1
     return count
 
@@ -548,6 +540,7 @@ def _apply_plan(model: nn.Module, pol: Policy, candidates: list[tuple[str, nn.Mo
         block.__class__ = _checkpointed_class(type(block))
         block._distckpt_options = opts
         block._distckpt_norms = _stateful_norms(block)  # found once, not on every forward
+        block._distckpt_cache_slots = _cache_positions(type(block)._distckpt_orig_class)
         if block._distckpt_norms:
             _prepare_eager_run()
     logger.info("distckpt.wrap: policy %s checkpoints %d of %d blocks", pol, len(chosen), len(candidates))

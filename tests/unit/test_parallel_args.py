@@ -9,7 +9,7 @@ from patterns import PATTERNS, Block, build
 
 import distckpt
 from distckpt import ConfigError
-from distckpt.join import _Join
+from distckpt.param_sync import _Participate
 
 
 def _wrapped(reentrant: bool = False) -> nn.Module:
@@ -54,12 +54,12 @@ def test_join_gives_zero_not_nan_to_unused_params():
     """An unused param full of inf gets a zero gradient from the join (``0 * p.sum()`` would give NaN)."""
 
     class _State:
-        def on_join_backward(self, keys):
+        def on_participate_backward(self, rec, keys):
             return [False] * len(keys)  # nothing used: zeros for all
 
     p = nn.Parameter(torch.full((3,), float("inf")))
     x = torch.randn(2, requires_grad=True)
-    out = _Join.apply(_State(), [None], x * 2, p)
+    out = _Participate.apply(_State(), None, [None], x * 2, p)
     assert not out._is_view()  # FSDP2 warns about view outputs
     out.sum().backward()
     assert torch.equal(p.grad, torch.zeros(3))

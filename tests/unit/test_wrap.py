@@ -624,3 +624,111 @@ def test_torch_compile_traces_wrapped_blocks(bn):
         assert_same(step(plain, x), (loss, grads(wrapped)), exact=False)
     for (n, a), (_, b) in zip(plain.named_buffers(), wrapped.named_buffers()):
         torch.testing.assert_close(b, a, msg=n)  # BatchNorm statistics updated once per forward
+
+
+def _tiny_decoder(family: str, **extra):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if family == "gpt2":  # passes its cache to the block positionally
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
+                                      resid_pdrop=0.1, attn_pdrop=0.1, embd_pdrop=0.1, **extra)
+        return transformers.GPT2LMHeadModel(cfg).train()
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                   num_key_value_heads=1, vocab_size=64, attention_dropout=0.1, **extra)
+    return transformers.LlamaForCausalLM(cfg).train()
+
+
+def _padded_batch():
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0  # a padded row: with a cache written twice, attention shapes no longer match
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def _hf_step(model, batch, seed=3):
+    torch.manual_seed(seed)
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), grads(model)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_hf_padded_batch_cache_off_in_training_exact(family, reentrant, monkeypatch):
+    """use_cache=True (the config default) with a padded batch: the checkpointed layers run without
+    a cache (the recompute would write it twice), with one warning, and gradients stay bitwise equal.
+    reentrant=True works too: position_ids and rotary cos/sin need no gradient.
+
+    GPT-2 with attention dropout: any torch.utils.checkpoint of its blocks, HF's own included, moves
+    gradients by float rounding (<= 6e-8, measured); there distckpt is bitwise equal to HF's."""
+    import sys
+
+    monkeypatch.setattr(sys.modules["distckpt.wrap"], "_WARNED_CACHE", set())
+    plain = _tiny_decoder(family)
+    wrapped = copy.deepcopy(plain)
+    distckpt.wrap(wrapped, reentrant=reentrant)
+    batch = _padded_batch()
+    ref = _hf_step(plain, batch)
+    with pytest.warns(UserWarning, match="without a KV cache") as rec:
+        got = _hf_step(wrapped, batch)
+        _hf_step(wrapped, batch)
+    assert sum("without a KV cache" in str(w.message) for w in rec) == 1  # once per layer class
+    if family == "gpt2":
+        hf = copy.deepcopy(plain)
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        if reentrant:
+            hf.enable_input_require_grads()
+        assert_same(_hf_step(hf, batch), got, exact=True)
+        assert_same(ref, got, exact=False)
+    else:
+        assert_same(ref, got, exact=True)
+
+
+def test_hf_generation_keeps_its_cache():
+    """Under no_grad (generation) a checkpointed layer runs as is: the cache is written and used."""
+    plain = _tiny_decoder("llama").eval()
+    wrapped = copy.deepcopy(plain)
+    distckpt.wrap(wrapped)
+    ids = _padded_batch()["input_ids"][:1]
+    outs = []
+    for m in (plain, wrapped):
+        with torch.no_grad():
+            outs.append(m.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0))
+    assert torch.equal(outs[0], outs[1])
+    with torch.no_grad():
+        cache = wrapped(ids, use_cache=True).past_key_values
+    assert cache is not None and cache.get_seq_length() == ids.shape[1]
+
+
+def test_reentrant_refuses_only_kwargs_that_require_grad():
+    class KwBlock(nn.Linear):
+        def forward(self, x, *, bias=None):
+            return super().forward(x) + (0 if bias is None else bias)
+
+    m = nn.ModuleList([KwBlock(4, 4), KwBlock(4, 4)])
+    distckpt.wrap(m, "full", reentrant=True)
+    x = torch.randn(2, 4, requires_grad=True)
+    m[0](x, bias=torch.ones(4)).sum().backward()  # no grad needed: fine
+    assert m[0].weight.grad is not None
+    with pytest.raises(ConfigError, match="bias.*require grad.*reentrant=False"):
+        m[0](x, bias=torch.ones(4, requires_grad=True))
+
+
+def test_peft_after_hf_gradient_checkpointing_removes_input_require_grads_hook():
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+
+    def build():
+        return get_peft_model(_tiny_decoder("llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+
+    plain = build()
+    wrapped = build()
+    wrapped.load_state_dict(plain.state_dict())
+    wrapped.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    assert any(getattr(m, "_require_grads_hook", None) is not None for m in wrapped.modules())
+    with pytest.warns(UserWarning, match="Hugging Face gradient checkpointing"):
+        distckpt.wrap(wrapped)
+    assert not any(getattr(m, "_require_grads_hook", None) is not None for m in wrapped.modules())
+    batch = _padded_batch()
+    ref, got = _hf_step(plain, batch), _hf_step(wrapped, batch)
+    assert_same(ref, got, exact=True)
