@@ -122,6 +122,44 @@ def parallelize(model: nn.Module, strategy: str = "ddp", *, graph: str = "auto",
         raise ConfigError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
     if strategy == "none":
         return model
+    _refuse_unready(model, strategy)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    owners = [param_owner(model, n) for n in names]
+    re_idx = _reentrant_params(model, names)
+    if re_idx and strategy == "fsdp":
+        raise ConfigError(
+            "reentrant checkpointing under FSDP1 is not supported by distckpt: FSDP reduces a unit's flat "
+            "gradient from a hook that a reentrant block's nested backward fires on its own. Use "
+            "distckpt.wrap(..., reentrant=False), or strategy='fsdp2'.")
+
+    # The order is fixed: checkpointing already sits inside the blocks (distckpt.wrap); then FSDP/FSDP2
+    # wrap each checkpointed block and the root last, or DDP wraps the root.
+    if strategy == "ddp":
+        reentrant = bool(_reentrant_blocks(model))
+        wrapped, units, group = _apply_ddp(model, names, owners, graph, reentrant, device_mesh, kwargs)
+    elif strategy == "fsdp":
+        wrapped, units, group = _apply_fsdp(model, names, owners, device_mesh, kwargs)
+    else:
+        wrapped, units, group = _apply_fsdp2(model, names, owners, device_mesh, kwargs)
+
+    # Then every unit's forward makes all its parameters take part (distckpt.param_sync). DDP's static
+    # graph needs no such join; FSDP has no such flag, so graph='static' joins there too (a used set that
+    # differs across ranks would otherwise desync its reduce-scatter before the check runs).
+    mode = "static" if graph == "static" and strategy == "ddp" else "join"
+    registered_by_name = {_clean_fqn(n): p for n, p in wrapped.named_parameters()}
+    state = SyncState(names, [registered_by_name[n] for n in names], mode, group, strategy, re_idx,
+                      static_check=graph == "static", ddp=wrapped if strategy == "ddp" else None)
+    for unit, prepend in units:
+        state.attach(unit, prepend)
+    if re_idx and strategy == "ddp":
+        state.count_reentrant_firings([(i, state.registered[i]) for i in sorted(re_idx)])
+    setattr(wrapped, _STATE, state)
+    return wrapped
+
+
+def _refuse_unready(model: nn.Module, strategy: str) -> None:
+    """What parallelize refuses before building anything: no process group, a model already wrapped,
+    a budget still waiting for its first forward under FSDP, and what preflight refuses."""
     if not dist.is_initialized():
         raise ConfigError(
             f"strategy={strategy!r} needs torch.distributed initialized: run under torchrun and call "
@@ -138,49 +176,29 @@ def parallelize(model: nn.Module, strategy: str = "ddp", *, graph: str = "auto",
     preflight(model)
     if strategy in ("fsdp", "fsdp2"):
         _refuse_conditional_units(model, strategy)
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
-    owners = [param_owner(model, n) for n in names]
+
+
+def _reentrant_params(model: nn.Module, names: list[str]) -> set[int]:
+    """Indices (in ``names``) of the trainable parameters inside reentrant-checkpointed blocks."""
     index = {n: i for i, n in enumerate(names)}
     re_blocks = _reentrant_blocks(model)
-    ddp = None
-    re_idx = {index[f"{bn}.{pn}"] for bn, b in model.named_modules() if b in re_blocks
-              for pn, p in b.named_parameters() if p.requires_grad}
-    # DDP's static graph needs no join; FSDP has no such flag, so graph='static' joins there too (a used
-    # set that differs across ranks would otherwise desync its reduce-scatter before the check runs).
-    mode = "static" if graph == "static" and strategy == "ddp" else "join"
+    return {index[f"{bn}.{pn}"] for bn, b in model.named_modules() if b in re_blocks
+            for pn, p in b.named_parameters() if p.requires_grad}
 
-    if re_idx and strategy == "fsdp":
-        raise ConfigError(
-            "reentrant checkpointing under FSDP1 is not supported by distckpt: FSDP reduces a unit's flat "
-            "gradient from a hook that a reentrant block's nested backward fires on its own. Use "
-            "distckpt.wrap(..., reentrant=False), or strategy='fsdp2'.")
-    if strategy == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
 
-        dev = _device()
-        flags = _ddp_flags(kwargs, graph, bool(re_blocks))
-        if device_mesh is not None:
-            flags["device_mesh"] = device_mesh
-        group = flags.get("process_group") or (device_mesh.get_group() if device_mesh is not None else None)
-        unit = _Unit(model, [(i, *owners[i]) for i in range(len(names))])
-        # Checkpointing is inside the blocks; DDP wraps the root last.
-        wrapped = DDP(model, device_ids=[dev] if dev.type == "cuda" else None, **flags)
-        units = [(unit, False)]
-        ddp = wrapped
-    elif strategy == "fsdp":
-        wrapped, units, group = _apply_fsdp(model, names, owners, device_mesh, kwargs)
-    else:
-        wrapped, units, group = _apply_fsdp2(model, names, owners, device_mesh, kwargs)
+def _apply_ddp(model: nn.Module, names: list[str], owners: list[tuple[nn.Module, str]], graph: str,
+               reentrant: bool, device_mesh: Any, kwargs: dict[str, Any]
+               ) -> tuple[nn.Module, list[tuple[_Unit, bool]], Any]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
-    registered_by_name = {_clean_fqn(n): p for n, p in wrapped.named_parameters()}
-    state = SyncState(names, [registered_by_name[n] for n in names], mode, group, strategy, re_idx,
-                      static_check=graph == "static", ddp=ddp)
-    for unit, prepend in units:
-        state.attach(unit, prepend)
-    if re_idx and strategy == "ddp":
-        state.count_reentrant_firings([(i, state.registered[i]) for i in sorted(re_idx)])
-    setattr(wrapped, _STATE, state)
-    return wrapped
+    dev = _device()
+    flags = _ddp_flags(kwargs, graph, reentrant)
+    if device_mesh is not None:
+        flags["device_mesh"] = device_mesh
+    group = flags.get("process_group") or (device_mesh.get_group() if device_mesh is not None else None)
+    unit = _Unit(model, [(i, *owners[i]) for i in range(len(names))])
+    wrapped = DDP(model, device_ids=[dev] if dev.type == "cuda" else None, **flags)
+    return wrapped, [(unit, False)], group
 
 
 def _refuse_conditional_units(model: nn.Module, strategy: str) -> None:

@@ -1,0 +1,80 @@
+"""Each private torch API behind distckpt._torch_compat, called once: a torch upgrade that moves one
+fails here, by name, before it fails dozens of other tests."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.autograd.graph import get_gradient_edge
+
+from distckpt import _torch_compat as compat
+
+
+def _in_backward(fn, *, inputs=None, grad=False):
+    """Run ``fn()`` inside a backward pass (plain, ``inputs=``, or ``autograd.grad``); return its value."""
+    seen = {}
+    p = torch.randn(3, requires_grad=True)
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            seen["value"] = fn(p, ctx)
+            return g
+
+    y = Probe.apply(p * 2).sum()
+    if grad:
+        torch.autograd.grad(y, p)
+    else:
+        y.backward(inputs=inputs)
+    return seen["value"]
+
+
+def test_will_execute_and_graph_task_id():
+    assert _in_backward(lambda p, ctx: compat.will_execute(ctx)) is True
+    ids = {_in_backward(lambda p, ctx: compat.current_graph_task_id()) for _ in range(2)}
+    assert len(ids) == 2  # a new id per pass
+
+
+def test_plain_backward_and_writes_grad():
+    assert _in_backward(lambda p, ctx: compat.is_plain_backward()) is True
+    assert _in_backward(lambda p, ctx: compat.is_plain_backward(), grad=True) is False
+    edge = lambda p: [(get_gradient_edge(p).node, 0)]  # noqa: E731
+    assert _in_backward(lambda p, ctx: compat.writes_grad(edge(p)), grad=True) is False  # autograd.grad
+    assert _in_backward(lambda p, ctx: compat.writes_grad(edge(p)), inputs=None) is True
+
+
+def test_queue_after_backward_runs_after_the_pass():
+    order = []
+    p = torch.randn(2, requires_grad=True)
+    p.register_post_accumulate_grad_hook(lambda _: order.append("accumulated"))
+
+    class Queue(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            compat.queue_after_backward(lambda: order.append("end"))
+            return g
+
+    Queue.apply(p * 1).sum().backward()
+    assert order == ["accumulated", "end"]
+
+
+def test_to_local_and_foreign_checkpointing_lookups():
+    t = torch.ones(2)
+    assert compat.to_local(t) is t
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    (cls,) = compat.checkpoint_wrapper_class()
+    assert isinstance(checkpoint_wrapper(nn.Linear(2, 2)), cls)
+    from torch.distributed._composable import checkpoint
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    checkpoint(model[1])
+    assert compat.composable_checkpoint_fqns(model) == ["1"]
