@@ -25,18 +25,18 @@ from typing import TYPE_CHECKING
 import torch
 
 from distckpt.errors import ConfigError
+from distckpt.options import STRATEGIES
 from distckpt.profile import ModelProfile
 
 if TYPE_CHECKING:
     from distckpt.policies import Plan
 
-__all__ = ["BudgetPlan", "OPTIMIZER_STATES", "STRATEGIES", "plan_budget", "predicted_peak", "select_for_budget"]
+__all__ = ["BudgetPlan", "OPTIMIZER_STATES", "plan_budget", "predicted_peak", "select_for_budget"]
 
 logger = logging.getLogger("distckpt")
 
 # Optimizer state per parameter byte (AdamW: exp_avg and exp_avg_sq in the parameter's dtype).
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1, "none": 0}
-STRATEGIES = ("none", "ddp", "fsdp", "fsdp2")
 
 # Above this many (bytes, FLOPs) states per block, states closer than budget/_MAX_STATES bytes are
 # merged (the one with fewer FLOPs is kept, its bytes exact): the budget is still never exceeded,

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from distckpt.options import GRAPHS, STRATEGIES
+
 __all__ = ["add_doctor_flags", "doctor_options", "main"]
 
 # The launcher's doctor (Hydra mode), in a distckpt checkout; the library never imports the launcher.
@@ -17,14 +19,14 @@ LAUNCH_DOCTOR = Path("launch") / "doctor.py"
 
 def add_doctor_flags(parser: argparse.ArgumentParser) -> None:
     """The run flags of ``distckpt doctor``, shared with the launcher's ``python launch/doctor.py``."""
-    parser.add_argument("--strategy", choices=("none", "ddp", "fsdp", "fsdp2"), default=None,
+    parser.add_argument("--strategy", choices=STRATEGIES, default=None,
                         help="data parallelism (default: ddp, or the config's strategy)")
     parser.add_argument("--policy", default=None, help="checkpointing policy, e.g. full, every:2 (default: full, "
                         "or the blocks the factory already wrapped)")
     parser.add_argument("--reentrant", action="store_true", help="use reentrant checkpointing")
     parser.add_argument("--no-preserve-rng-state", dest="preserve_rng_state", action="store_false",
                         help="recompute without restoring the RNG state")
-    parser.add_argument("--graph", choices=("auto", "static", "dynamic"), default=None,
+    parser.add_argument("--graph", choices=GRAPHS, default=None,
                         help="DDP graph setting (default: auto, or the config's)")
     parser.add_argument("--steps", type=int, default=3, help="training steps to run (default 3)")
     parser.add_argument("--nproc", type=int, default=2, help="CPU ranks (default 2)")

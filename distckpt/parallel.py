@@ -15,13 +15,12 @@ import torch.nn as nn
 from distckpt import _torch_compat as compat
 from distckpt.blocks import conditional_reason
 from distckpt.errors import ConfigError
+from distckpt.options import accumulate_refusal, check_graph, check_strategy, reentrant_refusal
 from distckpt.param_sync import SyncState, _Unit, param_owner
 from distckpt.wrap import _clean_fqn, is_checkpointed, parallel_kind, pending_plan
 
 __all__ = ["accumulate", "ddp_kwargs", "parallelize", "preflight"]
 
-STRATEGIES = ("none", "ddp", "fsdp", "fsdp2")
-GRAPHS = ("auto", "static", "dynamic")
 _STATE = "_distckpt_sync"  # attribute of the returned model holding its SyncState
 
 
@@ -29,11 +28,6 @@ def _device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _check_graph(graph: str) -> None:
-    if graph not in GRAPHS:
-        raise ConfigError(f"graph must be one of {GRAPHS}, got {graph!r}.")
 
 
 def _reentrant_blocks(model: nn.Module) -> list[nn.Module]:
@@ -61,7 +55,7 @@ def ddp_kwargs(model: nn.Module, *, graph: str = "auto") -> dict[str, Any]:
     Raises:
         ConfigError: reentrant blocks with a graph that may change (no DDP flags are safe for it).
     """
-    _check_graph(graph)
+    check_graph(graph)
     if graph == "static":
         return {"find_unused_parameters": False, "static_graph": True}
     if _reentrant_blocks(model):
@@ -117,20 +111,16 @@ def parallelize(model: nn.Module, strategy: str = "ddp", *, graph: str = "auto",
         ConfigError: unknown strategy or graph, no process group, a model already wrapped, or a kwarg
             that contradicts what correctness needs.
     """
-    _check_graph(graph)
-    if strategy not in STRATEGIES:
-        raise ConfigError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
+    check_graph(graph)
+    check_strategy(strategy)
     if strategy == "none":
         return model
     _refuse_unready(model, strategy)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     owners = [param_owner(model, n) for n in names]
     re_idx = _reentrant_params(model, names)
-    if re_idx and strategy == "fsdp":
-        raise ConfigError(
-            "reentrant checkpointing under FSDP1 is not supported by distckpt: FSDP reduces a unit's flat "
-            "gradient from a hook that a reentrant block's nested backward fires on its own. Use "
-            "distckpt.wrap(..., reentrant=False), or strategy='fsdp2'.")
+    if re_idx and reentrant_refusal(strategy):
+        raise ConfigError(reentrant_refusal(strategy))
 
     # The order is fixed: checkpointing already sits inside the blocks (distckpt.wrap); then FSDP/FSDP2
     # wrap each checkpointed block and the root last, or DDP wraps the root.
@@ -345,12 +335,8 @@ def accumulate(model: nn.Module) -> Iterator[None]:
 
     state: SyncState | None = getattr(model, _STATE, None)
     if getattr(model, "static_graph", False):
-        # DDP's static graph asserts inside its reducer ('expect_autograd_hooks_') when a step skips sync.
-        why = "reentrant checkpointing" if state is not None and state.reentrant else "graph='static'"
-        raise ConfigError(
-            f"gradient accumulation cannot skip sync under DDP static_graph=True (set for {why}). Use "
-            "distckpt.wrap(..., reentrant=False) and graph='auto', or accumulate by summing the micro-batch "
-            "losses before one backward.")
+        reentrant = state is not None and bool(state.reentrant)
+        raise ConfigError(accumulate_refusal("ddp", reentrant=reentrant, graph="auto" if reentrant else "static"))
     if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(False)
         ctx: Any = contextlib.nullcontext()

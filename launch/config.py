@@ -17,6 +17,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from distckpt.errors import ConfigError
+from distckpt.options import GRAPHS, OPTIMIZERS, STRATEGIES, check_run
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
@@ -179,11 +180,11 @@ def register() -> None:
 
 
 CHOICES = {
-    "strategy.name": ("none", "ddp", "fsdp", "fsdp2"),
-    "strategy.graph": ("auto", "static", "dynamic"),
+    "strategy.name": STRATEGIES,
+    "strategy.graph": GRAPHS,
     "data.name": ("synthetic", "digits"),
     "precision.dtype": ("fp32", "bf16", "fp16"),
-    "optim.name": ("adamw", "sgd"),
+    "optim.name": OPTIMIZERS,
     "optim.scheduler": ("constant", "cosine", "linear"),
     "trainer.on_nonfinite": ("skip", "stop"),
     "trainer.device": ("auto", "cpu", "cuda"),
@@ -232,8 +233,10 @@ def validate(cfg: DictConfig, world_size: int = 1) -> None:
     if cfg.precision.sharded and s not in ("fsdp", "fsdp2"):
         raise ConfigError(f"precision.sharded=true needs strategy=fsdp or fsdp2 (got strategy={s}); "
                           "use precision=bf16 (autocast) instead.")
-    if cfg.ac.reentrant and s == "fsdp2":
-        raise ConfigError("ac.reentrant=true under strategy=fsdp2 is not supported (FSDP2 hooks need the "
-                          "non-reentrant checkpoint); set ac.reentrant=false.")
+    try:  # the library's own rule for these settings, so --check and parallelize agree
+        check_run(s, reentrant=cfg.ac.reentrant, graph=cfg.strategy.graph, accumulate=t.grad_accum > 1)
+    except ConfigError as e:
+        raise ConfigError(f"strategy={s} strategy.graph={cfg.strategy.graph} ac.reentrant={cfg.ac.reentrant} "
+                          f"trainer.grad_accum={t.grad_accum}: {e}") from None
     if "n_head" in m and m.d_model % m.n_head:
         raise ConfigError(f"model.d_model={m.d_model} must be divisible by model.n_head={m.n_head}.")

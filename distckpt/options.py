@@ -1,0 +1,67 @@
+"""Run-level options and the rules that combine them: the one place that says which strategies,
+graphs and optimizers exist and which combinations distckpt refuses. ``parallelize``,
+``accumulate``, the budget planner, the ``distckpt`` command and the launcher's config validation
+all read it, so they cannot disagree."""
+
+from __future__ import annotations
+
+from distckpt.errors import ConfigError
+
+__all__ = ["GRAPHS", "OPTIMIZERS", "STRATEGIES", "check_graph", "check_run", "check_strategy"]
+
+STRATEGIES = ("none", "ddp", "fsdp", "fsdp2")
+# "dynamic" is an alias of "auto" (any used set, by step or rank); kept because configs use it.
+GRAPHS = ("auto", "static", "dynamic")
+OPTIMIZERS = ("adamw", "sgd")  # the optimizers whose state the budget planner counts
+
+
+def check_strategy(strategy: str) -> None:
+    """Raises ConfigError for an unknown strategy."""
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
+
+
+def check_graph(graph: str) -> None:
+    """Raises ConfigError for an unknown graph setting."""
+    if graph not in GRAPHS:
+        raise ConfigError(f"graph must be one of {GRAPHS}, got {graph!r}.")
+
+
+def reentrant_refusal(strategy: str) -> str | None:
+    """Why ``strategy`` cannot run reentrant-checkpointed blocks, or None."""
+    if strategy == "fsdp":
+        return ("reentrant checkpointing under FSDP1 is not supported by distckpt: FSDP reduces a unit's flat "
+                "gradient from a hook that a reentrant block's nested backward fires on its own. Use "
+                "distckpt.wrap(..., reentrant=False), or strategy='fsdp2'.")
+    return None
+
+
+def accumulate_refusal(strategy: str, *, reentrant: bool, graph: str) -> str | None:
+    """Why gradient accumulation (``distckpt.accumulate``) cannot run with these settings, or None."""
+    if strategy == "ddp" and (reentrant or graph == "static"):
+        # DDP's static graph (set for both) asserts inside its reducer when a step skips sync.
+        why = "reentrant checkpointing" if reentrant else "graph='static'"
+        return (f"gradient accumulation cannot skip sync under DDP static_graph=True (set for {why}). Use "
+                "distckpt.wrap(..., reentrant=False) and graph='auto', or accumulate by summing the micro-batch "
+                "losses before one backward.")
+    return None
+
+
+def check_run(strategy: str, *, reentrant: bool = False, graph: str = "auto", accumulate: bool = False) -> None:
+    """Refuse a combination of run settings that distckpt cannot make right, whatever the model.
+
+    Args:
+        strategy: ``"none"``, ``"ddp"``, ``"fsdp"`` or ``"fsdp2"``.
+        reentrant: blocks checkpointed with ``reentrant=True``.
+        graph: ``"auto"``, ``"static"`` or ``"dynamic"``.
+        accumulate: gradient accumulation with ``distckpt.accumulate`` (more than one micro-batch).
+
+    Raises:
+        ConfigError: naming the setting to change.
+    """
+    check_strategy(strategy)
+    check_graph(graph)
+    why = (reentrant and reentrant_refusal(strategy)) or (
+        accumulate and accumulate_refusal(strategy, reentrant=reentrant, graph=graph))
+    if why:
+        raise ConfigError(why)

@@ -1,0 +1,67 @@
+"""The launcher's --check and the library agree on every strategy x reentrant x graph x accumulation
+combination: both ask distckpt.options, and parallelize/accumulate really refuse what it refuses
+(and accept the rest) on 2 gloo ranks."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+
+import pytest
+from launchkit import compose
+from patterns import PATTERNS, Block, batch, build, shard
+
+import distckpt
+from distckpt.options import check_run
+from launch.config import validate
+
+COMBOS = list(itertools.product(("none", "ddp", "fsdp", "fsdp2"), (False, True), ("auto", "static", "dynamic"),
+                                (False, True)))
+
+
+def _refused(fn) -> str | None:
+    try:
+        fn()
+    except distckpt.ConfigError as e:
+        return str(e)
+    return None
+
+
+def _library(rank, world_size, strategy, reentrant, graph, accumulate):
+    """wrap + parallelize + one step (two micro-batches with accumulate): the ConfigError, if any."""
+
+    def run():
+        model = build(PATTERNS["all_heads"])
+        distckpt.wrap(model, "full", blocks=Block, reentrant=reentrant)
+        pm = distckpt.parallelize(model, strategy, graph=graph)
+        x = shard(batch(0, 0), rank, world_size)
+        for micro in range(2 if accumulate else 1):
+            last = micro == (1 if accumulate else 0)
+            with contextlib.nullcontext() if last else distckpt.accumulate(pm):
+                sum(o.sum() for o in pm(x).values()).backward()
+
+    return _refused(run)
+
+
+def _launcher(strategy, reentrant, graph, accumulate):
+    overrides = [f"strategy={strategy}", f"strategy.graph={graph}", f"ac.reentrant={str(reentrant).lower()}",
+                 f"trainer.grad_accum={2 if accumulate else 1}", "data.batch_size=8"]
+    return _refused(lambda: validate(compose(overrides), world_size=1 if strategy == "none" else 2))
+
+
+@pytest.mark.dist
+def test_launcher_library_and_rules_agree(dist_pool):
+    disagree = []
+    for strategy, reentrant, graph, accumulate in COMBOS:
+        rule = _refused(lambda: check_run(strategy, reentrant=reentrant, graph=graph, accumulate=accumulate))
+        launcher = _launcher(strategy, reentrant, graph, accumulate)
+        if strategy == "none":
+            library = _refused(lambda: _library(0, 1, strategy, reentrant, graph, accumulate))
+        else:
+            library = dist_pool.run(_library, strategy, reentrant, graph, accumulate, timeout=60)[0]
+        verdicts = {"rule": rule is not None, "launcher": launcher is not None, "library": library is not None}
+        if len(set(verdicts.values())) != 1 or (rule and rule not in launcher):
+            disagree.append(((strategy, reentrant, graph, accumulate), verdicts, rule, launcher, library))
+    assert not disagree, disagree
+    assert sum(_refused(lambda c=c: check_run(c[0], reentrant=c[1], graph=c[2], accumulate=c[3])) is not None
+               for c in COMBOS) > 0  # the rule refuses something
