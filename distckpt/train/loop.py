@@ -163,25 +163,13 @@ def fit(
     ckpt_dir = Path(run_dir) / "checkpoints"
     result = LoopResult()
     if opts.resume:
-        latest = _broadcast(str(p) if rank == 0 and (p := latest_checkpoint(ckpt_dir)) else None)
-        if latest:
-            load_checkpoint(state, latest)
-            result.resumed_from = latest
-            log.info("resumed from %s (step %d)", latest, state.step)
+        result.resumed_from = _resume(state, ckpt_dir, rank)
     result.start_step = state.step
     optimizer, scheduler, scaler = state.optimizer, state.scheduler, state.scaler
     clip = clip or (lambda max_norm: torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
-    bar = None
-    if rank == 0 and opts.progress and state.step < opts.max_steps:
-        try:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=opts.max_steps, initial=state.step, desc="train", dynamic_ncols=True, leave=True)
-        except ImportError:  # tqdm is in the "launch" extra; without it there is no bar
-            bar = None
-
+    bar = _progress_bar(opts, state.step) if rank == 0 and opts.progress and state.step < opts.max_steps else None
     watch, t0 = Stopwatch(), time.perf_counter()
     samples_done = 0
     tasks: list[str] = []
@@ -190,20 +178,7 @@ def fit(
         while state.step < opts.max_steps:
             step = state.step + 1  # the step being computed, 1-based
             micro = micro_batches(data.global_batch(step), rank, world, opts.grad_accum)
-            sums: dict[str, torch.Tensor] = {}
-            total = torch.zeros((), device=device)
-            for i, mb in enumerate(micro):
-                mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
-                sync = i == len(micro) - 1
-                with (contextlib.nullcontext() if sync else accumulate(model)), autocast():
-                    losses = model(mb)
-                    loss = sum(opts.task_weights.get(k, 1.0) * v for k, v in losses.items()) / len(micro)
-                if step in opts.nan_at_steps:
-                    loss = loss * float("nan")
-                (scaler.scale(loss) if scaler is not None else loss).backward()
-                total += loss.detach().float()
-                for k, v in losses.items():
-                    sums[k] = sums.get(k, 0) + v.detach().float() / len(micro)
+            total, sums = _forward_backward(model, micro, step, opts, device, autocast, scaler)
             tasks = sorted(sums)
             if guard is not None:  # a collective: every rank checks at every step (the guard skips by `every`)
                 report = guard.check()
@@ -216,26 +191,7 @@ def fit(
                                   total.cpu(), *(sums[k].cpu() for k in tasks)])
             packed = _all_sum(packed)
             bad, stop_now = packed[0].item() > 0, packed[1].item() > 0
-            if bad:
-                optimizer.zero_grad(set_to_none=True)
-                if scaler is not None:
-                    scaler.update()
-                if opts.on_nonfinite == "stop":
-                    raise NonFiniteLossError(
-                        f"non-finite loss or gradient norm at step {step} (on at least one rank); stopped "
-                        "without saving. Lower optim.lr, use precision=fp32, or set trainer.on_nonfinite=skip."
-                    )
-                result.skipped_steps.append(step)
-                if rank == 0:
-                    warnings.warn(f"step {step}: non-finite loss or gradient norm on some rank; step skipped",
-                                  stacklevel=2)
-            else:
-                if scaler is not None:
-                    scaler.step(optimizer)
-                    scaler.update()
-                else:
-                    optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+            _optimizer_step(state, step, bad, opts, result, rank)
             if scheduler is not None:
                 scheduler.step()
             state.step = step
@@ -249,16 +205,8 @@ def fit(
             if opts.eval_every and step % opts.eval_every == 0:
                 result.eval_loss = _evaluate(model, data, device, autocast, opts.task_weights)
             if step % max(opts.log_every, 1) == 0 or step == opts.max_steps or stop_now:
-                mem = peak_memory_mib(device)
-                rate = watch.lap()
-                record = {"step": step, **result.losses, "lr": optimizer.param_groups[0]["lr"],
-                          "grad_norm": float(norm), "samples_per_s": rate, "peak_mem_mib": mem,
-                          "skipped": bad}
-                if opts.eval_every and step % opts.eval_every == 0:
-                    record["eval_loss"] = result.eval_loss
-                sink.log(record)
-                if bar is not None:
-                    bar.set_postfix(loss=f"{result.losses['loss']:.4f}", sps=f"{rate:.0f}", mem=f"{mem:.0f}MiB")
+                _log(sink, bar, step, result, optimizer, norm, watch.lap(), peak_memory_mib(device), bad,
+                     with_eval=bool(opts.eval_every and step % opts.eval_every == 0))
             if bar is not None:
                 bar.update(1)
             last = step == opts.max_steps
@@ -275,6 +223,85 @@ def fit(
     result.samples_per_s = samples_done / max(result.seconds, 1e-9)
     result.peak_memory_mib = peak_memory_mib(device)
     return result
+
+
+def _resume(state: TrainState, ckpt_dir: Path, rank: int) -> str | None:
+    """Load the latest checkpoint (found by rank 0, the same for all); its path, or None."""
+    latest = _broadcast(str(p) if rank == 0 and (p := latest_checkpoint(ckpt_dir)) else None)
+    if latest:
+        load_checkpoint(state, latest)
+        log.info("resumed from %s (step %d)", latest, state.step)
+    return latest
+
+
+def _progress_bar(opts: LoopOptions, start: int) -> Any:
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # tqdm is in the "launch" extra; without it there is no bar
+        return None
+    return tqdm(total=opts.max_steps, initial=start, desc="train", dynamic_ncols=True, leave=True)
+
+
+def _forward_backward(model: nn.Module, micro: list[dict[str, torch.Tensor]], step: int, opts: LoopOptions,
+                      device: torch.device, autocast: Callable[[], Any], scaler: Any
+                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Forward and backward of one step's micro-batches, syncing gradients on the last only.
+
+    Returns:
+        the local loss (weighted sum of the task losses, averaged over micro-batches) and each task's
+        local loss.
+    """
+    sums: dict[str, torch.Tensor] = {}
+    total = torch.zeros((), device=device)
+    for i, mb in enumerate(micro):
+        mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
+        sync = i == len(micro) - 1
+        with (contextlib.nullcontext() if sync else accumulate(model)), autocast():
+            losses = model(mb)
+            loss = sum(opts.task_weights.get(k, 1.0) * v for k, v in losses.items()) / len(micro)
+        if step in opts.nan_at_steps:
+            loss = loss * float("nan")
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        total += loss.detach().float()
+        for k, v in losses.items():
+            sums[k] = sums.get(k, 0) + v.detach().float() / len(micro)
+    return total, sums
+
+
+def _optimizer_step(state: TrainState, step: int, bad: bool, opts: LoopOptions, result: LoopResult,
+                    rank: int) -> None:
+    """Apply the step, or skip it (``bad``: a non-finite loss or norm on some rank) or stop."""
+    optimizer, scaler = state.optimizer, state.scaler
+    if not bad:
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return
+    optimizer.zero_grad(set_to_none=True)
+    if scaler is not None:
+        scaler.update()
+    if opts.on_nonfinite == "stop":
+        raise NonFiniteLossError(
+            f"non-finite loss or gradient norm at step {step} (on at least one rank); stopped "
+            "without saving. Lower optim.lr, use precision=fp32, or set trainer.on_nonfinite=skip."
+        )
+    result.skipped_steps.append(step)
+    if rank == 0:
+        warnings.warn(f"step {step}: non-finite loss or gradient norm on some rank; step skipped", stacklevel=3)
+
+
+def _log(sink: MetricSink, bar: Any, step: int, result: LoopResult, optimizer: torch.optim.Optimizer,
+         norm: torch.Tensor, rate: float, mem: float, bad: bool, with_eval: bool) -> None:
+    record = {"step": step, **result.losses, "lr": optimizer.param_groups[0]["lr"], "grad_norm": float(norm),
+              "samples_per_s": rate, "peak_mem_mib": mem, "skipped": bad}
+    if with_eval:
+        record["eval_loss"] = result.eval_loss
+    sink.log(record)
+    if bar is not None:
+        bar.set_postfix(loss=f"{result.losses['loss']:.4f}", sps=f"{rate:.0f}", mem=f"{mem:.0f}MiB")
 
 
 def _save(model: nn.Module, state: TrainState, ckpt_dir: Path, opts: LoopOptions, result: LoopResult) -> None:

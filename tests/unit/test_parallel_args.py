@@ -64,3 +64,25 @@ def test_join_gives_zero_not_nan_to_unused_params():
     out.sum().backward()
     assert torch.equal(p.grad, torch.zeros(3))
     assert torch.equal(x.grad, torch.full((2,), 2.0))
+
+
+def test_end_of_step_check_names_a_unit_run_unequally_across_ranks(monkeypatch):
+    """The end-of-step all-reduce carries each FSDP unit's forward count and order: a unit that ran a
+    different number of times on another rank raises GradDesyncError naming it and the fix."""
+    from distckpt.param_sync import SyncState, _Unit
+
+    block, root = nn.Linear(2, 2), nn.Linear(2, 2)
+    state = SyncState(["w"], [nn.Parameter(torch.zeros(1))], "join", None, "fsdp2", set())
+    state.attach(_Unit(block, [], "layers.0.mlps.1"), True)
+    state.attach(_Unit(root, [], ""), True)
+    other_rank = torch.tensor([0, 2, 1, 5, -2, -1, -5])  # used bits, calls (unit, root, order), negated
+
+    def fake_allreduce(t, op=None):  # MAX over this rank and the other
+        return torch.maximum(t, other_rank)
+
+    monkeypatch.setattr(state, "_allreduce", fake_allreduce)
+    state._calls, state._order = [1, 1], 5
+    with pytest.raises(distckpt.GradDesyncError, match=r"layers\.0\.mlps\.1 ran 1 to 2 times.*contains the router"):
+        state._reduce_window(torch.zeros(1, dtype=torch.bool))
+    state._calls, state._order = [2, 1], 5
+    assert state._reduce_window(torch.zeros(1, dtype=torch.bool)).tolist() == [False]  # equal: fine
