@@ -5,12 +5,14 @@ all read it, so they cannot disagree."""
 
 from __future__ import annotations
 
+import warnings
+
 from distckpt.errors import ConfigError
 
 __all__ = ["GRAPHS", "OPTIMIZERS", "STRATEGIES", "check_graph", "check_run", "check_strategy"]
 
 STRATEGIES = ("none", "ddp", "fsdp", "fsdp2")
-# "dynamic" is an alias of "auto" (any used set, by step or rank); kept because configs use it.
+# "dynamic" is a deprecated alias of "auto" (any used set, by step or rank): check_graph warns.
 GRAPHS = ("auto", "static", "dynamic")
 OPTIMIZERS = ("adamw", "sgd")  # the optimizers whose state the budget planner counts
 
@@ -22,9 +24,12 @@ def check_strategy(strategy: str) -> None:
 
 
 def check_graph(graph: str) -> None:
-    """Raises ConfigError for an unknown graph setting."""
+    """Raises ConfigError for an unknown graph setting; warns that ``"dynamic"`` is deprecated."""
     if graph not in GRAPHS:
         raise ConfigError(f"graph must be one of {GRAPHS}, got {graph!r}.")
+    if graph == "dynamic":
+        warnings.warn("graph='dynamic' is an alias of graph='auto' (any used parameters, by step or rank) and will "
+                      "be removed; use graph='auto'.", FutureWarning, stacklevel=3)
 
 
 def reentrant_refusal(strategy: str) -> str | None:

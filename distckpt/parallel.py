@@ -71,7 +71,7 @@ def _ddp_flags(kwargs: dict[str, Any], graph: str, reentrant: bool) -> dict[str,
         raise ConfigError(
             "find_unused_parameters=True is not needed with distckpt.parallelize (unused parameters join the "
             "graph with weight zero) and breaks two forwards before one backward and reentrant checkpointing. "
-            "Remove it.")
+            "Remove it (distckpt.ddp_kwargs gives it only for a DDP you build yourself, without that join).")
     want_static = graph == "static" or reentrant
     if "static_graph" in kwargs and bool(kwargs["static_graph"]) != want_static:
         why = ("graph='static' needs it" if graph == "static" else
