@@ -19,6 +19,7 @@ __all__ = [
     "is_plain_backward",
     "queue_after_backward",
     "to_local",
+    "torch_dispatch_mode",
     "will_execute",
     "writes_grad",
 ]
@@ -96,3 +97,12 @@ def composable_checkpoint_fqns(model: torch.nn.Module) -> list[str]:
     except ImportError:  # pragma: no cover
         return []
     return [n for n, m in model.named_modules() if "checkpoint" in (_get_registry(m) or {})]
+
+
+def torch_dispatch_mode() -> type:
+    """``TorchDispatchMode`` (``torch.utils._python_dispatch``): verify_recompute records every aten op
+    of a block's forward and of its recompute to compare them op by op; no public API sees ops inside
+    a checkpointed region. torch 2.13."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode

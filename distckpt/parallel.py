@@ -40,7 +40,7 @@ def _reentrant_blocks(model: nn.Module) -> list[nn.Module]:
 def ddp_kwargs(model: nn.Module, *, graph: str = "auto") -> dict[str, Any]:
     """DDP flags for users who construct ``DistributedDataParallel`` themselves.
 
-    Flags alone cannot make every pattern right (DESIGN.md's table): ``parallelize`` also joins
+    Flags alone cannot make every pattern right (docs/parallel.md): ``parallelize`` also joins
     unused parameters with zero weight. These are the best flags without it: ``static`` ->
     ``static_graph=True``; ``auto``/``dynamic`` -> ``find_unused_parameters=True`` with
     non-reentrant blocks (not two forwards that use different heads before one backward).

@@ -3,7 +3,7 @@ forward (a zero-weight edge into the autograd graph), and a parameter that no ra
 ``.grad`` None.
 
 Why hand-written: DDP's ``find_unused_parameters`` and ``static_graph`` each break some multi-task
-pattern under checkpointing (README, "Parallelize"), and FSDP/FSDP2 have no setting for parameters
+pattern under checkpointing (docs/parallel.md), and FSDP/FSDP2 have no setting for parameters
 that only some ranks use (pytorch#158719). What makes every pattern right is a forward in which
 every parameter is in the autograd graph; PyTorch has no such switch, so a small autograd Function
 (``_Participate``) adds it.

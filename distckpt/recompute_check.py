@@ -147,9 +147,9 @@ class _Call:
 def _recorder(log: list[Any], stack: list[str], state: frozenset[int]) -> Any:
     # A TorchDispatchMode (what selective checkpointing itself uses) sees every op with its outputs;
     # it is the only place where the recompute's intermediate values can be observed.
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from distckpt._torch_compat import torch_dispatch_mode
 
-    class _Recorder(TorchDispatchMode):
+    class _Recorder(torch_dispatch_mode()):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
             out = func(*args, **(kwargs or {}))
             if func.name() in _IGNORED_OPS:

@@ -5,6 +5,7 @@ combination: both ask distckpt.options, and parallelize/accumulate really refuse
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 
 import pytest
@@ -52,16 +53,17 @@ def _launcher(strategy, reentrant, graph, accumulate):
 @pytest.mark.dist
 def test_launcher_library_and_rules_agree(dist_pool):
     disagree = []
-    for strategy, reentrant, graph, accumulate in COMBOS:
-        rule = _refused(lambda: check_run(strategy, reentrant=reentrant, graph=graph, accumulate=accumulate))
-        launcher = _launcher(strategy, reentrant, graph, accumulate)
+    for combo in COMBOS:
+        strategy, reentrant, graph, accumulate = combo
+        rule = _refused(functools.partial(check_run, strategy, reentrant=reentrant, graph=graph, accumulate=accumulate))
+        launcher = _launcher(*combo)
         if strategy == "none":
-            library = _refused(lambda: _library(0, 1, strategy, reentrant, graph, accumulate))
+            library = _library(0, 1, *combo)  # parallelize('none') returns the model; no process group needed
         else:
             library = dist_pool.run(_library, strategy, reentrant, graph, accumulate, timeout=60)[0]
         verdicts = {"rule": rule is not None, "launcher": launcher is not None, "library": library is not None}
         if len(set(verdicts.values())) != 1 or (rule and rule not in launcher):
-            disagree.append(((strategy, reentrant, graph, accumulate), verdicts, rule, launcher, library))
+            disagree.append((combo, verdicts, rule, launcher, library))
     assert not disagree, disagree
     assert sum(_refused(lambda c=c: check_run(c[0], reentrant=c[1], graph=c[2], accumulate=c[3])) is not None
                for c in COMBOS) > 0  # the rule refuses something

@@ -78,3 +78,16 @@ def test_to_local_and_foreign_checkpointing_lookups():
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     checkpoint(model[1])
     assert compat.composable_checkpoint_fqns(model) == ["1"]
+
+
+def test_torch_dispatch_mode_sees_ops():
+    seen = []
+
+    class Log(compat.torch_dispatch_mode()):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Log():
+        torch.ones(2) + 1
+    assert any("add" in s for s in seen)
