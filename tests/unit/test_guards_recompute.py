@@ -113,7 +113,7 @@ def test_flag_changed_before_backward_is_caught():
 def test_batchnorm_double_update_is_caught(monkeypatch):
     model = distckpt.wrap(Net(bn=True), "full")
     assert verify_recompute(model, loss_fn).ok  # distckpt's fix in place
-    monkeypatch.setattr(_sys.modules["distckpt.wrap"], "_keep_running_stats", lambda norms: contextlib.nullcontext())
+    monkeypatch.setattr(_sys.modules["distckpt.recompute"], "_keep_running_stats", lambda norms: contextlib.nullcontext())
     with pytest.raises(distckpt.RecomputeMismatchError) as e:
         verify_recompute(model, loss_fn)
     kinds = {(m.module, m.kind) for m in e.value.report.mismatches}

@@ -18,7 +18,7 @@ from benchmarks.models import GPT, GPTConfig, batch  # noqa: E402
 from distckpt import Budget  # noqa: E402
 from distckpt.wrap import is_checkpointed  # noqa: E402
 
-wrap_mod = sys.modules["distckpt.wrap"]  # the module (distckpt.wrap the attribute is the function)
+wrap_mod = sys.modules["distckpt.recompute"]  # the run-time of checkpointed blocks
 
 CFG = GPTConfig(vocab=64, seq=16, dim=16, heads=2, layers=4, dropout=0.1)
 POLICIES = ["full", "every:2", "first:1", "fraction:0.5", "selective", "budget"]

@@ -1,0 +1,263 @@
+"""The run-time of one checkpointed block: ``torch.utils.checkpoint`` with what exactness needs
+around it (no KV cache, BatchNorm running stats kept, the RNG state, a reentrant runner that never
+drops gradients silently, offload of the saved block inputs). ``distckpt.wrap`` decides which blocks
+run through here."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import inspect
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint as tuc
+
+from distckpt.errors import ConfigError
+
+__all__ = ["EAGER_RUN", "CheckpointOptions", "cache_positions", "prepare_eager_run", "run_checkpointed",
+           "stateful_norms", "without_cache"]
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """How one block is checkpointed."""
+
+    reentrant: bool = False
+    preserve_rng_state: bool = True
+    offload: str | None = None
+    context_fn: Callable[[], tuple[Any, Any]] | None = None  # op-level (selective) contexts
+
+
+
+# Arguments through which a (Hugging Face) layer writes a KV cache. The recompute would write it a
+# second time (wrong shapes with a padded batch, CheckpointError in encoder-decoders, extra memory),
+# so a checkpointed layer runs without it, as HF's own GradientCheckpointingLayer does.
+_CACHE_ARGS = ("past_key_values", "past_key_value", "cache", "layer_past")
+_WARNED_CACHE: set[type] = set()
+
+
+def cache_positions(cls: type) -> tuple[tuple[int, str], ...]:
+    """Positional slots of ``use_cache`` and the cache arguments of ``cls.forward`` (GPT-2 passes
+    its cache positionally)."""
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]  # without self
+    except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
+        return ()
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    out = []
+    for i, p in enumerate(params):
+        if p.kind not in positional:
+            break
+        if p.name in (*_CACHE_ARGS, "use_cache"):
+            out.append((i, p.name))
+    return tuple(out)
+
+
+def _cache_on(name: str, value: Any) -> bool:
+    return bool(value) if name == "use_cache" else value is not None
+
+
+def without_cache(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                   ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``use_cache=False`` and no cache object for a block about to be checkpointed (HF's
+    ``_can_checkpoint_with_cache`` layers, which only read the cache, keep it)."""
+    keep = getattr(module, "_can_checkpoint_with_cache", False)
+    names = ("use_cache",) if keep else ("use_cache", *_CACHE_ARGS)
+    changed = []
+    slots = [(i, n) for i, n in module._distckpt_cache_slots if i < len(args) and n in names and _cache_on(n, args[i])]
+    if slots:
+        new_args = list(args)
+        for i, name in slots:
+            new_args[i] = False if name == "use_cache" else None
+            changed.append(name)
+        args = tuple(new_args)
+    hits = [k for k in names if _cache_on(k, kwargs.get(k))]
+    if hits:
+        kwargs = {**kwargs, **{k: False if k == "use_cache" else None for k in hits}}
+        changed += hits
+    if changed and type(module) not in _WARNED_CACHE:
+        _WARNED_CACHE.add(type(module))
+        warnings.warn(
+            f"distckpt: {module._distckpt_orig_class.__name__} is checkpointed, so in training it runs without a "
+            f"KV cache, as with Hugging Face's gradient checkpointing ({', '.join(sorted(set(changed)))} ignored). "
+            "Forwards under torch.no_grad() (generation) keep their cache.", stacklevel=3)
+    return args, kwargs
+
+
+
+def stateful_norms(module: nn.Module) -> list[nn.Module]:
+    return [
+        m for m in module.modules()
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
+    ]
+
+
+@contextlib.contextmanager
+def _keep_running_stats(norms: list[nn.Module]) -> Iterator[None]:
+    """Keep the recompute from updating BatchNorm running statistics a second time.
+
+    The forward already updated them once; without this the recompute updates them again
+    (pytorch#96136). The recompute runs on throw-away copies of the buffers: in training mode the
+    normalization uses batch statistics, so outputs and gradients are unchanged, and the originals
+    are never written in place (autograd may have saved them; a write would bump their version).
+    """
+    names = ("running_mean", "running_var", "num_batches_tracked")
+    originals = [(m, {k: m._buffers[k] for k in names if m._buffers.get(k) is not None}) for m in norms]
+    with torch.no_grad():
+        for m, bufs in originals:
+            for k, buf in bufs.items():
+                m._buffers[k] = buf.clone()
+    try:
+        yield
+    finally:
+        for m, bufs in originals:
+            m._buffers.update(bufs)
+
+
+def _context_fn(opts: CheckpointOptions, norms: list[nn.Module]) -> Callable[[], tuple[Any, Any]]:
+    if not norms:
+        return opts.context_fn or tuc.noop_context_fn
+
+    def context_fn() -> tuple[Any, Any]:
+        fwd, rec = opts.context_fn() if opts.context_fn else (contextlib.nullcontext(), contextlib.nullcontext())
+        stack = contextlib.ExitStack()
+
+        @contextlib.contextmanager
+        def recompute() -> Iterator[None]:
+            with stack:
+                stack.enter_context(_keep_running_stats(norms))
+                stack.enter_context(rec)
+                yield
+
+        return fwd, recompute()
+
+    return context_fn
+
+
+def _offload_hooks(pin_memory: bool) -> torch.autograd.graph.saved_tensors_hooks:
+    """Keep the tensors saved at checkpoint boundaries (the blocks' inputs) in host memory.
+
+    Written here rather than ``torch.autograd.graph.save_on_cpu`` because that copies tensors
+    that already live on the CPU, which would double their memory for nothing.
+    """
+
+    def pack(t: torch.Tensor) -> Any:
+        if t.device.type == "cpu":
+            return t
+        host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=pin_memory)
+        host.copy_(t, non_blocking=pin_memory)
+        return (t.device, host)
+
+    def unpack(packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        device, host = packed
+        return host.to(device, non_blocking=pin_memory)
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def _has_nested_tensor(value: Any, grad_only: bool = False) -> bool:
+    """Whether ``value`` holds a tensor (with ``grad_only``, one that requires grad)."""
+    if isinstance(value, torch.Tensor):
+        return value.requires_grad or not grad_only
+    if isinstance(value, (list, tuple, set)):
+        return any(_has_nested_tensor(v, grad_only) for v in value)
+    if isinstance(value, dict):
+        return any(_has_nested_tensor(v, grad_only) for v in value.values())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return any(_has_nested_tensor(getattr(value, f.name), grad_only) for f in dataclasses.fields(value))
+    return False
+
+
+def _run_reentrant(module: nn.Module, inner: Callable[..., Any], opts: CheckpointOptions,
+                   args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    name = type(module).__name__
+    # Reentrant checkpoint (an autograd.Function) only sees top-level tensor arguments: gradients
+    # of tensors passed by keyword or inside containers would be silently dropped. Tensors that need
+    # no gradient (position_ids, an attention mask, rotary cos/sin made from buffers) lose nothing.
+    bad = [k for k, v in kwargs.items() if _has_nested_tensor(v, grad_only=True)]
+    bad += [f"argument {i}" for i, a in enumerate(args)
+            if not isinstance(a, torch.Tensor) and _has_nested_tensor(a, grad_only=True)]
+    if bad:
+        raise ConfigError(
+            f"reentrant checkpointing of {name} would drop the gradients of tensors passed as "
+            f"{', '.join(bad)} (keyword or nested arguments that require grad). "
+            "Use distckpt.wrap(..., reentrant=False)."
+        )
+    fn = functools.partial(inner, **kwargs) if kwargs else inner
+    norms = module._distckpt_norms
+    if norms:
+        plain = fn
+
+        def fn(*a: Any) -> Any:
+            # The reentrant forward runs under no_grad; the recompute, inside backward, with grad.
+            if not torch.is_grad_enabled():
+                return plain(*a)
+            with _keep_running_stats(norms):
+                return plain(*a)
+
+    needs_grad = any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+    if not needs_grad and any(p.requires_grad for p in module.parameters()):
+        # No input requires grad (frozen embedding, LoRA): reentrant checkpoint would return an
+        # output that does not require grad and the block's parameters would get no gradient.
+        # A dummy input that requires grad makes autograd call the checkpoint's backward.
+        # On the block's device: checkpoint infers the device (RNG state, autocast) from the first
+        # tensor argument.
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)),
+                      next(module.parameters()).device)
+        dummy = torch.empty(0, device=device, requires_grad=True)
+        run = fn
+        fn = lambda _dummy, *a: run(*a)  # noqa: E731
+        args = (dummy, *args)
+    out = tuc.checkpoint(fn, *args, use_reentrant=True, preserve_rng_state=opts.preserve_rng_state)
+    flat = out if isinstance(out, tuple) else (out,)
+    if any(not isinstance(o, torch.Tensor) and _has_nested_tensor(o) for o in flat):
+        raise ConfigError(
+            f"reentrant checkpointing of {name} returns tensors inside a {type(out).__name__}; "
+            "they would get no gradient. Use distckpt.wrap(..., reentrant=False)."
+        )
+    return out
+
+
+def run_checkpointed(module: nn.Module, inner: Callable[..., Any], opts: CheckpointOptions,
+                      args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    offload = _offload_hooks(torch.cuda.is_available()) if opts.offload else contextlib.nullcontext()
+    with offload:
+        if opts.reentrant:
+            return _run_reentrant(module, inner, opts, args, kwargs)
+        # Tensors passed by keyword become positional, so that checkpoint saves them with the other
+        # inputs (where offload can see them) instead of holding them in a closure.
+        tensor_keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+        fn = inner
+        if tensor_keys:
+            rest = {k: v for k, v in kwargs.items() if k not in tensor_keys}
+            n = len(args)
+
+            def fn(*a: Any) -> Any:
+                return inner(*a[:n], **rest, **dict(zip(tensor_keys, a[n:])))
+
+            args = (*args, *(kwargs[k] for k in tensor_keys))
+            kwargs = {}
+        context_fn = _context_fn(opts, module._distckpt_norms)
+        if context_fn is not tuc.noop_context_fn:
+            # Passed only when needed: torch.compile traces checkpoint without a context_fn argument.
+            kwargs = {**kwargs, "context_fn": context_fn}
+        return tuc.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=opts.preserve_rng_state, **kwargs)
+
+
+# torch.compiler.disable(run_checkpointed), made eagerly by wrap (or unpickling) when a block holds
+# BatchNorm statistics: not at import, since it imports torch._dynamo (a second), and not while
+# dynamo traces, which would trace its creation.
+EAGER_RUN: list[Callable[..., Any]] = []
+
+
+def prepare_eager_run() -> None:
+    if not EAGER_RUN:
+        EAGER_RUN.append(torch.compiler.disable(run_checkpointed))
