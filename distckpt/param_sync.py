@@ -198,14 +198,19 @@ class SyncState:
         if ddp is not None and ddp.require_backward_grad_sync:
             self._armed = True  # DDP's forward called prepare_for_backward: the next backward reduces
 
-    def _pre_forward(self, unit: _Unit, k: int) -> None:
-        if not torch.is_grad_enabled():
-            return
-        if unit is self.units[-1] or self._current is None:  # the root, or a unit called on its own
-            self._open_record(unit)
+    def _count(self, k: int) -> None:
         self._calls[k] += 1
         self._fwd_calls[k] += 1
         self._order = (self._order * 1000003 + k + 1) % 2_147_483_647
+
+    def _pre_forward(self, unit: _Unit, k: int) -> None:
+        if not torch.is_grad_enabled():
+            if self._current is not None:  # a unit run under no_grad inside a training forward all-gathers too
+                self._count(k)
+            return
+        if unit is self.units[-1] or self._current is None:  # the root, or a unit called on its own
+            self._open_record(unit)
+        self._count(k)
         rec = self._current
         tensors = [getattr(owner, attr) for _, owner, attr in unit.params]
         if len(tensors) != len(unit.tensors) or any(a is not b for a, b in zip(tensors, unit.tensors)):
