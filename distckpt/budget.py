@@ -11,9 +11,15 @@ The memory model (all terms measured by :mod:`distckpt.profile` or counted from 
                     static + pre + P_{n-1} + post + head_overhead,
                     static + optimizer-step temporaries )
 
-The block being run (or recomputed) holds its full footprint whatever the choice, so each block
-puts an upper bound on the prefix ``P_{i-1}``; the program keeps, block after block, every
-non-dominated (bytes held, recompute FLOPs) pair that meets those bounds.
+Each term pairs the activations measured at one instant with the gradients that existed then:
+a block's forward peak (no gradient yet), its backward peak (``overhead_i`` is the measured one for
+a kept block, the larger of its forward and backward ones for a checkpointed block, which
+recomputes its forward there), and the head's peak (its forward and backward, between the last
+block's forward and its backward). On the sample step with no block checkpointed the model is exact.
+
+The block being run (or recomputed) holds its footprint whatever the choice, so each block puts an
+upper bound on the prefix ``P_{i-1}`` (one for each choice of that block); the program keeps, block
+after block, every non-dominated (bytes held, recompute FLOPs) pair that meets those bounds.
 """
 
 from __future__ import annotations
@@ -77,7 +83,9 @@ def static_bytes(mp: ModelProfile, *, strategy: str = "ddp", world_size: int = 1
     else:
         local = params + grads + k * grads + (grads if strategy == "ddp" and ws > 1 else 0)
         local_grads = grads
-    base = local + mp.buffer_bytes + mp.batch_bytes
+    # Adam/AdamW also keep one float32 ``step`` scalar per parameter (on CPU unless fused/capturable).
+    steps = 4 * mp.trainable_tensors if optimizer in ("adam", "adamw") else 0
+    base = local + steps + mp.buffer_bytes + mp.batch_bytes
     # Optimizer step temporaries: foreach kernels on CUDA make a copy of the state list (sqrt of
     # exp_avg_sq); the per-tensor CPU path makes two of the largest parameter's size.
     step_tmp = (local_grads if mp.device == "cuda" else 2 * mp.max_param_bytes) if k else 0
@@ -102,38 +110,48 @@ class BudgetPlan:
 
 
 def _bounds(mp: ModelProfile, static: int, *, strategy: str = "ddp", world_size: int = 1,
-            grad_accumulation: bool = False) -> tuple[list[int], int]:
-    """Per-block offsets ``c_i`` with ``peak >= static + P_{i-1} + c_i``, and the end offset.
+            grad_accumulation: bool = False) -> tuple[list[int], list[int], int]:
+    """Per-block offsets with ``peak >= static + P_{i-1} + c_i`` when block i is kept (``plain``)
+    and when it is checkpointed (``ckpt``), and the end offset (``peak >= static + P_{n-1} + end``).
 
     ``static`` counts every gradient. Without gradient accumulation (``zero_grad(set_to_none=True)``,
     PyTorch's default), backward creates them block by block from the last: while block i runs its
     backward, the gradients of the blocks before it (and of the embeddings) do not exist yet: the
-    profile measured which gradients exist when each block's backward ends.
+    profile measured which gradients exist at each block's backward peak and at the head's peak.
     """
     div = max(1, world_size) if strategy in ("fsdp", "fsdp2") else 1
-    if grad_accumulation:
-        absent = [0] * len(mp.blocks)
-        head_absent = 0
-    else:
-        absent = [max(0, mp.trainable_bytes - b.grads_ready_bytes) // div for b in mp.blocks]
-        head_absent = max(0, mp.trainable_bytes - mp.head_grads_bytes) // div
-    per_block = [static - absent[i] + mp.pre_bytes + b.footprint_bytes + b.overhead_bytes
-                 for i, b in enumerate(mp.blocks)]
-    if not grad_accumulation and all(b.grads_at_peak_bytes >= 0 for b in mp.blocks):
+
+    def absent(grads: int) -> int:
+        return 0 if grad_accumulation else max(0, mp.trainable_bytes - grads) // div
+
+    split = not grad_accumulation and all(b.grads_at_peak_bytes >= 0 for b in mp.blocks)
+    plain, ckpt = [], []
+    for b in mp.blocks:
+        base = mp.pre_bytes + b.footprint_bytes
+        if not split:
+            bound = static - absent(b.grads_ready_bytes) + base + b.overhead_bytes
+            plain.append(bound)
+            ckpt.append(bound)
+            continue
         # Measured split: the forward peak has no gradient yet; the backward peak has the gradients
-        # that existed at that instant. A checkpointed block recomputes its forward during its
-        # backward, so its forward temporaries are counted with those gradients too. Pairing the
-        # largest activations with the gradients at the end of the block's backward (above) counts
-        # one block's gradients twice: the whole savings range of a small model.
-        all_absent = mp.trainable_bytes // div
-        per_block = []
-        for b in mp.blocks:
-            at_peak = static - max(0, mp.trainable_bytes - b.grads_at_peak_bytes) // div
-            base = mp.pre_bytes + b.footprint_bytes
-            per_block.append(max(static - all_absent + base + b.forward_overhead_bytes,
-                                 at_peak + base + max(b.forward_overhead_bytes, b.backward_overhead_bytes)))
-    end = static - head_absent + mp.pre_bytes + mp.post_bytes + mp.head_overhead_bytes
-    return per_block, end
+        # that existed at that instant (pairing the largest activations with the gradients at the
+        # end of the block's backward counts one block's gradients twice). A kept block's backward
+        # peak is what was measured (its overhead may be negative: backward frees saved tensors as
+        # it goes). A checkpointed block recomputes its forward during its backward, so its forward
+        # temporaries are counted with those gradients too.
+        at_peak = static - absent(b.grads_at_peak_bytes) + base
+        forward = static - absent(0) + base + b.forward_overhead_bytes
+        plain.append(max(forward, at_peak + b.backward_overhead_bytes))
+        ckpt.append(max(forward, at_peak + max(b.forward_overhead_bytes, b.backward_overhead_bytes)))
+    head = mp.pre_bytes + mp.post_bytes
+    if grad_accumulation or mp.head_peak_grads_bytes < 0:
+        end = static - absent(mp.head_grads_bytes) + head + mp.head_overhead_bytes
+    else:
+        # The head's forward (no gradient yet) and its backward up to the last block's: one measured
+        # peak with the gradients that existed at that instant, instead of the forward's largest
+        # activations paired with the gradients present when the last block's backward begins.
+        end = static - absent(mp.head_peak_grads_bytes) + head + mp.head_peak_overhead_bytes
+    return plain, ckpt, end
 
 
 def predicted_peak(mp: ModelProfile, selected: list[int] | tuple[int, ...] | set[int] | range, *,
@@ -146,14 +164,43 @@ def predicted_peak(mp: ModelProfile, selected: list[int] | tuple[int, ...] | set
         The predicted peak in bytes.
     """
     static, step = static_bytes(mp, strategy=strategy, world_size=world_size, optimizer=optimizer)
-    per_block, end = _bounds(mp, static, strategy=strategy, world_size=world_size,
-                             grad_accumulation=grad_accumulation)
+    plain, ckpt, end = _bounds(mp, static, strategy=strategy, world_size=world_size,
+                               grad_accumulation=grad_accumulation)
     chosen = set(selected)
     prefix, peak = 0, step
     for i, b in enumerate(mp.blocks):
-        peak = max(peak, prefix + per_block[i])
+        peak = max(peak, prefix + (ckpt[i] if i in chosen else plain[i]))
         prefix += b.input_bytes if i in chosen else b.activation_bytes
     return max(peak, prefix + end)
+
+
+def _fits(mp: ModelProfile, plain: list[int], ckpt: list[int], end: int, step: int, budget: int) -> bool:
+    """Whether some choice fits ``budget``: every bound caps the bytes held before it, so the
+    fewest bytes held that meet the bounds so far is the only state that matters."""
+    if step > budget:
+        return False
+    p = 0
+    for i, b in enumerate(mp.blocks):
+        options = [p + b.activation_bytes] if p <= budget - plain[i] else []
+        if p <= budget - ckpt[i]:
+            options.append(p + b.input_bytes)
+        if not options:
+            return False
+        p = min(options)
+    return p <= budget - end
+
+
+def _min_peak(mp: ModelProfile, plain: list[int], ckpt: list[int], end: int, step: int) -> int:
+    """The smallest predicted peak over every choice of blocks (a search over the budget)."""
+    hi = max(step, *(ckpt[i] + sum(b.input_bytes for b in mp.blocks[:i]) for i in range(len(mp.blocks))),
+             sum(b.input_bytes for b in mp.blocks) + end)  # checkpointing every block fits this
+    lo = step
+    if _fits(mp, plain, ckpt, end, step, lo):
+        return lo
+    while hi - lo > 1:  # invariant: lo does not fit, hi fits
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if _fits(mp, plain, ckpt, end, step, mid) else (mid, hi)
+    return hi
 
 
 def plan_budget(mp: ModelProfile, budget: int, *, strategy: str = "ddp", world_size: int = 1,
@@ -171,11 +218,10 @@ def plan_budget(mp: ModelProfile, budget: int, *, strategy: str = "ddp", world_s
     """
     kw = dict(strategy=strategy, world_size=world_size, optimizer=optimizer)
     static, step = static_bytes(mp, **kw)
-    per_block, end = _bounds(mp, static, strategy=strategy, world_size=world_size, grad_accumulation=grad_accumulation)
+    plain, ckpt, end = _bounds(mp, static, strategy=strategy, world_size=world_size,
+                               grad_accumulation=grad_accumulation)
     blocks = mp.blocks
-    # The fewest bytes any choice holds: each block at its smaller of (activations, input).
-    cheapest = [i for i, b in enumerate(blocks) if b.input_bytes < b.activation_bytes]
-    min_budget = predicted_peak(mp, cheapest, grad_accumulation=grad_accumulation, **kw)
+    min_budget = _min_peak(mp, plain, ckpt, end, step)
     if budget < min_budget:
         raise ConfigError(
             f"no choice of checkpointed blocks fits budget {_gib(budget)} ({budget} bytes): the smallest "
@@ -188,18 +234,19 @@ def plan_budget(mp: ModelProfile, budget: int, *, strategy: str = "ddp", world_s
     trail: list[tuple[torch.Tensor, torch.Tensor]] = []  # per block: (parent index, checkpointed?)
     quantum = max(1, budget // _MAX_STATES)
     for i, b in enumerate(blocks):
-        keep = (p <= budget - per_block[i]).nonzero().flatten()
-        p, f = p[keep], f[keep]
-        m = len(p)
-        p = torch.cat([p + b.activation_bytes, p + b.input_bytes])
-        f = torch.cat([f, f + b.forward_flops])
-        parent = torch.cat([keep, keep])
-        ckpt = torch.cat([torch.zeros(m, dtype=torch.bool), torch.ones(m, dtype=torch.bool)])
+        # Block i bounds the bytes held before it: by plain[i] if it is kept, ckpt[i] if checkpointed.
+        keep = (p <= budget - plain[i]).nonzero().flatten()
+        redo = (p <= budget - ckpt[i]).nonzero().flatten()
+        f0 = f
+        p = torch.cat([p[keep] + b.activation_bytes, p[redo] + b.input_bytes])
+        f = torch.cat([f0[keep], f0[redo] + b.forward_flops])
+        parent = torch.cat([keep, redo])
+        is_ckpt = torch.cat([torch.zeros(len(keep), dtype=torch.bool), torch.ones(len(redo), dtype=torch.bool)])
         # Pareto front: sort by bytes (then FLOPs), keep a state only if it needs fewer FLOPs than
         # every state holding fewer bytes.
         order = torch.argsort(f, stable=True)
         order = order[torch.argsort(p[order], stable=True)]
-        p, f, parent, ckpt = p[order], f[order], parent[order], ckpt[order]
+        p, f, parent, is_ckpt = p[order], f[order], parent[order], is_ckpt[order]
         best_before = torch.cat([torch.tensor([torch.iinfo(torch.int64).max]), torch.cummin(f, 0).values[:-1]])
         front = f < best_before
         if int(front.sum()) > _MAX_STATES:
@@ -214,14 +261,14 @@ def plan_budget(mp: ModelProfile, budget: int, *, strategy: str = "ddp", world_s
             front[idx[0]] = True  # the fewest-bytes state always stays, so a feasible path survives
         sel = front.nonzero().flatten()
         p, f = p[sel], f[sel]
-        trail.append((parent[sel], ckpt[sel]))
+        trail.append((parent[sel], is_ckpt[sel]))
     ok = (p <= budget - end).nonzero().flatten()
     assert len(ok), "the cheapest choice fits, so some state must"  # internal invariant
     best = int(ok[torch.argmin(f[ok])])  # the front is sorted by bytes: argmin keeps the fewest bytes on ties
     chosen = []
     for i in range(len(blocks) - 1, -1, -1):
-        parent, ckpt = trail[i]
-        if bool(ckpt[best]):
+        parent, was_ckpt = trail[i]
+        if bool(was_ckpt[best]):
             chosen.append(i)
         best = int(parent[best])
     chosen.reverse()

@@ -6,6 +6,7 @@ Used by the ``budget`` policy (and the benchmarks) to predict peak memory for an
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import weakref
 from collections.abc import Iterator
@@ -41,7 +42,10 @@ class BlockProfile:
             embeddings) do not exist yet.
         forward_overhead_bytes: the part of ``overhead_bytes`` measured at the block's forward peak,
             when (without gradient accumulation) no gradient exists yet.
-        backward_overhead_bytes: the part measured at the block's backward peak.
+        backward_overhead_bytes: measured activations and temporaries at the block's backward peak
+            minus what the memory model counts there (held so far + this block's footprint); may be
+            negative: backward frees the block's saved tensors as it consumes them, so the model's
+            footprint is an upper bound there.
         grads_at_peak_bytes: gradient bytes that exist at the block's backward peak (fewer than
             ``grads_ready_bytes``: the block's own gradients are mostly created after it); ``-1``
             when not measured (then the budget uses ``grads_ready_bytes`` with ``overhead_bytes``).
@@ -77,6 +81,7 @@ class ModelProfile:
         blocks: one :class:`BlockProfile` per candidate block, in forward order.
         param_bytes: all parameters (distinct storages).
         trainable_bytes: parameters that require grad (their gradients have this size).
+        trainable_tensors: how many parameters require grad (Adam keeps a 4-byte ``step`` per each).
         buffer_bytes: module buffers.
         block_param_bytes: the largest parameter bytes of one block (FSDP unshards one at a time).
         max_param_bytes: the largest single parameter (per-tensor optimizer temporaries).
@@ -85,6 +90,11 @@ class ModelProfile:
         post_bytes: activations saved after the last block (final norm, head, a loss in the model).
         head_overhead_bytes: memory above the held activations at the peak outside the blocks.
         head_grads_bytes: gradient bytes that exist when the last block's backward begins.
+        head_peak_overhead_bytes: measured activations and temporaries at the peak between the end
+            of the last block's forward and the start of its backward (the head's forward and
+            backward, the loss) minus ``pre + held by the blocks + post``; may be negative.
+        head_peak_grads_bytes: gradient bytes that exist at that peak; ``-1`` when not measured
+            (then the budget uses ``head_overhead_bytes`` with ``head_grads_bytes``).
         measured_peak_bytes: peak of the sample step without checkpointing (MemTracker on CPU,
             ``torch.cuda.max_memory_allocated`` on CUDA), without optimizer state.
         device: the device type the sample step ran on.
@@ -93,6 +103,7 @@ class ModelProfile:
     blocks: tuple[BlockProfile, ...]
     param_bytes: int = 0
     trainable_bytes: int = 0
+    trainable_tensors: int = 0
     buffer_bytes: int = 0
     block_param_bytes: int = 0
     max_param_bytes: int = 0
@@ -101,6 +112,8 @@ class ModelProfile:
     post_bytes: int = 0
     head_overhead_bytes: int = 0
     head_grads_bytes: int = 0
+    head_peak_overhead_bytes: int = 0
+    head_peak_grads_bytes: int = -1
     measured_peak_bytes: int = 0
     device: str = "cpu"
 
@@ -286,6 +299,32 @@ def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inpu
         active.pop()
         flops[i] += counter.get_total_flops() - flop_start.pop(i)
         phase["done"] = max(phase["done"], i + 1)
+        if i == n - 1:
+            _head_window(out)
+
+    # The peak of the head (after the last block's forward, before its backward): MemTracker's
+    # running peak is restarted when the last block returns and read when the gradient of its
+    # output arrives (private fields, verified on torch 2.13; absent, the head is not measured).
+    head: dict[str, Any] = {}
+
+    def _head_window(out: Any) -> None:
+        outs = [t for t in _tensors(out) if t.requires_grad]
+        if not outs or not hasattr(tracker, "_peak_mem") or not hasattr(tracker, "_peak_mem_snap"):
+            return
+        head["saved"] = (tracker._peak_mem, tracker._peak_mem_snap)
+        tracker._peak_mem, tracker._peak_mem_snap = {}, {}
+
+        def on_grad(_: torch.Tensor) -> None:
+            if "snap" in head or "saved" not in head:
+                return
+            head["snap"] = copy.deepcopy(tracker._peak_mem_snap)
+            old_peak, old_snap = head.pop("saved")
+            for d, v in old_peak.items():
+                if v >= tracker._peak_mem.get(d, -1):
+                    tracker._peak_mem[d], tracker._peak_mem_snap[d] = v, old_snap[d]
+
+        for t in outs:
+            t.register_hook(on_grad)
 
     handles = []
     for _, m in blocks:
@@ -302,6 +341,9 @@ def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inpu
             with tracker:
                 with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     loss = scalar_loss(model(*args, **kwargs))
+                # The inputs were kept only to tell storages apart in forward; kept in backward they
+                # would inflate every backward snapshot by the later blocks' inputs.
+                keep.clear()
                 loss.backward()
                 del loss
             cuda_peak = torch.cuda.max_memory_allocated(device) - cuda_base if cuda else 0
@@ -371,7 +413,7 @@ def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inpu
             block_peaks.append(measured)
             overhead[i] = max(0, measured - (pre + prefix + footprint))
             overhead_fw[i] = max(0, measured_fw - (pre + prefix + footprint))
-            overhead_bw[i] = max(0, measured_bw - (pre + prefix + footprint))
+            overhead_bw[i] = measured_bw - (pre + prefix + footprint) if bw_snaps else 0
             if bw_snaps:
                 grads_peak[i] = grads_at_act_peak(bw_snaps)
         prefix += held[i]
@@ -383,6 +425,10 @@ def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inpu
     if global_act > max(block_peaks, default=0):
         end_act = max(end_act, global_act)
     head_overhead = max(0, end_act - (pre + prefix + post))
+    head_snap = head.get("snap") or {}
+    hs = head_snap.get(dev) or next(iter(head_snap.values()), None)
+    head_peak_overhead = hs.get("Activation", 0) + hs.get("Temp", 0) - (pre + prefix + post) if hs else 0
+    head_peak_grads = hs.get("Gradient", 0) if hs else -1
     measured_peak = cuda_peak if cuda else s.get("Total", 0)
 
     def distinct(ts: list[torch.Tensor]) -> int:
@@ -419,6 +465,7 @@ def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inpu
         blocks=profiles,
         param_bytes=distinct(params),
         trainable_bytes=distinct([p for p in params if p.requires_grad]),
+        trainable_tensors=len({_storage_key(p) for p in params if p.requires_grad}),
         buffer_bytes=distinct(list(model.buffers())),
         block_param_bytes=max((distinct(list(m.parameters())) for _, m in blocks), default=0),
         max_param_bytes=max((_storage_bytes(p) for p in params), default=0),
@@ -427,6 +474,8 @@ def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inpu
         post_bytes=post,
         head_overhead_bytes=head_overhead,
         head_grads_bytes=head_grads,
+        head_peak_overhead_bytes=head_peak_overhead,
+        head_peak_grads_bytes=head_peak_grads,
         measured_peak_bytes=int(measured_peak),
         device=device.type,
     )

@@ -24,41 +24,63 @@ from distckpt.wrap import is_checkpointed  # noqa: E402
 CPU = torch.device("cpu")
 
 
-def _random_profile(n: int, rng: random.Random) -> ModelProfile:
+def _random_profile(n: int, rng: random.Random, split: bool = False) -> ModelProfile:
+    """Random blocks; ``split``: measured forward/backward peaks (a kept and a checkpointed block
+    then bound the prefix differently, the backward overhead may be negative) and a measured head."""
     blocks = []
     for i in range(n):
         inp = rng.randint(1, 50) * 1000
+        extra = {}
+        if split:
+            extra = dict(forward_overhead_bytes=rng.randint(0, 100) * 1000,
+                         backward_overhead_bytes=rng.randint(-50, 100) * 1000,
+                         grads_at_peak_bytes=(n - i) * 10**6 // (n + 1))
         blocks.append(BlockProfile(
             f"b{i}", activation_bytes=inp + rng.randint(0, 400) * 1000, forward_flops=rng.randint(1, 1000) * 10**6,
-            input_bytes=inp, saved_input_bytes=inp, overhead_bytes=rng.randint(0, 100) * 1000,
+            input_bytes=inp, saved_input_bytes=inp, overhead_bytes=rng.randint(0, 100) * 1000, **extra,
         ))
+    head = dict(head_peak_overhead_bytes=rng.randint(-20, 50) * 1000, head_peak_grads_bytes=5 * 10**4) if split else {}
     return ModelProfile(tuple(blocks), param_bytes=10**6, trainable_bytes=10**6, batch_bytes=1000, pre_bytes=5000,
-                        post_bytes=rng.randint(0, 500) * 1000, head_overhead_bytes=20_000, max_param_bytes=10**5)
+                        post_bytes=rng.randint(0, 500) * 1000, head_overhead_bytes=20_000, max_param_bytes=10**5,
+                        **head)
 
 
 def _brute_force(mp: ModelProfile, budget: int) -> int:
     """The least FLOPs over all 2**n choices, with the memory model evaluated for all at once."""
     n = len(mp.blocks)
     static, step = static_bytes(mp)
-    per_block, end = _bounds(mp, static)
+    plain, ckpt, end = _bounds(mp, static)
     masks = ((torch.arange(2**n).unsqueeze(1) >> torch.arange(n)) & 1).bool()
     act = torch.tensor([b.activation_bytes for b in mp.blocks])
     inp = torch.tensor([b.input_bytes for b in mp.blocks])
     held = torch.where(masks, inp, act)
     prefix = held.cumsum(1)
-    peak = (prefix - held + torch.tensor(per_block)).amax(1).clamp(min=step).maximum(prefix[:, -1] + end)
+    bound = torch.where(masks, torch.tensor(ckpt), torch.tensor(plain))
+    peak = (prefix - held + bound).amax(1).clamp(min=step).maximum(prefix[:, -1] + end)
     flops = (masks * torch.tensor([b.forward_flops for b in mp.blocks])).sum(1)
     ok = peak <= budget
     assert ok.any()
     return int(flops[ok].min())
 
 
+def _brute_min_peak(mp: ModelProfile) -> int:
+    n = len(mp.blocks)
+    return min(predicted_peak(mp, [i for i in range(n) if mask >> i & 1]) for mask in range(2**n))
+
+
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("n,seed", [(8, 0), (12, 1), (12, 2), (16, 3)])
-def test_optimal_against_brute_force(n, seed):
-    mp = _random_profile(n, random.Random(seed))
-    lo, hi = predicted_peak(mp, range(n)), predicted_peak(mp, [])
+def test_optimal_against_brute_force(n, seed, split):
+    mp = _random_profile(n, random.Random(seed), split)
+    lo, hi = _brute_min_peak(mp) if n <= 12 else predicted_peak(mp, range(n)), predicted_peak(mp, [])
+    if n <= 12:
+        assert plan_budget(mp, hi).min_budget_bytes == lo  # the smallest peak over all 2**n choices
+        with pytest.raises(ConfigError, match=f"budget:{lo} or more"):
+            plan_budget(mp, lo - 1)
     for frac in (0.0, 0.2, 0.5, 0.8, 1.0):
         budget = int(lo + frac * (hi - lo))
+        if budget < plan_budget(mp, hi).min_budget_bytes:
+            continue
         plan = plan_budget(mp, budget)
         assert plan.peak_bytes == predicted_peak(mp, plan.selected) <= budget
         best = _brute_force(mp, budget)
