@@ -9,6 +9,7 @@ The memory model (all terms measured by :mod:`distckpt.profile` or counted from 
     P_i      = held_0 + ... + held_i                      (what the blocks keep, in forward order)
     peak     = max( static + pre + P_{i-1} + footprint_i + overhead_i   for every block i,
                     static + pre + P_{n-1} + post + head_overhead,
+                    static + the embeddings' backward (after every block's),
                     static + optimizer-step temporaries )
 
 Each term pairs the activations measured at one instant with the gradients that existed then:
@@ -137,12 +138,19 @@ def _bounds(mp: ModelProfile, static: int, *, strategy: str = "ddp", world_size:
         # that existed at that instant (pairing the largest activations with the gradients at the
         # end of the block's backward counts one block's gradients twice). A kept block's backward
         # peak is what was measured (its overhead may be negative: backward frees saved tensors as
-        # it goes). A checkpointed block recomputes its forward during its backward, so its forward
-        # temporaries are counted with those gradients too.
+        # it goes). A checkpointed block recomputes its forward at the start of its backward, while
+        # the backward's own temporaries (the output's gradient) exist: its peak is measured in a
+        # step with every block checkpointed (estimated from the first step's forward and backward
+        # overheads when that step fails; the larger alone fell 512-10000 B short on HF models).
         at_peak = static - absent(b.grads_at_peak_bytes) + base
         forward = static - absent(0) + base + b.forward_overhead_bytes
         plain.append(max(forward, at_peak + b.backward_overhead_bytes))
-        ckpt.append(max(forward, at_peak + max(b.forward_overhead_bytes, b.backward_overhead_bytes)))
+        if b.recompute_grads_bytes >= 0:
+            # Measured in a sample step with every block checkpointed (its prefix: the inputs).
+            recompute = static - absent(b.recompute_grads_bytes) + base + b.recompute_overhead_bytes
+        else:
+            recompute = at_peak + max(0, b.backward_overhead_bytes) + max(0, b.forward_overhead_bytes)
+        ckpt.append(max(forward, recompute))
     head = mp.pre_bytes + mp.post_bytes
     if grad_accumulation or mp.head_peak_grads_bytes < 0:
         end = static - absent(mp.head_grads_bytes) + head + mp.head_overhead_bytes
@@ -152,6 +160,16 @@ def _bounds(mp: ModelProfile, static: int, *, strategy: str = "ddp", world_size:
         # activations paired with the gradients present when the last block's backward begins.
         end = static - absent(mp.head_peak_grads_bytes) + head + mp.head_peak_overhead_bytes
     return plain, ckpt, end
+
+
+def _tail(mp: ModelProfile, static: int, step: int, *, strategy: str, world_size: int,
+          grad_accumulation: bool) -> int:
+    """``step`` raised to the measured peak after every block's backward (the embeddings'), if any."""
+    if mp.tail_grads_bytes < 0:
+        return step
+    div = max(1, world_size) if strategy in ("fsdp", "fsdp2") else 1
+    absent = 0 if grad_accumulation else max(0, mp.trainable_bytes - mp.tail_grads_bytes) // div
+    return max(step, static - absent + mp.tail_peak_bytes)
 
 
 def predicted_peak(mp: ModelProfile, selected: list[int] | tuple[int, ...] | set[int] | range, *,
@@ -166,6 +184,7 @@ def predicted_peak(mp: ModelProfile, selected: list[int] | tuple[int, ...] | set
     static, step = static_bytes(mp, strategy=strategy, world_size=world_size, optimizer=optimizer)
     plain, ckpt, end = _bounds(mp, static, strategy=strategy, world_size=world_size,
                                grad_accumulation=grad_accumulation)
+    step = _tail(mp, static, step, strategy=strategy, world_size=world_size, grad_accumulation=grad_accumulation)
     chosen = set(selected)
     prefix, peak = 0, step
     for i, b in enumerate(mp.blocks):
@@ -220,6 +239,7 @@ def plan_budget(mp: ModelProfile, budget: int, *, strategy: str = "ddp", world_s
     static, step = static_bytes(mp, **kw)
     plain, ckpt, end = _bounds(mp, static, strategy=strategy, world_size=world_size,
                                grad_accumulation=grad_accumulation)
+    step = _tail(mp, static, step, strategy=strategy, world_size=world_size, grad_accumulation=grad_accumulation)
     blocks = mp.blocks
     min_budget = _min_peak(mp, plain, ckpt, end, step)
     if budget < min_budget:

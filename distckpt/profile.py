@@ -49,6 +49,10 @@ class BlockProfile:
         grads_at_peak_bytes: gradient bytes that exist at the block's backward peak (fewer than
             ``grads_ready_bytes``: the block's own gradients are mostly created after it); ``-1``
             when not measured (then the budget uses ``grads_ready_bytes`` with ``overhead_bytes``).
+        recompute_overhead_bytes: like ``backward_overhead_bytes``, measured in a second sample step
+            with every block checkpointed (the recompute runs the block's forward while the
+            backward's temporaries exist), relative to the prefix of checkpointed inputs.
+        recompute_grads_bytes: gradient bytes at that peak; ``-1`` when that step could not run.
     """
 
     fqn: str
@@ -61,6 +65,8 @@ class BlockProfile:
     forward_overhead_bytes: int = 0
     backward_overhead_bytes: int = 0
     grads_at_peak_bytes: int = -1
+    recompute_overhead_bytes: int = 0
+    recompute_grads_bytes: int = -1
 
     @property
     def held_bytes(self) -> int:
@@ -95,6 +101,10 @@ class ModelProfile:
             backward, the loss) minus ``pre + held by the blocks + post``; may be negative.
         head_peak_grads_bytes: gradient bytes that exist at that peak; ``-1`` when not measured
             (then the budget uses ``head_overhead_bytes`` with ``head_grads_bytes``).
+        tail_peak_bytes: activations and temporaries at the step's peak when it lies in no block
+            and not in the head (the embeddings' backward, after every block's): no choice of blocks
+            changes it.
+        tail_grads_bytes: gradient bytes at that peak; ``-1`` when the peak lies elsewhere.
         measured_peak_bytes: peak of the sample step without checkpointing (MemTracker on CPU,
             ``torch.cuda.max_memory_allocated`` on CUDA), without optimizer state.
         device: the device type the sample step ran on.
@@ -114,6 +124,8 @@ class ModelProfile:
     head_grads_bytes: int = 0
     head_peak_overhead_bytes: int = 0
     head_peak_grads_bytes: int = -1
+    tail_peak_bytes: int = 0
+    tail_grads_bytes: int = -1
     measured_peak_bytes: int = 0
     device: str = "cpu"
 
@@ -252,6 +264,63 @@ def memory_tracker(*external: Any) -> Any:
                 # skips register_hook, which raises on frozen params (verified on torch 2.13).
                 tracker._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
     return tracker
+
+
+_CACHE_OFF = {"use_cache": False, "past_key_values": None, "past_key_value": None, "layer_past": None}
+
+
+def _checkpointed_peaks(model: nn.Module, blocks: list[tuple[str, nn.Module]], args: tuple[Any, ...],
+                        kwargs: dict[str, Any], batch: list[torch.Tensor], dev: torch.device
+                        ) -> list[tuple[int, int]] | None:
+    """Activations+temporaries and gradients at each block's backward peak in a sample step with
+    every block checkpointed (non-reentrant, no cache in the blocks, as distckpt runs them).
+
+    Returns:
+        ``[(activation and temporary bytes, gradient bytes), ...]`` per block, or ``None`` when the
+        step fails (then the budget bounds a recompute from the first step alone).
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    def patched(orig: Any) -> Any:
+        def forward(*a: Any, **kw: Any) -> Any:
+            kw = {k: _CACHE_OFF.get(k, v) for k, v in kw.items()}
+            return checkpoint(orig, *a, use_reentrant=False, **kw)
+
+        return forward
+
+    saved = [(m, m.__dict__.get("forward")) for _, m in blocks]
+    tracker = memory_tracker(model, *batch)
+    try:
+        for _, m in blocks:
+            m.forward = patched(m.forward)
+        with tracker:
+            loss = scalar_loss(model(*args, **kwargs))
+            loss.backward()
+            del loss
+    except Exception as e:  # noqa: BLE001 - any failure only loses precision, never correctness
+        logger.info("distckpt.profile: the checkpointed sample step failed (%s); recompute peaks estimated", e)
+        return None
+    finally:
+        for m, f in saved:
+            if f is None:
+                m.__dict__.pop("forward", None)
+            else:
+                m.forward = f
+        for p in model.parameters():
+            p.grad = None
+    out = []
+    for _, m in blocks:
+        stats = tracker.memory_tracking.get(m)
+        best, grads = -1, 0
+        for snap in stats.snapshots.get(_mem_states()[1], []) if stats is not None else []:
+            d = snap.get(dev) or next(iter(snap.values()), {})
+            act = d.get("Activation", 0) + d.get("Temp", 0)
+            if act > best:
+                best, grads = act, d.get("Gradient", 0)
+        if best < 0:
+            return None
+        out.append((best, grads))
+    return out
 
 
 def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inputs: Any) -> ModelProfile:
@@ -429,7 +498,30 @@ def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inpu
     hs = head_snap.get(dev) or next(iter(head_snap.values()), None)
     head_peak_overhead = hs.get("Activation", 0) + hs.get("Temp", 0) - (pre + prefix + post) if hs else 0
     head_peak_grads = hs.get("Gradient", 0) if hs else -1
+    tail_peak, tail_grads = 0, -1
+
+    def total(snap: dict[Any, dict[str, int]]) -> int:
+        return (snap.get(dev) or next(iter(snap.values()), {})).get("Total", 0)
+
+    inside = [total(snap) for _, m in blocks if (st := tracker.memory_tracking.get(m)) is not None
+              for state in (peak_fw, peak_bw) for snap in st.snapshots.get(state, [])]
+    if hs and s.get("Total", 0) > max(max(inside, default=0), hs.get("Total", 0)):
+        tail_peak, tail_grads = global_act, s.get("Gradient", 0)
     measured_peak = cuda_peak if cuda else s.get("Total", 0)
+    recompute_ov, recompute_grads = [0] * n, [-1] * n
+    if not cuda and n:
+        with _preserved_state(model, device):
+            peaks = _checkpointed_peaks(model, blocks, args, kwargs, batch, dev)
+        if peaks is not None:
+            # What the checkpointed blocks before i really hold: their inputs, each storage once and
+            # not block i's own (the mask and rotary tables are every block's input; input_bytes
+            # counts them per block, so the prediction stays above the measure when some are kept).
+            held_in: dict[tuple[str, int], int] = {}
+            for i, (act, grads) in enumerate(peaks):
+                before = sum(b for k, b in held_in.items() if k not in input_keys[i])  # own inputs: in in_bytes
+                recompute_ov[i] = act - (pre + before + inner[i] + in_bytes[i])
+                recompute_grads[i] = grads
+                held_in.update((k, b) for k, b in input_keys[i].items() if k not in batch_keys)
 
     def distinct(ts: list[torch.Tensor]) -> int:
         return _distinct_bytes(ts) if ts else 0
@@ -458,6 +550,7 @@ def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inpu
             saved_input_bytes=saved_input[i], overhead_bytes=overhead[i],
             grads_ready_bytes=ready[i], forward_overhead_bytes=overhead_fw[i],
             backward_overhead_bytes=overhead_bw[i], grads_at_peak_bytes=grads_peak[i],
+            recompute_overhead_bytes=recompute_ov[i], recompute_grads_bytes=recompute_grads[i],
         )
         for i, (name, _) in enumerate(blocks)
     )
@@ -476,6 +569,8 @@ def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inpu
         head_grads_bytes=head_grads,
         head_peak_overhead_bytes=head_peak_overhead,
         head_peak_grads_bytes=head_peak_grads,
+        tail_peak_bytes=tail_peak,
+        tail_grads_bytes=tail_grads,
         measured_peak_bytes=int(measured_peak),
         device=device.type,
     )
