@@ -509,7 +509,7 @@ def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inpu
         tail_peak, tail_grads = global_act, s.get("Gradient", 0)
     measured_peak = cuda_peak if cuda else s.get("Total", 0)
     recompute_ov, recompute_grads = [0] * n, [-1] * n
-    if not cuda and n:
+    if n:
         with _preserved_state(model, device):
             peaks = _checkpointed_peaks(model, blocks, args, kwargs, batch, dev)
         if peaks is not None:
@@ -608,7 +608,8 @@ def profile_model(model: nn.Module, blocks: list[tuple[str, nn.Module]], example
 
     Saved tensors are counted with ``torch.autograd.graph.saved_tensors_hooks`` by storage (shared
     storages once, parameters and buffers excluded); FLOPs with ``FlopCounterMode``; temporaries and
-    the measured peak with ``MemTracker`` (and ``torch.cuda.max_memory_allocated`` on CUDA). The
+    the measured peak with ``MemTracker`` (and ``torch.cuda.max_memory_allocated`` on CUDA); a second
+    step with every block checkpointed measures each block's recompute peak. The
     model's gradients, buffers and RNG state are left as they were. Results are cached per model,
     block list and input shapes; under ``torch.distributed`` every rank gets the same numbers (the
     maximum over ranks, one ``all_reduce``: every rank must call it).
