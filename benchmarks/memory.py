@@ -29,9 +29,9 @@ from torch.utils.flop_counter import FlopCounterMode
 import distckpt
 from benchmarks.models import GPT, SIZES, Block, GPTConfig, batch, hf_gpt2
 from distckpt import Budget, ConfigError
+from distckpt.apply.wrap import is_checkpointed
 from distckpt.budget import static_bytes
 from distckpt.profile import profile_model, scalar_loss
-from distckpt.wrap import is_checkpointed
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

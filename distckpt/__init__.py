@@ -6,13 +6,13 @@ Wrap the blocks first, then parallelize::
     model = distckpt.parallelize(model, "ddp")
 """
 
-from distckpt.chunk import chunk_feed_forward
+from distckpt.apply.chunk import chunk_feed_forward
+from distckpt.apply.wrap import checkpointed, checkpointing_disabled, wrap
+from distckpt.check.recompute import verify_recompute
+from distckpt.check.sync_guard import GradSyncGuard, NoGradientError
 from distckpt.errors import ConfigError, GradDesyncError, RecomputeMismatchError
-from distckpt.parallel import accumulate, ddp_kwargs, parallelize, preflight
+from distckpt.parallel.strategies import accumulate, ddp_kwargs, parallelize, preflight
 from distckpt.policies import Budget, EveryN, FirstN, Fraction, Full, Selective, parse_policy
-from distckpt.recompute_check import verify_recompute
-from distckpt.sync_guard import GradSyncGuard, NoGradientError
-from distckpt.wrap import checkpointed, checkpointing_disabled, wrap
 
 __version__ = "0.1.0"
 

@@ -130,7 +130,7 @@ def _auto_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
         )
     total = _n_params([model])
     logger.info(
-        "distckpt.wrap: blocks=None chose %d blocks of class %s (%s, ...; %.0f%% of parameters)",
+        "distckpt.apply.wrap: blocks=None chose %d blocks of class %s (%s, ...; %.0f%% of parameters)",
         len(chosen[1]), chosen[0].__name__, chosen[1][0][0], 100.0 * chosen[2] / max(total, 1),
     )
     return list(chosen[1])

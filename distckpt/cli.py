@@ -1,5 +1,5 @@
 """The ``distckpt`` command: ``distckpt doctor`` checks that a model is safe to train with
-checkpointing under DDP/FSDP/FSDP2 (see :mod:`distckpt.doctor`)."""
+checkpointing under DDP/FSDP/FSDP2 (see :mod:`distckpt.check.doctor`)."""
 
 from __future__ import annotations
 
@@ -34,12 +34,12 @@ def add_doctor_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def doctor_options(args: argparse.Namespace, **fields: object):  # -> DoctorOptions (lazy import)
-    """The :class:`~distckpt.doctor.DoctorOptions` of parsed doctor flags, plus ``fields``.
+    """The :class:`~distckpt.check.doctor.DoctorOptions` of parsed doctor flags, plus ``fields``.
 
     Raises:
         ConfigError: ``--steps`` or ``--nproc`` below 1.
     """
-    from distckpt.doctor import DoctorOptions
+    from distckpt.check.doctor import DoctorOptions
     from distckpt.errors import ConfigError
 
     if args.steps < 1 or args.nproc < 1:
@@ -58,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Spawn CPU ranks (gloo), build the model, checkpoint and parallelize it, run a few steps with "
                     "GradSyncGuard and verify_recompute, and print what is safe and the settings to use. Exit 0 "
                     "when safe, 1 otherwise. The model comes from --factory pkg.module:make (make() returns "
-                    "(model, loss_fn, batch_fn); see distckpt.doctor) or, in a distckpt checkout, from the "
+                    "(model, loss_fn, batch_fn); see distckpt.check.doctor) or, in a distckpt checkout, from the "
                     "launcher's Hydra config (distckpt doctor model=gpt strategy=ddp ... runs "
                     "python launch/doctor.py with the same arguments).",
     )
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
-    from distckpt.doctor import doctor
+    from distckpt.check.doctor import doctor
     from distckpt.errors import ConfigError
 
     if not args.factory and not args.overrides:

@@ -78,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     Returns:
         The exit code: 0 safe, 1 not safe, 2 bad usage or override.
     """
+    from distckpt.check.doctor import doctor
     from distckpt.cli import doctor_options
-    from distckpt.doctor import doctor
 
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:

@@ -1,5 +1,5 @@
 """`distckpt doctor` end to end: 2 CPU ranks on a healthy model (exit 0) and on broken ones (exit 1,
-the cause named). The example factories below follow the contract in distckpt.doctor."""
+the cause named). The example factories below follow the contract in distckpt.check.doctor."""
 
 from __future__ import annotations
 

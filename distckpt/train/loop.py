@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distckpt._dist import local_tensor, rank_world
-from distckpt.parallel import accumulate
+from distckpt.parallel.strategies import accumulate
 from distckpt.train.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
 from distckpt.train.data import StepData, micro_batches
 from distckpt.train.metrics import MetricSink, Stopwatch, peak_memory_mib

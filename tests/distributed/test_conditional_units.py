@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 from harness import RankError
-from patterns import D, D_IN, Block, Expert, batch, full_grads, shard
+from patterns import D_IN, Block, D, Expert, batch, full_grads, shard
 
 import distckpt
 

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, f
 import distckpt  # noqa: E402
 from benchmarks.models import GPT, MLP, GPTConfig, batch  # noqa: E402
 from distckpt import ConfigError, chunk_feed_forward  # noqa: E402
-from distckpt.chunk import is_chunked, unchunk_feed_forward  # noqa: E402
+from distckpt.apply.chunk import is_chunked, unchunk_feed_forward  # noqa: E402
 
 CPU = torch.device("cpu")
 

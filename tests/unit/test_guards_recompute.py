@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import distckpt
-from distckpt.recompute_check import verify_recompute
+from distckpt.check.recompute import verify_recompute
 
 
 class Block(nn.Module):
@@ -113,7 +113,8 @@ def test_flag_changed_before_backward_is_caught():
 def test_batchnorm_double_update_is_caught(monkeypatch):
     model = distckpt.wrap(Net(bn=True), "full")
     assert verify_recompute(model, loss_fn).ok  # distckpt's fix in place
-    monkeypatch.setattr(_sys.modules["distckpt.recompute"], "_keep_running_stats", lambda norms: contextlib.nullcontext())
+    runtime = _sys.modules["distckpt.apply.recompute"]
+    monkeypatch.setattr(runtime, "_keep_running_stats", lambda norms: contextlib.nullcontext())
     with pytest.raises(distckpt.RecomputeMismatchError) as e:
         verify_recompute(model, loss_fn)
     kinds = {(m.module, m.kind) for m in e.value.report.mismatches}

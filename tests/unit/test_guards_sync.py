@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import distckpt
-from distckpt.sync_guard import GradSyncGuard, NoGradientError, _fingerprint, _weights, _wnorm
+from distckpt.check.sync_guard import GradSyncGuard, NoGradientError, _fingerprint, _weights, _wnorm
 
 
 class TwoHeads(nn.Module):

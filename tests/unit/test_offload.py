@@ -16,9 +16,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, f
 import distckpt  # noqa: E402
 from benchmarks.models import GPT, GPTConfig, batch  # noqa: E402
 from distckpt import Budget  # noqa: E402
-from distckpt.wrap import is_checkpointed  # noqa: E402
+from distckpt.apply.wrap import is_checkpointed  # noqa: E402
 
-wrap_mod = sys.modules["distckpt.recompute"]  # the run-time of checkpointed blocks
+wrap_mod = sys.modules["distckpt.apply.recompute"]  # the run-time of checkpointed blocks
 
 CFG = GPTConfig(vocab=64, seq=16, dim=16, heads=2, layers=4, dropout=0.1)
 POLICIES = ["full", "every:2", "first:1", "fraction:0.5", "selective", "budget"]

@@ -9,7 +9,7 @@ from patterns import PATTERNS, Block, build
 
 import distckpt
 from distckpt import ConfigError
-from distckpt.param_sync import _Participate
+from distckpt.parallel.param_sync import _Participate
 
 
 def _wrapped(reentrant: bool = False) -> nn.Module:
@@ -69,7 +69,7 @@ def test_join_gives_zero_not_nan_to_unused_params():
 def test_end_of_step_check_names_a_unit_run_unequally_across_ranks(monkeypatch):
     """The end-of-step all-reduce carries each FSDP unit's forward count and order: a unit that ran a
     different number of times on another rank raises GradDesyncError naming it and the fix."""
-    from distckpt.param_sync import SyncState, _Unit
+    from distckpt.parallel.param_sync import SyncState, _Unit
 
     block, root = nn.Linear(2, 2), nn.Linear(2, 2)
     state = SyncState(["w"], [nn.Parameter(torch.zeros(1))], "join", None, "fsdp2", set())

@@ -1,4 +1,4 @@
-"""distckpt.wrap: block choice, names, double wrapping, and exact gradients against no checkpointing."""
+"""distckpt.apply.wrap: block choice, names, double wrapping, and exact gradients against no checkpointing."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import distckpt
 from distckpt import ConfigError
-from distckpt.wrap import is_checkpointed
+from distckpt.apply.wrap import is_checkpointed
 
 
 class Block(nn.Module):
@@ -664,7 +664,7 @@ def test_hf_padded_batch_cache_off_in_training_exact(family, reentrant, monkeypa
     measured; HF's own checkpointing turns the cache off too)."""
     import sys
 
-    monkeypatch.setattr(sys.modules["distckpt.recompute"], "_WARNED_CACHE", set())
+    monkeypatch.setattr(sys.modules["distckpt.apply.recompute"], "_WARNED_CACHE", set())
     plain = _tiny_decoder(family)
     wrapped = copy.deepcopy(plain)
     distckpt.wrap(wrapped, reentrant=reentrant)

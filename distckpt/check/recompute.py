@@ -20,8 +20,8 @@ import torch.utils.checkpoint as tuc
 
 from distckpt._dist import local_shard as _local
 from distckpt._dist import unwrap_ddp as _inner
+from distckpt.apply.wrap import _clean_fqn, checkpointing_disabled, is_checkpointed
 from distckpt.errors import ConfigError, RecomputeMismatchError
-from distckpt.wrap import _clean_fqn, checkpointing_disabled, is_checkpointed
 
 __all__ = ["Mismatch", "RecomputeReport", "verify_recompute"]
 
@@ -336,7 +336,7 @@ def verify_recompute(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tens
     same tensor object, or None) are restored; no optimizer state is touched.
 
     Args:
-        model: a model with blocks checkpointed by :func:`distckpt.wrap`.
+        model: a model with blocks checkpointed by :func:`distckpt.apply.wrap`.
         loss_fn: ``loss_fn(model) -> scalar tensor``: one forward on a fixed batch. It may change
             state (e.g. a task flag) to reproduce what training does.
         rtol: relative tolerance of every comparison.

@@ -4,7 +4,7 @@ chosen strategy, under the guards, and print whether it is safe and which settin
 The factory contract (``--factory pkg.module:make``): ``make()`` returns ``(model, loss_fn, batch_fn)``:
 
 * ``model``: an ``nn.Module``, not wrapped in DDP/FSDP. If it already has blocks checkpointed by
-  :func:`distckpt.wrap`, they are kept (unless ``--policy`` is given); otherwise ``--policy`` (default
+  :func:`distckpt.apply.wrap`, they are kept (unless ``--policy`` is given); otherwise ``--policy`` (default
   ``full``) is applied.
 * ``loss_fn(model, batch) -> scalar tensor``: the loss of one forward (a mean over the batch).
 * ``batch_fn(step, rank, world_size) -> batch``: rank ``rank``'s share of the global batch of ``step``.
@@ -102,15 +102,15 @@ def _label(opts: DoctorOptions) -> str:
 
 
 def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    from distckpt.wrap import _clean_fqn
+    from distckpt.apply.wrap import _clean_fqn
 
     return {_clean_fqn(n): p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _estimate(model: nn.Module, loss_fn: Callable, batch: Any) -> list[tuple[str, int, int]]:
     """(block, activation bytes freed by checkpointing it, FLOPs of its recompute) per checkpointed block."""
+    from distckpt.apply.wrap import checkpointed, checkpointing_disabled, is_checkpointed
     from distckpt.profile import profile_blocks
-    from distckpt.wrap import checkpointed, checkpointing_disabled, is_checkpointed
 
     class _Loss(nn.Module):  # profile_blocks runs model(*inputs): let the "model" be the loss
         def __init__(self) -> None:
@@ -129,7 +129,7 @@ def _estimate(model: nn.Module, loss_fn: Callable, batch: Any) -> list[tuple[str
 
 def _diagnose(rank: int, world: int, opts: DoctorOptions) -> list[Finding]:
     import distckpt
-    from distckpt.wrap import checkpointed, unwrap
+    from distckpt.apply.wrap import checkpointed, unwrap
 
     findings: list[Finding] = []
     torch.manual_seed(0)
@@ -180,7 +180,7 @@ def _train_against_reference(pmodel: nn.Module, ref: nn.Module, loss_fn: Callabl
     """``opts.steps`` SGD steps of the parallel model under GradSyncGuard, each compared with the
     single-process reference on the global batch."""
     import distckpt
-    from distckpt.sync_guard import GradSyncGuard
+    from distckpt.check.sync_guard import GradSyncGuard
 
     findings: list[Finding] = []
     guard = GradSyncGuard(pmodel, params_every=1, no_grad_steps=min(2, opts.steps), on_no_grad="ignore")
@@ -341,7 +341,7 @@ def doctor(opts: DoctorOptions) -> int:
     elif not callable(opts.factory):
         from distckpt.errors import ConfigError
 
-        raise ConfigError("distckpt doctor needs a factory: --factory pkg.module:make (see distckpt.doctor).")
+        raise ConfigError("distckpt doctor needs a factory: --factory pkg.module:make (see distckpt.check.doctor).")
     opts.strategy = opts.strategy or "ddp"
     opts.graph = opts.graph or "auto"
     if opts.strategy == "none":

@@ -4,7 +4,7 @@ so its wide hidden activation exists for one slice at a time (Hugging Face's
 
 Each slice runs under non-reentrant ``torch.utils.checkpoint``: it keeps only its input (a view of
 the module's input, no new memory) and recomputes its hidden activation slice by slice in backward.
-Like :func:`distckpt.wrap`, the module's class is swapped for a subclass, so parameter names stay.
+Like :func:`distckpt.apply.wrap`, the module's class is swapped for a subclass, so parameter names stay.
 """
 
 from __future__ import annotations

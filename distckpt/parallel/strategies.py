@@ -1,5 +1,5 @@
 """parallelize / ddp_kwargs / preflight / accumulate: DDP, FSDP and FSDP2 around checkpointed blocks,
-with gradients equal to a single-process run for every multi-task pattern (see distckpt.param_sync)."""
+with gradients equal to a single-process run for every multi-task pattern (see distckpt.parallel.param_sync)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distckpt import _torch_compat as compat
+from distckpt.apply.wrap import _clean_fqn, is_checkpointed, parallel_kind, pending_plan
 from distckpt.blocks import conditional_reason
 from distckpt.errors import ConfigError
 from distckpt.options import accumulate_refusal, check_graph, check_strategy, reentrant_refusal
-from distckpt.param_sync import SyncState, _Unit, param_owner
-from distckpt.wrap import _clean_fqn, is_checkpointed, parallel_kind, pending_plan
+from distckpt.parallel.param_sync import SyncState, _Unit, param_owner
 
 __all__ = ["accumulate", "ddp_kwargs", "parallelize", "preflight"]
 
@@ -46,7 +46,7 @@ def ddp_kwargs(model: nn.Module, *, graph: str = "auto") -> dict[str, Any]:
     non-reentrant blocks (not two forwards that use different heads before one backward).
 
     Args:
-        model: the model after ``distckpt.wrap``.
+        model: the model after ``distckpt.apply.wrap``.
         graph: ``"auto"``, ``"static"`` or ``"dynamic"``.
 
     Returns:
@@ -88,7 +88,7 @@ def _ddp_flags(kwargs: dict[str, Any], graph: str, reentrant: bool) -> dict[str,
 
 def parallelize(model: nn.Module, strategy: str = "ddp", *, graph: str = "auto", device_mesh: Any = None,
                 **kwargs: Any) -> nn.Module:
-    """Wrap a model whose blocks ``distckpt.wrap`` checkpointed in DDP, FSDP or FSDP2, correctly.
+    """Wrap a model whose blocks ``distckpt.apply.wrap`` checkpointed in DDP, FSDP or FSDP2, correctly.
 
     Order (fixed): checkpointing is already inside the blocks; FSDP wraps each checkpointed block
     (``use_orig_params=True``) then the root; FSDP2 ``fully_shard``s each checkpointed block, then
@@ -96,7 +96,7 @@ def parallelize(model: nn.Module, strategy: str = "ddp", *, graph: str = "auto",
     parameters, and the end of backward resets the grads of parameters no rank used to None.
 
     Args:
-        model: the model, after ``distckpt.wrap``.
+        model: the model, after ``distckpt.apply.wrap``.
         strategy: ``"ddp"``, ``"fsdp"`` (FSDP1), ``"fsdp2"`` (``fully_shard``) or ``"none"``.
         graph: ``"auto"`` and ``"dynamic"``: any pattern (unused params joined with weight zero);
             ``"static"``: the same params every step and rank (DDP ``static_graph=True``, no join),
@@ -132,7 +132,7 @@ def parallelize(model: nn.Module, strategy: str = "ddp", *, graph: str = "auto",
     else:
         wrapped, units, group = _apply_fsdp2(model, names, owners, device_mesh, kwargs)
 
-    # Then every unit's forward makes all its parameters take part (distckpt.param_sync). DDP's static
+    # Then every unit's forward makes all its parameters take part (distckpt.parallel.param_sync). DDP's static
     # graph needs no such join; FSDP has no such flag, so graph='static' joins there too (a used set that
     # differs across ranks would otherwise desync its reduce-scatter before the check runs).
     mode = "static" if graph == "static" and strategy == "ddp" else "join"
@@ -194,7 +194,7 @@ def _apply_ddp(model: nn.Module, names: list[str], owners: list[tuple[nn.Module,
 def _refuse_conditional_units(model: nn.Module, strategy: str) -> None:
     """A block that runs on some ranks only cannot be an FSDP unit: the ranks' all-gathers would pair
     different units' parameters, silently (pytorch#158719). Refused here; the end-of-step check in
-    distckpt.param_sync catches what a name cannot tell."""
+    distckpt.parallel.param_sync catches what a name cannot tell."""
     for name, m in model.named_modules():
         if is_checkpointed(m):
             why = conditional_reason(model, name)

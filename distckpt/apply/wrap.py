@@ -20,10 +20,7 @@ import torch
 import torch.nn as nn
 
 from distckpt import _torch_compat as compat
-from distckpt.blocks import BlockSpec, find_blocks
-from distckpt.errors import ConfigError
-from distckpt.policies import Budget, Plan, Policy, parse_policy, select_blocks
-from distckpt.recompute import (
+from distckpt.apply.recompute import (
     EAGER_RUN,
     CheckpointOptions,
     cache_positions,
@@ -32,6 +29,9 @@ from distckpt.recompute import (
     stateful_norms,
     without_cache,
 )
+from distckpt.blocks import BlockSpec, find_blocks
+from distckpt.errors import ConfigError
+from distckpt.policies import Budget, Plan, Policy, parse_policy, select_blocks
 
 __all__ = ["checkpointed", "checkpointing_disabled", "is_checkpointed", "unwrap", "wrap"]
 
@@ -185,7 +185,7 @@ def _foreign_checkpointing(model: nn.Module) -> None:
                 # blocks need none, and it costs a backward through the embeddings (1.354x vs 1.329x FLOPs).
                 m.disable_input_require_grads()
         warnings.warn(
-            "distckpt.wrap: the model had Hugging Face gradient checkpointing enabled "
+            "distckpt.apply.wrap: the model had Hugging Face gradient checkpointing enabled "
             f"({len(hf)} modules); it was disabled so that no block is recomputed twice, and "
             "distckpt checkpoints the blocks instead.",
             stacklevel=3,
@@ -266,7 +266,7 @@ def wrap(
     candidates = find_blocks(model, blocks)
     replaced = unwrap(model, [m for _, m in candidates])
     if replaced:
-        logger.info("distckpt.wrap: replacing the earlier checkpointing of %d blocks", replaced)
+        logger.info("distckpt.apply.wrap: replacing the earlier checkpointing of %d blocks", replaced)
     for name, block in candidates:
         if "forward" in vars(block):
             raise ConfigError(
@@ -308,7 +308,7 @@ def _apply_plan(model: nn.Module, pol: Policy, candidates: list[tuple[str, nn.Mo
         block._distckpt_cache_slots = cache_positions(type(block)._distckpt_orig_class)
         if block._distckpt_norms:
             prepare_eager_run()
-    logger.info("distckpt.wrap: policy %s checkpoints %d of %d blocks", pol, len(chosen), len(candidates))
+    logger.info("distckpt.apply.wrap: policy %s checkpoints %d of %d blocks", pol, len(chosen), len(candidates))
 
 
 def _plan_on_first_forward(pol: Policy, candidates: list[tuple[str, nn.Module]], opts: CheckpointOptions,

@@ -18,8 +18,8 @@ import torch.nn as nn
 from distckpt._dist import local_shard as _local
 from distckpt._dist import rank_world
 from distckpt._dist import unwrap_ddp as _inner
+from distckpt.apply.wrap import _clean_fqn
 from distckpt.errors import ConfigError, GradDesyncError
-from distckpt.wrap import _clean_fqn
 
 __all__ = ["GradSyncGuard", "GuardReport", "NoGradientError"]
 

@@ -1,6 +1,6 @@
 """The run-time of one checkpointed block: ``torch.utils.checkpoint`` with what exactness needs
 around it (no KV cache, BatchNorm running stats kept, the RNG state, a reentrant runner that never
-drops gradients silently, offload of the saved block inputs). ``distckpt.wrap`` decides which blocks
+drops gradients silently, offload of the saved block inputs). ``distckpt.apply.wrap`` decides which blocks
 run through here."""
 
 from __future__ import annotations
