@@ -28,8 +28,8 @@ import zoo  # noqa: E402
 
 import distckpt  # noqa: E402
 from distckpt import Budget, ConfigError  # noqa: E402
+from distckpt.apply.wrap import is_checkpointed  # noqa: E402
 from distckpt.profile import memory_tracker  # noqa: E402
-from distckpt.wrap import is_checkpointed  # noqa: E402
 
 CPU = torch.device("cpu")
 NAMES = list(zoo.FAMILIES)
