@@ -1,7 +1,8 @@
 """distckpt on tiny Hugging Face models of 23 families (tests/zoo.py), dropout on, padded batches:
 blocks=None picks the layers, gradients bitwise equal to no checkpointing, state_dict keys kept,
-peak memory equal to Hugging Face's own checkpointing on the same layers (MemTracker), and
-``selective`` and ``budget`` exact (the budget respected, LoRA included).
+peak memory equal to Hugging Face's own checkpointing on the same layers (MemTracker; T5: HF's
+extra position-bias gradient accounted for), ``selective`` and ``budget`` exact (the budget
+respected, LoRA included), and the budget's memory model never below the measured peak.
 
 The memory checks of most families are marked ``slow`` and skipped unless ``-m`` names slow
 (``-m "slow or not slow"`` runs everything). Set ``ZOO_REPORT=FILE.json`` to record what each
@@ -11,6 +12,7 @@ check measured; ``tests/zoo_table.py`` turns that file into docs/models.md.
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import os
 import sys
@@ -29,27 +31,24 @@ import zoo  # noqa: E402
 import distckpt  # noqa: E402
 from distckpt import Budget, ConfigError  # noqa: E402
 from distckpt.apply.wrap import is_checkpointed  # noqa: E402
-from distckpt.profile import memory_tracker  # noqa: E402
+from distckpt.budget import predicted_peak  # noqa: E402
+from distckpt.profile import memory_tracker, profile_model  # noqa: E402
 
 CPU = torch.device("cpu")
 NAMES = list(zoo.FAMILIES)
 # Failures whose cause lies in the library, not in this test: (family, check) -> reason.
-_OVER = ("budget planner (distckpt/budget.py) predicts a smallest peak above this model's measured "
-         "no-checkpoint peak (it peaks in the head: the end term pairs the forward's head temporaries with "
-         "the gradients present at the last block's backward), so no budget between the measured full and "
-         "no-checkpoint peaks is accepted: ConfigError 'no choice of checkpointed blocks fits budget'")
 XFAIL: dict[tuple[str, str], str] = {
-    **{(n, "budget"): _OVER for n in ("gpt_neox", "opt", "falcon", "mixtral", "qwen2_moe", "olmoe", "bert",
-                                      "roberta", "distilbert", "bart", "whisper", "vit")},
-    ("t5", "peak"): "distckpt's full peak is 4096 B below HF's (2048 B activations + 2048 B temporaries, the "
-                    "size of one (2, 1, 16, 16) fp32 attention mask): not yet explained",
+    ("bart", "prediction"): "the budget's memory model predicts 9984 B (0.65%) below the measured peak when the "
+                            "first encoder layer is checkpointed (1531272 vs 1541256 B; exact with none "
+                            "checkpointed; the midpoint budget is still respected): the recompute peak of that "
+                            "layer measured in the all-checkpointed profile step is not yet explained",
 }
 RESULTS: dict[str, dict[str, Any]] = {n: {} for n in NAMES}
 
 
 # The memory checks (MemTracker passes, the budget's profile) of these run by default; those of the
 # other families are marked slow (tens of seconds each on a 2-core CPU). Run all: -m "slow or not slow".
-FAST_MEMORY = ("gpt2", "llama", "llama_lora", "bert", "t5", "mixtral")
+FAST_MEMORY = ("gpt2", "llama", "llama_lora", "bert", "t5", "mixtral", "bart")
 
 
 def _params(check: str, memory: bool = False) -> list[Any]:
@@ -91,7 +90,7 @@ def _classes(model: torch.nn.Module, names: tuple[str, ...]) -> list[type]:
 
 
 def _wrap(fam: zoo.Family, model: torch.nn.Module, policy: Any = "full", **kw: Any) -> str | None:
-    """``distckpt.wrap`` with ``blocks=None``; when it refuses to choose between two stacks' layer
+    """``distckpt.apply.wrap`` with ``blocks=None``; when it refuses to choose between two stacks' layer
     classes (encoder-decoders), check the error names both and pass them. Returns the error text."""
     try:
         distckpt.wrap(model, policy, **kw)
@@ -215,6 +214,19 @@ def test_peak_equals_hf_checkpointing(name):
     _assert_exact(ref, _step(fam, theirs, batch))  # HF's checkpointing is exact too: same placement, same RNG
     p_ours, p_theirs, p_none = _cached_peak(name, "full"), _peak(fam, theirs, batch), _cached_peak(name, "none")
     RESULTS[name].update(peak=p_ours, peak_hf=p_theirs, peak_none=p_none)
+    if name == "t5":
+        # gradient_checkpointing_enable also sets T5Attention.gradient_checkpointing, and then the
+        # cross-attention's zero position bias (1, heads, target, source), which has no relative
+        # bias to learn, is made to require grad (a workaround for reentrant checkpointing): it
+        # joins the graph (kept for backward) and backward computes its gradient. Off, equal peaks.
+        extra = 2 * zoo.HEADS * batch["labels"].shape[1] * batch["input_ids"].shape[1] * 4
+        RESULTS[name]["peak_hf_note"] = extra
+        assert p_theirs - p_ours == extra, (p_ours, p_theirs, extra)
+        for m in theirs.modules():
+            if type(m).__name__ == "T5Attention":
+                m.gradient_checkpointing = False
+        p_theirs = _peak(fam, theirs, batch)
+        RESULTS[name]["peak_hf_without_bias_grad"] = p_theirs
     assert p_ours == p_theirs, (p_ours, p_theirs, p_ours - p_theirs)
     # No assertion against p_none: at this size several models (GPT-NeoX, OPT, Falcon, MoE,
     # DistilBERT, Whisper) peak in the head (logits and loss), where checkpointing saves nothing and
@@ -249,3 +261,46 @@ def test_budget_respected_and_exact(name):
     assert p_budget <= budget, (p_budget, budget)
     _assert_exact(ref, _step(fam, model, batch))
     RESULTS[name]["budget_exact"] = True
+
+
+def _train_batch(fam: zoo.Family, batch: dict[str, Any]) -> dict[str, Any]:
+    # Training without the KV cache (what a checkpointed layer does anyway), as the budget plans it.
+    return {**batch, "use_cache": False} if fam.kind in ("decoder", "moe", "seq2seq") else batch
+
+
+def _prediction_vs_measure(name: str, choices: list[tuple[int, ...]]) -> None:
+    """The budget's memory model never predicts below the measured peak (MemTracker, own pass) for
+    each choice of checkpointed blocks, and is exact with none checkpointed."""
+    fam = zoo.FAMILIES[name]
+    plain, batch, _ = _reference(name)
+    batch = _train_batch(fam, batch)
+    full = copy.deepcopy(plain)
+    _wrap(fam, full)
+    fqns = distckpt.checkpointed(full)
+    probe = copy.deepcopy(plain)
+    mp = profile_model(probe, [(f, probe.get_submodule(f)) for f in fqns], batch)
+    slack = {}
+    for sel in choices:
+        model = copy.deepcopy(plain)
+        if sel:
+            distckpt.wrap(model, "full", blocks=[fqns[i] for i in sel])
+        measured = _peak(fam, model, batch)
+        predicted = predicted_peak(mp, sel, strategy="none", optimizer="none")
+        slack[sel] = predicted - measured
+        assert predicted >= measured, (sel, predicted, measured)
+    RESULTS[name]["prediction_choices"] = len(choices)
+    RESULTS[name]["prediction_none_slack"] = slack[()]
+    RESULTS[name]["prediction_max_slack"] = max(slack.values())
+
+
+@pytest.mark.parametrize("name", _params("prediction", memory=True))
+def test_budget_prediction_bounds_measured_peak(name):
+    n = zoo.LAYERS
+    _prediction_vs_measure(name, [(), tuple(range(n)), (0,), (n - 1,)])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", _params("prediction"))
+def test_budget_prediction_bounds_measured_peak_every_choice(name):
+    n = zoo.LAYERS
+    _prediction_vs_measure(name, [sel for k in range(n + 1) for sel in itertools.combinations(range(n), k)])
