@@ -30,8 +30,8 @@ import distckpt
 from benchmarks.models import GPT, SIZES, Block, GPTConfig, batch, hf_gpt2
 from distckpt import Budget, ConfigError
 from distckpt.apply.wrap import is_checkpointed
-from distckpt.budget import static_bytes
-from distckpt.profile import profile_model, scalar_loss
+from distckpt.select.budget import static_bytes
+from distckpt.select.profile import profile_model, scalar_loss
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -263,8 +263,8 @@ def _plot(results: dict[str, list[Config]], path: Path, device: str) -> None:
 def _planner_seconds(n: int = 100) -> float:
     import random
 
-    from distckpt.budget import plan_budget, predicted_peak
-    from distckpt.profile import BlockProfile, ModelProfile
+    from distckpt.select.budget import plan_budget, predicted_peak
+    from distckpt.select.profile import BlockProfile, ModelProfile
 
     rng = random.Random(0)
     blocks = []

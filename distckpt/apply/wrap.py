@@ -29,9 +29,9 @@ from distckpt.apply.recompute import (
     stateful_norms,
     without_cache,
 )
-from distckpt.blocks import BlockSpec, find_blocks
 from distckpt.errors import ConfigError
-from distckpt.policies import Budget, Plan, Policy, parse_policy, select_blocks
+from distckpt.select.blocks import BlockSpec, find_blocks
+from distckpt.select.policies import Budget, Plan, Policy, parse_policy, select_blocks
 
 __all__ = ["checkpointed", "checkpointing_disabled", "is_checkpointed", "unwrap", "wrap"]
 
@@ -317,7 +317,7 @@ def _plan_on_first_forward(pol: Policy, candidates: list[tuple[str, nn.Module]],
     if not (torch.is_grad_enabled() and model.training):
         return  # evaluation forwards say nothing about training memory
     _cancel_first_forward_plan(model)
-    from distckpt.profile import Call
+    from distckpt.select.profile import Call
 
     _apply_plan(model, pol, candidates, opts, Call(args, kwargs))
 

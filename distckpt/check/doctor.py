@@ -110,7 +110,7 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
 def _estimate(model: nn.Module, loss_fn: Callable, batch: Any) -> list[tuple[str, int, int]]:
     """(block, activation bytes freed by checkpointing it, FLOPs of its recompute) per checkpointed block."""
     from distckpt.apply.wrap import checkpointed, checkpointing_disabled, is_checkpointed
-    from distckpt.profile import profile_blocks
+    from distckpt.select.profile import profile_blocks
 
     class _Loss(nn.Module):  # profile_blocks runs model(*inputs): let the "model" be the loss
         def __init__(self) -> None:

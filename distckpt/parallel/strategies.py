@@ -14,10 +14,10 @@ import torch.nn as nn
 
 from distckpt import _torch_compat as compat
 from distckpt.apply.wrap import _clean_fqn, is_checkpointed, parallel_kind, pending_plan
-from distckpt.blocks import conditional_reason
 from distckpt.errors import ConfigError
 from distckpt.options import accumulate_refusal, check_graph, check_strategy, reentrant_refusal
 from distckpt.parallel.param_sync import SyncState, _Unit, param_owner
+from distckpt.select.blocks import conditional_reason
 
 __all__ = ["accumulate", "ddp_kwargs", "parallelize", "preflight"]
 

@@ -18,8 +18,8 @@ import distckpt  # noqa: E402
 from benchmarks.models import GPT, GPTConfig, batch  # noqa: E402
 from distckpt import Budget, ConfigError, parse_policy  # noqa: E402
 from distckpt.apply.wrap import is_checkpointed  # noqa: E402
-from distckpt.budget import _bounds, plan_budget, predicted_peak, static_bytes  # noqa: E402
-from distckpt.profile import BlockProfile, ModelProfile, profile_model  # noqa: E402
+from distckpt.select.budget import _bounds, plan_budget, predicted_peak, static_bytes  # noqa: E402
+from distckpt.select.profile import BlockProfile, ModelProfile, profile_model  # noqa: E402
 
 CPU = torch.device("cpu")
 

@@ -14,8 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, f
 import distckpt  # noqa: E402
 from benchmarks.models import GPT, GPTConfig, batch  # noqa: E402
 from distckpt import Budget  # noqa: E402
-from distckpt.budget import predicted_peak  # noqa: E402
-from distckpt.profile import profile_model  # noqa: E402
+from distckpt.select.budget import predicted_peak  # noqa: E402
+from distckpt.select.profile import profile_model  # noqa: E402
 
 CFG = GPTConfig(vocab=64, seq=32, dim=32, heads=2, layers=4)
 

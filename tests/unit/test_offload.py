@@ -47,8 +47,8 @@ def packed(monkeypatch):
 
 def _wrap(model: torch.nn.Module, policy: str, inputs, **kw) -> torch.nn.Module:
     if policy == "budget":
-        from distckpt.budget import predicted_peak
-        from distckpt.profile import profile_model
+        from distckpt.select.budget import predicted_peak
+        from distckpt.select.profile import profile_model
 
         mp = profile_model(model, [(f"h.{i}", b) for i, b in enumerate(model.h)], inputs)
         policy = Budget((predicted_peak(mp, range(4)) + predicted_peak(mp, [])) // 2)

@@ -1,4 +1,4 @@
-"""distckpt.profile: exact saved-activation bytes and FLOPs per block, cross-checked with MemTracker."""
+"""distckpt.select.profile: exact saved-activation bytes and FLOPs per block, cross-checked with MemTracker."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for benchmarks.models
 
 from benchmarks.models import GPT, GPTConfig, batch  # noqa: E402
-from distckpt.budget import predicted_peak  # noqa: E402
-from distckpt.profile import profile_model  # noqa: E402
+from distckpt.select.budget import predicted_peak  # noqa: E402
+from distckpt.select.profile import profile_model  # noqa: E402
 
 CPU = torch.device("cpu")
 B, D, H = 8, 16, 64

@@ -31,8 +31,8 @@ import zoo  # noqa: E402
 import distckpt  # noqa: E402
 from distckpt import Budget, ConfigError  # noqa: E402
 from distckpt.apply.wrap import is_checkpointed  # noqa: E402
-from distckpt.budget import predicted_peak  # noqa: E402
-from distckpt.profile import memory_tracker, profile_model  # noqa: E402
+from distckpt.select.budget import predicted_peak  # noqa: E402
+from distckpt.select.profile import memory_tracker, profile_model  # noqa: E402
 
 CPU = torch.device("cpu")
 NAMES = list(zoo.FAMILIES)

@@ -17,7 +17,7 @@ import torch.nn as nn
 from distckpt.errors import ConfigError
 
 if TYPE_CHECKING:
-    from distckpt.profile import BlockProfile, ModelProfile
+    from distckpt.select.profile import BlockProfile, ModelProfile
 
 __all__ = [
     "Budget",
@@ -56,9 +56,9 @@ class Plan:
         return list(self.model_profile().blocks)
 
     def model_profile(self) -> ModelProfile:
-        """The whole-step profile (blocks plus parameters, head, temporaries); see distckpt.profile."""
+        """The whole-step profile (blocks plus parameters, head, temporaries); see distckpt.select.profile."""
         if self._profile is None:
-            from distckpt.profile import profile_model
+            from distckpt.select.profile import profile_model
 
             if self.example_inputs is None:
                 raise ConfigError(
@@ -142,7 +142,7 @@ class Budget:
     (``"ddp"``, ``"fsdp"``, ``"fsdp2"``, ``"none"``) and ``optimizer`` (``"adamw"``, ``"sgd"``, ...)
     say how parameters, gradients and optimizer state take memory; ``grad_accumulation=True`` counts
     gradients as present from the first forward (they persist across micro-batches). The selection
-    itself lives in :mod:`distckpt.budget`.
+    itself lives in :mod:`distckpt.select.budget`.
     """
 
     bytes: int | None
@@ -155,7 +155,7 @@ class Budget:
             raise ConfigError(f"budget:SIZE needs a positive size, got {self.bytes!r}. Valid forms: {SPEC_FORMS}.")
 
     def select(self, plan: Plan) -> list[int]:
-        from distckpt.budget import select_for_budget
+        from distckpt.select.budget import select_for_budget
 
         return select_for_budget(plan, self.bytes, strategy=self.strategy, optimizer=self.optimizer,
                                  grad_accumulation=self.grad_accumulation)
@@ -177,7 +177,7 @@ class Selective:
         return list(range(len(plan.blocks)))
 
     def context_fn(self) -> Callable[[], tuple[Any, Any]]:
-        from distckpt.selective import selective_context_fn
+        from distckpt.select.selective import selective_context_fn
 
         return selective_context_fn(self.save_ops, self.every_other_matmul)
 

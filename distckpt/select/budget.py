@@ -1,7 +1,7 @@
 """Choose the blocks to checkpoint so that peak training memory fits a byte budget, at the least
 recompute: a peak-memory model built on the profile, and an exact Pareto dynamic program over blocks.
 
-The memory model (all terms measured by :mod:`distckpt.profile` or counted from the parameters)::
+The memory model (all terms measured by :mod:`distckpt.select.profile` or counted from the parameters)::
 
     static   = params + grads + optimizer state (as the strategy places them) + buffers + batch
                (minus the gradients backward has not produced yet at that point)
@@ -33,10 +33,10 @@ import torch
 
 from distckpt.errors import ConfigError
 from distckpt.options import STRATEGIES
-from distckpt.profile import ModelProfile
+from distckpt.select.profile import ModelProfile
 
 if TYPE_CHECKING:
-    from distckpt.policies import Plan
+    from distckpt.select.policies import Plan
 
 __all__ = ["BudgetPlan", "OPTIMIZER_STATES", "plan_budget", "predicted_peak", "select_for_budget"]
 

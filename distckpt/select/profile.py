@@ -298,7 +298,7 @@ def _checkpointed_peaks(model: nn.Module, blocks: list[tuple[str, nn.Module]], a
             loss.backward()
             del loss
     except Exception as e:  # noqa: BLE001 - any failure only loses precision, never correctness
-        logger.info("distckpt.profile: the checkpointed sample step failed (%s); recompute peaks estimated", e)
+        logger.info("distckpt.select.profile: the checkpointed sample step failed (%s); recompute peaks estimated", e)
         return None
     finally:
         for m, f in saved:
@@ -632,7 +632,7 @@ def profile_model(model: nn.Module, blocks: list[tuple[str, nn.Module]], example
         cache[key] = _agree(_measure(model, blocks, example_inputs))
         mp = cache[key]
         logger.info(
-            "distckpt.profile: %d blocks, %.1f MiB activations (%.1f MiB in blocks), %.3g GFLOP forward in blocks",
+            "distckpt profile: %d blocks, %.1f MiB activations (%.1f MiB in blocks), %.3g GFLOP forward in blocks",
             len(blocks), mp.activation_bytes / 2**20, sum(b.activation_bytes for b in mp.blocks) / 2**20,
             sum(b.forward_flops for b in mp.blocks) / 1e9,
         )

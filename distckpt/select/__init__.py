@@ -1,0 +1,2 @@
+"""Choosing what to checkpoint: block detection (blocks), policy specs and objects (policies), the
+memory planner (budget) on per-block profiles (profile), op-level checkpointing (selective)."""
