@@ -46,20 +46,22 @@ class SparseNet(nn.Module):
         return h.pow(2).mean()
 
 
-def _sparse(rank, world_size, strategy):
+def _one_step(rank, world_size, model_cls, blocks, strategy):
+    """Build (seeded), checkpoint ``blocks``, parallelize, one forward/backward of this rank's shard;
+    the full gradients."""
     torch.manual_seed(0)
-    model = SparseNet()
-    distckpt.wrap(model, "full", blocks=Expert)
+    model = model_cls()
+    distckpt.wrap(model, "full", blocks=blocks)
     pm = distckpt.parallelize(model, strategy)
     pm(shard(batch(0, 0), rank, world_size)).backward()
-    return "trained"
+    return full_grads(pm, strategy)
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
 def test_anonymous_experts_as_units_raise_before_backward(dist_pool, strategy):
     with pytest.raises(RankError) as e:
-        dist_pool.run(_sparse, strategy, timeout=60)
+        dist_pool.run(_one_step, SparseNet, Expert, strategy, timeout=60)
     assert "ConfigError" in e.value.kinds(), e.value
     msg = e.value.messages()
     assert "did not run in this forward" in msg and "contains the router" in msg, msg
@@ -80,19 +82,10 @@ class Teacher(nn.Module):
         return (h - target).pow(2).mean()
 
 
-def _teacher(rank, world_size, strategy):
-    torch.manual_seed(0)
-    model = Teacher()
-    distckpt.wrap(model, "full", blocks=Block)
-    pm = distckpt.parallelize(model, strategy)
-    pm(shard(batch(0, 0), rank, world_size)).backward()
-    return full_grads(pm, strategy)
-
-
 @pytest.mark.dist
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
 def test_unit_under_no_grad_inside_forward_is_not_a_skip(dist_pool, strategy):
-    got = dist_pool.run(_teacher, strategy, timeout=60)
+    got = dist_pool.run(_one_step, Teacher, Block, strategy, timeout=60)
     torch.manual_seed(0)
     ref = Teacher()
     for r in range(2):
