@@ -17,6 +17,9 @@ __all__ = [
     "composable_checkpoint_fqns",
     "current_graph_task_id",
     "is_plain_backward",
+    "mem_tracker",
+    "mem_tracker_states",
+    "op_overload_types",
     "queue_after_backward",
     "to_local",
     "torch_dispatch_mode",
@@ -106,3 +109,38 @@ def torch_dispatch_mode() -> type:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     return TorchDispatchMode
+
+
+class _NoHook:
+    """Stands in for the gradient-hook handles MemTracker keeps per parameter."""
+
+    def remove(self) -> None:
+        pass
+
+
+def mem_tracker(frozen: Iterable[torch.Tensor]) -> Any:
+    """A ``MemTracker`` (``torch.distributed._tools.mem_tracker``: the only tracker that splits a
+    step's memory into params, grads, activations and temporaries on CPU) that skips the gradient
+    hooks of ``frozen`` parameters: MemTracker's ``register_hook`` raises on a tensor that does not
+    require grad (LoRA). A present entry in its private ``_param_to_grad_hook_handles`` map skips the
+    registration. torch 2.13."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    for p in frozen:
+        tracker._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
+    return tracker
+
+
+def mem_tracker_states(post: bool = False) -> tuple[Any, Any]:
+    """MemTracker's keys of per-module snapshots (the private ``_ModState`` enum): (peak in forward,
+    peak in backward), or with ``post`` (after backward, before backward). torch 2.13."""
+    from torch.distributed._tools.mem_tracker import _ModState
+
+    return (_ModState.POST_BW, _ModState.PRE_BW) if post else (_ModState.PEAK_FW, _ModState.PEAK_BW)
+
+
+def op_overload_types() -> tuple[type, type]:
+    """``torch._ops.OpOverload`` and ``OpOverloadPacket``: the types of ``torch.ops.aten.mm.default``
+    and ``torch.ops.aten.mm``, to accept either in a selective-checkpointing op list. torch 2.13."""
+    return torch._ops.OpOverload, torch._ops.OpOverloadPacket

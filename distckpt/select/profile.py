@@ -17,6 +17,8 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
+from distckpt import _torch_compat as compat
+
 __all__ = ["BlockProfile", "ModelProfile", "memory_tracker", "profile_blocks", "profile_model", "scalar_loss"]
 
 logger = logging.getLogger("distckpt")
@@ -228,17 +230,7 @@ def _preserved_state(model: nn.Module, device: torch.device) -> Iterator[None]:
 
 
 def _mem_states(post: bool = False) -> tuple[Any, Any]:
-    # MemTracker's per-module snapshots are keyed by this enum (private, hence in one place).
-    from torch.distributed._tools.mem_tracker import _ModState
-
-    return (_ModState.POST_BW, _ModState.PRE_BW) if post else (_ModState.PEAK_FW, _ModState.PEAK_BW)
-
-
-class _NoHook:
-    """Stands in for the gradient-hook handles MemTracker keeps per parameter."""
-
-    def remove(self) -> None:
-        pass
+    return compat.mem_tracker_states(post)
 
 
 def memory_tracker(*external: Any) -> Any:
@@ -252,17 +244,10 @@ def memory_tracker(*external: Any) -> Any:
     Returns:
         A ``torch.distributed._tools.mem_tracker.MemTracker``, not yet entered.
     """
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    tracker = MemTracker()
-    tracker.track_external(*external)
     leaves, _ = tree_flatten(external)
-    for module in (m for m in leaves if isinstance(m, nn.Module)):
-        for p in module.parameters():
-            if not p.requires_grad:
-                # Private MemTracker map param -> (grad hook, post-accumulate hook): a present entry
-                # skips register_hook, which raises on frozen params (verified on torch 2.13).
-                tracker._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
+    frozen = [p for m in leaves if isinstance(m, nn.Module) for p in m.parameters() if not p.requires_grad]
+    tracker = compat.mem_tracker(frozen)
+    tracker.track_external(*external)
     return tracker
 
 

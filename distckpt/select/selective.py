@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from distckpt import _torch_compat as compat
 from distckpt.errors import ConfigError
 
 __all__ = ["DEFAULT_SAVE_OPS", "MATMUL_OPS", "resolve_ops", "selective_context_fn"]
@@ -38,9 +39,10 @@ DEFAULT_SAVE_OPS = (
 
 
 def _packet(op: Any) -> Any:
-    if isinstance(op, torch._ops.OpOverload):
+    overload, packet = compat.op_overload_types()
+    if isinstance(op, overload):
         return op.overloadpacket
-    if isinstance(op, torch._ops.OpOverloadPacket):
+    if isinstance(op, packet):
         return op
     if isinstance(op, str):
         name = op.removeprefix("torch.ops.").removeprefix("aten.").removeprefix("aten::")

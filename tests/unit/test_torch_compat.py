@@ -91,3 +91,21 @@ def test_torch_dispatch_mode_sees_ops():
     with Log():
         torch.ones(2) + 1
     assert any("add" in s for s in seen)
+
+
+def test_mem_tracker_skips_frozen_params_and_its_states():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    model[0].requires_grad_(False)  # LoRA-like: MemTracker's own hook registration raises on these
+    tracker = compat.mem_tracker([p for p in model.parameters() if not p.requires_grad])
+    tracker.track_external(model)
+    with tracker:
+        model(torch.randn(2, 4)).sum().backward()
+    assert tracker.get_tracker_snapshot("peak")
+    fw, bw = compat.mem_tracker_states()
+    post, pre = compat.mem_tracker_states(post=True)
+    assert len({fw, bw, post, pre}) == 4
+
+
+def test_op_overload_types():
+    overload, packet = compat.op_overload_types()
+    assert isinstance(torch.ops.aten.mm.default, overload) and isinstance(torch.ops.aten.mm, packet)
