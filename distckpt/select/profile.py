@@ -229,10 +229,6 @@ def _preserved_state(model: nn.Module, device: torch.device) -> Iterator[None]:
                     b.copy_(v)
 
 
-def _mem_states(post: bool = False) -> tuple[Any, Any]:
-    return compat.mem_tracker_states(post)
-
-
 def memory_tracker(*external: Any) -> Any:
     """A ``MemTracker`` tracking ``external`` (modules, optimizers, tensors) that also works on
     models with frozen parameters (LoRA), for one ``with`` block.
@@ -297,7 +293,7 @@ def _checkpointed_peaks(model: nn.Module, blocks: list[tuple[str, nn.Module]], a
     for _, m in blocks:
         stats = tracker.memory_tracking.get(m)
         best, grads = -1, 0
-        for snap in stats.snapshots.get(_mem_states()[1], []) if stats is not None else []:
+        for snap in stats.snapshots.get(compat.mem_tracker_states()[1], []) if stats is not None else []:
             d = snap.get(dev) or next(iter(snap.values()), {})
             act = d.get("Activation", 0) + d.get("Temp", 0)
             if act > best:
@@ -431,7 +427,7 @@ def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inpu
 
     # Overheads: how far the measured activation+temporary memory at each block's peak exceeds the
     # model "held so far + this block's footprint". Makes the prediction exact on this sample step.
-    peak_fw, peak_bw = _mem_states()
+    peak_fw, peak_bw = compat.mem_tracker_states()
     dev = device if device.type != "cuda" else torch.device("cuda", device.index or 0)
 
     def act_at(snaps: list[dict[Any, dict[str, int]]]) -> int:
@@ -513,7 +509,7 @@ def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inpu
 
     # Gradients present when each block's backward ends, and when the last block's begins (the
     # head's backward is over by then): they grow monotonically during backward.
-    post_bw = _mem_states(post=True)
+    post_bw = compat.mem_tracker_states(post=True)
 
     def grads_at(stats: Any, state: Any) -> int:
         snaps = stats.snapshots.get(state, []) if stats is not None else []
