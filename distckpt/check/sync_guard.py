@@ -135,7 +135,7 @@ class GradSyncGuard:
 
     Every ``every`` calls of :meth:`check`, each rank computes a fingerprint of each parameter's
     gradient (float32 sum of squares and a fixed random projection, which catches permutations
-    and sign flips) and the ranks exchange them in ONE ``all_gather`` of a ``(params, 6)`` float64
+    and sign flips) and the ranks exchange them in ONE ``all_gather`` of a ``(params, 7)`` float64
     tensor: gradients themselves never travel. Each rank also says which part of each parameter it
     holds, and the ranks that hold the same part are compared with each other. What is compared:
 
