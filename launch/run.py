@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import warnings
@@ -87,10 +88,23 @@ def _run_dir(run_dir: str | os.PathLike[str] | None) -> str:
     return path
 
 
+def ac_policy(cfg: DictConfig, world: int) -> Any:
+    """``ac.policy`` as a policy object; a budget gets every run-level fact the memory plan needs (the
+    strategy and shard size, the optimizer's state, whether gradients accumulate over micro-batches)."""
+    policy = distckpt.parse_policy(cfg.ac.policy)
+    if not isinstance(policy, distckpt.Budget):
+        return policy
+    o = cfg.optim
+    optimizer = o.name if o.name != "sgd" else ("sgd_momentum" if o.momentum else "sgd")
+    return dataclasses.replace(policy, strategy=cfg.strategy.name, optimizer=optimizer,
+                               grad_accumulation=cfg.trainer.grad_accum > 1,
+                               shard_size=shard_size(cfg.strategy, world))
+
+
 def _wrap(model: torch.nn.Module, cfg: DictConfig, example: dict[str, torch.Tensor]) -> None:
     c = cfg.ac
-    distckpt.wrap(model, c.policy, blocks=list(c.blocks) if c.blocks else None, reentrant=c.reentrant,
-                  offload="cpu" if c.offload else None, example_inputs=(example,))
+    distckpt.wrap(model, ac_policy(cfg, rank_world()[1]), blocks=list(c.blocks) if c.blocks else None,
+                  reentrant=c.reentrant, offload="cpu" if c.offload else None, example_inputs=(example,))
 
 
 def _optional_guard(model: torch.nn.Module, every: int) -> Any:

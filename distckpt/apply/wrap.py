@@ -10,7 +10,7 @@ checkpointed region, which is the order FSDP needs (pytorch#82203). The same tri
 from __future__ import annotations
 
 import contextlib
-import functools
+import dataclasses
 import logging
 import warnings
 from collections.abc import Callable, Iterator
@@ -281,25 +281,55 @@ def wrap(
                 "twice. Choose blocks that do not contain each other."
             )
     _cancel_first_forward_plan(model)
+    model.__dict__.pop(_BUDGET, None)
     if pol is None:
         return model
     opts = CheckpointOptions(reentrant, preserve_rng_state, offload, context_fn)
+    if isinstance(pol, Budget):
+        # Kept so that parallelize can redo the plan for the strategy and mesh it really uses.
+        model.__dict__[_BUDGET] = _BudgetRecord(pol, candidates, opts, example_inputs)
     if example_inputs is None and isinstance(pol, Budget):
         # No sample batch: profile on the first training forward, with its inputs.
-        handle = model.register_forward_pre_hook(
-            functools.partial(_plan_on_first_forward, pol, candidates, opts), with_kwargs=True)
+        handle = model.register_forward_pre_hook(_plan_on_first_forward, with_kwargs=True)
         model._distckpt_pending_plan = handle
         return model
     _apply_plan(model, pol, candidates, opts, example_inputs)
     return model
 
 
-def _apply_plan(model: nn.Module, pol: Policy, candidates: list[tuple[str, nn.Module]], opts: CheckpointOptions,
-                example_inputs: Any) -> None:
+_BUDGET = "_distckpt_budget"  # the model's _BudgetRecord, when its policy is a Budget
+
+
+@dataclasses.dataclass
+class _BudgetRecord:
+    """A budget policy as given, what it planned on, and the (strategy, world size, shard size) it
+    planned for (``None`` until planned)."""
+
+    policy: Budget
+    candidates: list[tuple[str, nn.Module]]
+    opts: CheckpointOptions
+    example_inputs: Any
+    planned_for: tuple[str, int, int | None] | None = None
+    handed_over: tuple[str, int, int | None] | None = None  # set by parallelize
+
+
+def _world_size() -> int:
     from torch.distributed import get_world_size, is_initialized
 
-    plan = Plan(model, candidates, example_inputs, get_world_size() if is_initialized() else 1)
+    return get_world_size() if is_initialized() else 1
+
+
+def _apply_plan(model: nn.Module, pol: Policy, candidates: list[tuple[str, nn.Module]], opts: CheckpointOptions,
+                example_inputs: Any) -> None:
+    record: _BudgetRecord | None = model.__dict__.get(_BUDGET)
+    world = _world_size()
+    if record is not None and record.handed_over is not None:
+        strategy, world, shard_size = record.handed_over
+        pol = dataclasses.replace(record.policy, strategy=strategy, shard_size=shard_size)
+    plan = Plan(model, candidates, example_inputs, world)
     chosen = select_blocks(pol, plan)
+    if record is not None and isinstance(pol, Budget):
+        record.planned_for = (pol.strategy_for(world), world, pol.shard_size)
     for i in chosen:
         block = candidates[i][1]
         block.__class__ = _checkpointed_class(type(block))
@@ -311,15 +341,50 @@ def _apply_plan(model: nn.Module, pol: Policy, candidates: list[tuple[str, nn.Mo
     logger.info("distckpt.apply.wrap: policy %s checkpoints %d of %d blocks", pol, len(chosen), len(candidates))
 
 
-def _plan_on_first_forward(pol: Policy, candidates: list[tuple[str, nn.Module]], opts: CheckpointOptions,
-                           model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def replan_budget(model: nn.Module, strategy: str, world_size: int, shard_size: int | None) -> None:
+    """The hand-over point: ``parallelize`` says how the model will run. A budget planned (or still
+    to be planned on the first forward) for another strategy, world size or shard size is redone for
+    this one; one whose explicit ``strategy``/``shard_size`` contradicts it is refused.
+
+    Raises:
+        ConfigError: ``Budget(strategy=...)`` or ``Budget(shard_size=...)`` other than what
+            ``parallelize`` uses.
+    """
+    record: _BudgetRecord | None = model.__dict__.get(_BUDGET)
+    if record is None:
+        return
+    pol = record.policy
+    # FSDP2 over a 2-D mesh is HSDP: a plan for "fsdp2" is redone for its shard groups, not refused.
+    if pol.strategy is not None and pol.strategy != strategy and (pol.strategy, strategy) != ("fsdp2", "hsdp"):
+        raise ConfigError(
+            f"distckpt.wrap(model, Budget(..., strategy={pol.strategy!r})) planned memory for {pol.strategy}, but "
+            f"parallelize uses {strategy!r} (which places parameters, gradients and optimizer state differently). "
+            f"Pass strategy={strategy!r} to Budget, or leave it out (as budget:SIZE does) so the plan follows "
+            "parallelize.")
+    if pol.shard_size is not None and shard_size is not None and pol.shard_size != shard_size:
+        raise ConfigError(
+            f"Budget(shard_size={pol.shard_size}) planned for shard groups of {pol.shard_size} ranks, but parallelize "
+            f"shards over {shard_size}. Pass the same shard_size to both, or leave it out of Budget.")
+    facts = (strategy, world_size, shard_size)
+    record.handed_over = facts
+    if record.planned_for is None or record.planned_for == facts:
+        return  # still to be planned (first forward: it will use these facts), or planned for them
+    logger.info("distckpt budget: planned for %s over %d ranks at wrap, redone for %s over %d ranks",
+                record.planned_for[0], record.planned_for[1], strategy, world_size)
+    unwrap(model, [m for _, m in record.candidates])
+    _apply_plan(model, pol, record.candidates, record.opts, record.example_inputs)
+
+
+def _plan_on_first_forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Forward pre-hook: plan a budget on the first training forward's inputs, then go away."""
     if not (torch.is_grad_enabled() and model.training):
         return  # evaluation forwards say nothing about training memory
     _cancel_first_forward_plan(model)
     from distckpt.select.profile import Call
 
-    _apply_plan(model, pol, candidates, opts, Call(args, kwargs))
+    record: _BudgetRecord = model.__dict__[_BUDGET]
+    record.example_inputs = Call(args, kwargs)
+    _apply_plan(model, record.policy, record.candidates, record.opts, record.example_inputs)
 
 
 def _cancel_first_forward_plan(model: nn.Module) -> None:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distckpt import _torch_compat as compat
-from distckpt.apply.wrap import _clean_fqn, is_checkpointed, parallel_kind, pending_plan
+from distckpt.apply.wrap import _clean_fqn, is_checkpointed, parallel_kind, pending_plan, replan_budget
 from distckpt.errors import ConfigError
 from distckpt.options import SHARDED, accumulate_refusal, check_graph, check_strategy, reentrant_refusal
 from distckpt.parallel.mesh import mesh_group, resolve_mesh
@@ -122,10 +122,13 @@ def parallelize(model: nn.Module, strategy: str = "ddp", *, graph: str = "auto",
     check_graph(graph)
     check_strategy(strategy)
     if strategy == "none":
+        replan_budget(model, "none", 1, None)
         return model
     shard_size = kwargs.pop("shard_size", None)
     _refuse_unready(model, strategy)
     device_mesh = resolve_mesh(strategy, device_mesh, shard_size, _device().type)
+    # The hand-over point: a budget is planned for the strategy and mesh used here (before any unit exists).
+    replan_budget(model, *_placement(strategy, device_mesh))
     strategy = "fsdp2" if strategy == "hsdp" else strategy  # HSDP is FSDP2 on the 2-D mesh
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     owners = [param_owner(model, n) for n in names]
@@ -156,6 +159,14 @@ def parallelize(model: nn.Module, strategy: str = "ddp", *, graph: str = "auto",
         state.count_reentrant_firings([(i, state.registered[i]) for i in sorted(re_idx)])
     setattr(wrapped, _STATE, state)
     return wrapped
+
+
+def _placement(strategy: str, device_mesh: Any) -> tuple[str, int, int | None]:
+    """(strategy, data-parallel ranks, shard size) as the budget counts them: FSDP2 over a 2-D mesh is HSDP."""
+    world = dist.get_world_size() if device_mesh is None or device_mesh.ndim == 2 else device_mesh.size()
+    if device_mesh is not None and device_mesh.ndim == 2:
+        return "hsdp", world, device_mesh.size(1)
+    return strategy, world, None
 
 
 def _refuse_unready(model: nn.Module, strategy: str) -> None:

@@ -139,15 +139,19 @@ class Budget:
     """Checkpoint the fewest-recompute set of blocks whose peak training memory fits ``bytes``.
 
     ``bytes=None`` means "auto": the free memory of the current CUDA device. ``strategy``
-    (``"ddp"``, ``"fsdp"``, ``"fsdp2"``, ``"hsdp"`` with ``shard_size``, ``"none"``) and ``optimizer``
-    (``"adamw"``, ``"sgd"``, ...)
-    say how parameters, gradients and optimizer state take memory; ``grad_accumulation=True`` counts
-    gradients as present from the first forward (they persist across micro-batches). The selection
-    itself lives in :mod:`distckpt.select.budget`.
+    (``"ddp"``, ``"fsdp"``, ``"fsdp2"``, ``"hsdp"`` with ``shard_size``, ``"none"``) says how
+    parameters, gradients and optimizer state are placed; ``None`` (the default, and what
+    ``"budget:SIZE"`` gives) means "the strategy ``parallelize`` uses": the plan made at ``wrap``
+    (``"ddp"`` when a process group of several ranks exists, else ``"none"``) is redone there with
+    the real strategy, world size and shard size. An explicit strategy that ``parallelize``
+    contradicts is refused. ``optimizer`` (``"adamw"``, ``"sgd"``, ``"sgd_momentum"``, ...) says
+    how much optimizer state to count; ``grad_accumulation=True`` counts gradients as present from
+    the first forward (they persist across micro-batches). The selection itself lives in
+    :mod:`distckpt.select.budget`.
     """
 
     bytes: int | None
-    strategy: str = "ddp"
+    strategy: str | None = None
     optimizer: str = "adamw"
     grad_accumulation: bool = False
     shard_size: int | None = None  # "hsdp": ranks per shard group (default: LOCAL_WORLD_SIZE)
@@ -156,11 +160,18 @@ class Budget:
         if self.bytes is not None and (not isinstance(self.bytes, int) or self.bytes <= 0):
             raise ConfigError(f"budget:SIZE needs a positive size, got {self.bytes!r}. Valid forms: {SPEC_FORMS}.")
 
+    def strategy_for(self, world_size: int) -> str:
+        """The strategy the plan assumes: the one given, else DDP with several ranks, else none."""
+        if self.strategy is not None:
+            return self.strategy
+        return "ddp" if world_size > 1 else "none"
+
     def select(self, plan: Plan) -> list[int]:
         from distckpt.select.budget import select_for_budget
 
-        return select_for_budget(plan, self.bytes, strategy=self.strategy, optimizer=self.optimizer,
-                                 grad_accumulation=self.grad_accumulation, shard_size=self.shard_size)
+        return select_for_budget(plan, self.bytes, strategy=self.strategy_for(plan.world_size),
+                                 optimizer=self.optimizer, grad_accumulation=self.grad_accumulation,
+                                 shard_size=self.shard_size)
 
 
 @dataclass(frozen=True)

@@ -655,7 +655,12 @@ def profile_model(model: nn.Module, blocks: list[tuple[str, nn.Module]], example
     Raises:
         ValueError: when the model's output holds nothing to call backward on.
     """
-    key = (tuple(name for name, _ in blocks), _signature(_as_args(example_inputs)), model.training)
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    # The world size is part of the key: a profile measured before the process group existed was not
+    # agreed between the ranks (a plan redone at parallelize must not use it as is).
+    key = (tuple(name for name, _ in blocks), _signature(_as_args(example_inputs)), model.training, world)
     cache = _CACHE.setdefault(model, {})
     if key not in cache:
         cache[key] = _agree(_measure(model, blocks, example_inputs))

@@ -1,0 +1,51 @@
+"""The launcher hands its run-level facts to the budget planner (issue 10): ``ac=budget ac.size=...``
+becomes a Budget with the config's strategy, shard size, optimizer and gradient accumulation, and
+those facts change the plan (SGD keeps less state than AdamW, so fewer blocks are checkpointed)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+from launchkit import compose
+
+import distckpt
+from benchmarks.models import GPT, GPTConfig, batch
+from distckpt import Budget
+from distckpt.select.budget import predicted_peak, static_bytes
+from distckpt.select.profile import profile_model
+from launch.run import ac_policy
+
+
+def test_budget_gets_strategy_optimizer_and_accumulation():
+    cfg = compose(["strategy=fsdp2", "ac=budget", "ac.size=20GiB", "optim=sgd", "trainer.grad_accum=2"])
+    assert ac_policy(cfg, 2) == Budget(20 * 2**30, strategy="fsdp2", optimizer="sgd_momentum",
+                                       grad_accumulation=True)
+    cfg = compose(["strategy=hsdp", "strategy.shard_size=2", "ac=budget", "ac.size=1GiB"])
+    assert ac_policy(cfg, 4) == Budget(2**30, strategy="hsdp", optimizer="adamw", shard_size=2)
+    cfg = compose(["ac=budget", "ac.size=1GiB", "optim=sgd", "optim.momentum=0"])
+    assert ac_policy(cfg, 1).optimizer == "sgd"
+    assert ac_policy(compose(["ac=full"]), 1) == distckpt.Full()
+
+
+def test_sgd_plans_less_optimizer_state_than_adamw():
+    torch.manual_seed(0)
+    gcfg = GPTConfig(vocab=64, seq=16, dim=32, heads=2, layers=4)
+    base = GPT(gcfg)
+    inputs = batch(gcfg, 2)
+    mp = profile_model(base, [(f"h.{i}", b) for i, b in enumerate(base.h)], inputs)
+    sgd_cfg = compose(["strategy=none", "ac=budget", "ac.size=1GiB", "optim=sgd", "optim.momentum=0"])
+    adamw_cfg = compose(["strategy=none", "ac=budget", "ac.size=1GiB", "optim=adamw"])
+    sgd, adamw = ac_policy(sgd_cfg, 1), ac_policy(adamw_cfg, 1)
+    assert static_bytes(mp, optimizer=sgd.optimizer)[0] + 2 * mp.trainable_bytes <= \
+        static_bytes(mp, optimizer=adamw.optimizer)[0]  # AdamW: exp_avg and exp_avg_sq per parameter
+    # Midway between AdamW's peaks with every block and with none checkpointed.
+    kw = dict(strategy="none", optimizer="adamw")
+    size = (predicted_peak(mp, range(gcfg.layers), **kw) + predicted_peak(mp, [], **kw)) // 2
+    chosen = {}
+    for name, pol in (("sgd", sgd), ("adamw", adamw)):
+        model = copy.deepcopy(base)
+        distckpt.wrap(model, dataclasses.replace(pol, bytes=size), example_inputs=inputs)
+        chosen[name] = distckpt.checkpointed(model)
+    assert len(chosen["sgd"]) < len(chosen["adamw"])
