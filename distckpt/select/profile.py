@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import warnings
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
@@ -92,7 +93,7 @@ class ModelProfile:
         trainable_tensors: how many parameters require grad (Adam keeps a 4-byte ``step`` per each).
         buffer_bytes: module buffers.
         block_param_bytes: the largest parameter bytes of one block (FSDP unshards one at a time).
-        max_param_bytes: the largest single parameter (per-tensor optimizer temporaries).
+        max_param_bytes: the largest single trainable parameter (per-tensor optimizer temporaries).
         batch_bytes: the example inputs.
         pre_bytes: activations saved outside the blocks before the last block ends (embeddings).
         post_bytes: activations saved after the last block (final norm, head, a loss in the model).
@@ -260,33 +261,31 @@ def _checkpointed_peaks(model: nn.Module, blocks: list[tuple[str, nn.Module]], a
         ``[(activation and temporary bytes, gradient bytes), ...]`` per block, or ``None`` when the
         step fails (then the budget bounds a recompute from the first step alone).
     """
-    from torch.utils.checkpoint import checkpoint
+    # The blocks are checkpointed by distckpt's own wrapper (the code a plan runs): a hand-made
+    # checkpoint of forward missed HF's cache handling (a cache written twice: measured on Llama).
+    from distckpt.apply.recompute import CheckpointOptions, cache_positions, stateful_norms
+    from distckpt.apply.wrap import _checkpointed_class, unwrap
 
-    def patched(orig: Any) -> Any:
-        def forward(*a: Any, **kw: Any) -> Any:
-            kw = {k: _CACHE_OFF.get(k, v) for k, v in kw.items()}
-            return checkpoint(orig, *a, use_reentrant=False, **kw)
-
-        return forward
-
-    saved = [(m, m.__dict__.get("forward")) for _, m in blocks]
     tracker = memory_tracker(model, *batch)
+    mods = [m for _, m in blocks]
     try:
-        for _, m in blocks:
-            m.forward = patched(m.forward)
-        with tracker:
-            loss = scalar_loss(model(*args, **kwargs))
-            loss.backward()
-            del loss
+        for m in mods:
+            orig = type(m)
+            m.__class__ = _checkpointed_class(orig)
+            m._distckpt_options = CheckpointOptions(False, True, None, None)
+            m._distckpt_norms = stateful_norms(m)
+            m._distckpt_cache_slots = cache_positions(orig)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the wrapper's one-time "runs without a KV cache" notice
+            with tracker:
+                loss = scalar_loss(model(*args, **kwargs))
+                loss.backward()
+                del loss
     except Exception as e:  # noqa: BLE001 - any failure only loses precision, never correctness
         logger.info("distckpt.select.profile: the checkpointed sample step failed (%s); recompute peaks estimated", e)
         return None
     finally:
-        for m, f in saved:
-            if f is None:
-                m.__dict__.pop("forward", None)
-            else:
-                m.forward = f
+        unwrap(model, mods)
         for p in model.parameters():
             p.grad = None
     out = []
@@ -594,7 +593,8 @@ def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inpu
         trainable_tensors=len({_storage_key(p) for p in params if p.requires_grad}),
         buffer_bytes=distinct(list(model.buffers())),
         block_param_bytes=max((distinct(list(m.parameters())) for _, m in blocks), default=0),
-        max_param_bytes=max((_storage_bytes(p) for p in params), default=0),
+        # Optimizer temporaries are per trainable parameter: a frozen embedding (LoRA) makes none.
+        max_param_bytes=max((_storage_bytes(p) for p in params if p.requires_grad), default=0),
         batch_bytes=distinct(batch),
         pre_bytes=att.pre,
         post_bytes=att.post,

@@ -57,6 +57,12 @@ class Subset:
         return self.chosen
 
 
+@pytest.fixture(autouse=True)
+def _slow_only_when_asked(request):
+    if request.node.get_closest_marker("slow") and "slow" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("slow: run with -m 'slow or not slow' (or -m slow)")
+
+
 def _is_block(m: nn.Module) -> bool:
     return isinstance(m, MLP)
 
@@ -110,5 +116,6 @@ def test_near_optimal_against_measured_subsets():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # 256 measured subsets: minutes on a shared 2-core CPU
 def test_near_optimal_against_measured_subsets_eight_blocks():
     _check((16, 128, 32, 256, 96, 24, 160, 64, 16), batch=512, fractions=(0.1, 0.25, 0.5, 0.75, 0.9))

@@ -1,0 +1,153 @@
+"""How close the budget planner's predicted peak is to the measured one: ``python -m benchmarks.budget_accuracy``.
+
+For each model and a few choices of checkpointed blocks (none, every other, all), the predicted peak
+(:func:`distckpt.select.budget.predicted_peak`, AdamW, one process) is compared with the MemTracker
+peak of a real training step in steady state (forward, backward, ``optimizer.step``,
+``zero_grad(set_to_none=True)``, after a first step created the optimizer state). Writes
+``benchmarks/results/budget_accuracy.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed._tools.mem_tracker import MemTracker
+
+import distckpt
+from distckpt.select.blocks import find_blocks
+from distckpt.select.budget import predicted_peak
+from distckpt.select.profile import Call, _as_args, memory_tracker, profile_model, scalar_loss
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU = torch.device("cpu")
+
+
+class Subset:
+    def __init__(self, chosen: list[int]):
+        self.chosen = chosen
+
+    def select(self, plan: Any) -> list[int]:
+        return self.chosen
+
+
+class Tower(nn.Module):
+    def __init__(self, d_in: int, d: int, layers: int, out: int):
+        super().__init__()
+        self.inp = nn.Linear(d_in, d)
+        self.layers = nn.ModuleList(nn.TransformerEncoderLayer(d, 2, 2 * d, dropout=0.0, batch_first=True)
+                                    for _ in range(layers))
+        self.proj = nn.Linear(d, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.proj(h.mean(1))
+
+
+class TwoTower(nn.Module):
+    """CLIP-like: an image tower and a text tower of different widths, a contrastive loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.image = Tower(48, 64, 3, 32)
+        self.text = Tower(16, 32, 3, 32)
+
+    def forward(self, pixels: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        a = nn.functional.normalize(self.image(pixels), dim=-1)
+        b = nn.functional.normalize(self.text(tokens), dim=-1)
+        logits = a @ b.t() / 0.07
+        target = torch.arange(len(a))
+        return (nn.functional.cross_entropy(logits, target) + nn.functional.cross_entropy(logits.t(), target)) / 2
+
+
+def _models() -> dict[str, tuple[Callable[[], nn.Module], Callable[[], Any], Any]]:
+    sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "unit")]
+    from test_budget_measured import Chain, _is_block  # noqa: PLC0415 - the test's heterogeneous model
+    from zoo import FAMILIES  # noqa: PLC0415
+
+    from distckpt.train.models import MultiTaskGPT, MultiTaskMLP
+
+    def zoo(name: str):
+        fam = FAMILIES[name]
+        return (lambda: fam.build(), lambda: Call((), fam.batch(0)), None)
+
+    g = torch.Generator().manual_seed(0)
+    return {
+        "MultiTaskGPT": (lambda: MultiTaskGPT(), lambda: ({"tokens": torch.randint(0, 64, (4, 32), generator=g),
+                                                          "label": torch.randint(0, 4, (4,), generator=g)},), None),
+        "MultiTaskMLP": (lambda: MultiTaskMLP(), lambda: ({"x": torch.randn(64, 32, generator=g),
+                                                          "y_a": torch.randint(0, 10, (64,), generator=g),
+                                                          "y_b": torch.randint(0, 2, (64,), generator=g)},), None),
+        "gpt2 (HF)": zoo("gpt2"),
+        "llama (HF)": zoo("llama"),
+        "llama + LoRA": zoo("llama_lora"),
+        "two-tower (CLIP-like)": (TwoTower, lambda: (torch.randn(8, 16, 48, generator=g),
+                                                     torch.randn(8, 12, 16, generator=g)), nn.TransformerEncoderLayer),
+        "heterogeneous MLP chain": (lambda: Chain((16, 128, 32, 96, 24, 64)),
+                                    lambda: (torch.randn(512, 8, generator=g),), _is_block),
+    }
+
+
+def steady_peak(model: nn.Module, inputs: Any) -> int:
+    """MemTracker peak of one AdamW step after a first step created the optimizer state."""
+    args, kwargs = _as_args(inputs)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    for measure in (False, True):
+        mt = memory_tracker(model, opt)
+        if measure:
+            mt.__enter__()
+        scalar_loss(model(*args, **kwargs)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if measure:
+            mt.__exit__(None, None, None)
+    return mt.get_tracker_snapshot("peak")[CPU]["Total"]
+
+
+def measure(name: str, make: Callable[[], nn.Module], inputs: Any, blocks: Any) -> list[tuple[str, int, int]]:
+    torch.manual_seed(0)
+    base = make()
+    base.train()
+    candidates = find_blocks(base, blocks)
+    mp = profile_model(base, candidates, inputs)
+    n = len(candidates)
+    rows = []
+    for label, chosen in (("none", []), ("every other", list(range(0, n, 2))), ("all", list(range(n)))):
+        model = copy.deepcopy(base)
+        distckpt.wrap(model, Subset(chosen), blocks=blocks)
+        rows.append((label, predicted_peak(mp, chosen, strategy="none", optimizer="adamw"),
+                     steady_peak(model, inputs)))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "budget_accuracy.md"))
+    ap.add_argument("--only", nargs="*", default=None)
+    a = ap.parse_args()
+    lines = ["# Budget planner: predicted vs measured peak (CPU, MemTracker, AdamW steady-state step)", "",
+             f"torch {torch.__version__}; error = (predicted - measured) / measured.", "",
+             "| model | checkpointed | predicted | measured | error |", "|---|---|---|---|---|"]
+    worst = 0.0
+    for name, (make, inputs, blocks) in _models().items():
+        if a.only and name not in a.only:
+            continue
+        for label, pred, meas in measure(name, make, inputs(), blocks):
+            err = (pred - meas) / meas
+            worst = max(worst, abs(err))
+            lines.append(f"| {name} | {label} | {pred / 2**20:.3f} MiB | {meas / 2**20:.3f} MiB | {100 * err:+.2f}% |")
+            print(lines[-1], flush=True)
+    lines += ["", f"Largest error: {100 * worst:.2f}%."]
+    Path(a.out).write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
