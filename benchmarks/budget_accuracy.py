@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed._tools.mem_tracker import MemTracker
 
 import distckpt
 from distckpt.select.blocks import find_blocks
