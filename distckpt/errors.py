@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "GradDesyncError", "RecomputeMismatchError"]
+__all__ = ["ConfigError", "GradDesyncError", "RecomputeMismatchError", "ResumeError"]
 
 
 class ConfigError(ValueError):
     """A combination of model, checkpointing and parallel settings that cannot be made right.
 
     Raised before the first optimizer step; the message names the setting to change.
+    """
+
+
+class ResumeError(ConfigError):
+    """A run cannot resume from its checkpoints: they do not match the model or optimizer, or none is intact.
+
+    A ``ConfigError``: the way out is a setting (``trainer.resume=false`` or a new run folder).
     """
 
 
