@@ -115,15 +115,6 @@ class LoggerConfig:
 
 
 @dataclass
-class FaultConfig:
-    """Fault injection, for tests of the recovery paths."""
-
-    nan_at_steps: list[int] = field(default_factory=list)
-    kill_at_step: Optional[int] = None  # SIGKILL rank `kill_rank` at this step (first attempt only)
-    kill_rank: int = 1
-
-
-@dataclass
 class TrainerConfig:
     max_steps: int = 200
     grad_accum: int = 1
@@ -135,11 +126,14 @@ class TrainerConfig:
     seed: int = 0
     resume: bool = True
     on_nonfinite: str = "skip"  # skip | stop
+    max_consecutive_skips: int = 10  # skip: stop the run after this many skipped steps in a row (0: no limit)
     guard_every: int = 0  # distckpt.GradSyncGuard every N steps; 0 = off
     verify_recompute: bool = False  # distckpt.verify_recompute once at start
     progress: bool = True
     device: str = "auto"  # auto | cpu | cuda
-    fault: FaultConfig = field(default_factory=FaultConfig)
+    # distckpt.train.Callback objects for fit(), each a `{_target_: pkg.Class, arg: value}` the launcher
+    # instantiates (e.g. the tests' fault injection, tests/faults.py).
+    callbacks: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -216,7 +210,7 @@ def validate(cfg: DictConfig, world_size: int = 1) -> None:
     for key in ("max_steps", "grad_accum", "log_every"):
         if t[key] < 1:
             raise ConfigError(f"trainer.{key}={t[key]} must be >= 1.")
-    for key in ("save_every", "eval_every", "guard_every", "keep_last"):
+    for key in ("save_every", "eval_every", "guard_every", "keep_last", "max_consecutive_skips"):
         if t[key] < 0:
             raise ConfigError(f"trainer.{key}={t[key]} must be >= 0 (0 turns it off).")
     if s == "none" and world_size > 1:

@@ -85,8 +85,8 @@ def test_kill_9_and_torchrun_restart_resume_bitwise(uninterrupted, tmp_path):
     run = tmp_path / "killed"
     # Rank 1 SIGKILLs itself after step 10 (first attempt only); torchrun restarts both workers, which
     # resume from step_8, the latest complete checkpoint.
-    proc = torchrun([*LONG, "strategy=ddp", "trainer.fault.kill_at_step=10"], run, extra=["--standalone",
-                    "--max-restarts=1"])
+    kill = "trainer.callbacks=[{_target_:tests.faults.KillAt,step:10,rank:1}]"  # tests/faults.py
+    proc = torchrun([*LONG, "strategy=ddp", kill], run, extra=["--standalone", "--max-restarts=1"])
     assert "resumed from step_8" in proc.stdout
     steps = [r["step"] for r in _metrics(run)]
     assert steps.count(9) == 2 and steps[-1] == 30  # steps 9-10 ran twice: before the kill and after

@@ -59,8 +59,14 @@ def test_resume_from_latest_complete_checkpoint_is_bitwise_equal(tmp_path):
     assert_params_equal(final_params(tmp_path / "cut", over), ref, exact=True)
 
 
-def test_nonfinite_loss_is_skipped_on_request(tmp_path):
-    over = [*NONE, "trainer.fault.nan_at_steps=[2,4]", "trainer.on_nonfinite=skip"]
+def _nan_at(steps) -> str:
+    """The override installing the tests' NaN-gradient fault (tests/faults.py) at ``steps`` (None: every step)."""
+    arg = "" if steps is None else f",steps:[{','.join(map(str, steps))}]"
+    return f"trainer.callbacks=[{{_target_:tests.faults.NanGrads{arg}}}]"
+
+
+def test_nonfinite_loss_is_skipped_on_request(tmp_path, capsys):
+    over = [*NONE, _nan_at([2, 4]), "trainer.on_nonfinite=skip"]
     with pytest.warns(UserWarning, match="non-finite"):
         res = _train(tmp_path, "a", over)
     assert res.skipped_steps == [2, 4] and res.step == 6
@@ -68,13 +74,33 @@ def test_nonfinite_loss_is_skipped_on_request(tmp_path):
     assert [r["skipped"] for r in records] == [False, True, False, True, False, False]
     params = final_params(tmp_path / "a", over)
     assert all(torch.isfinite(p).all() for p in params.values())
+    summary = capsys.readouterr().out
+    assert "2 of 6 steps skipped (non-finite loss or gradient norm; no update): 2, 4" in summary
 
 
 def test_nonfinite_loss_stops_without_writing_a_checkpoint(tmp_path):
-    over = [*NONE, "trainer.fault.nan_at_steps=[4]", "trainer.on_nonfinite=stop", "trainer.save_every=2"]
-    with pytest.raises(NonFiniteLossError, match="step 4"):
+    over = [*NONE, _nan_at([4]), "trainer.on_nonfinite=stop", "trainer.save_every=2"]
+    with pytest.raises(NonFiniteLossError, match="step 4") as e:
         _train(tmp_path, "a", over)
+    assert len(str(e.value).splitlines()) == 2 and "trainer.on_nonfinite=skip" in str(e.value)
     assert sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir()) == ["step_2"]
+
+
+def test_skip_stops_after_max_consecutive_skips(tmp_path):
+    over = [*NONE, _nan_at([2, 3, 4, 5]), "trainer.max_consecutive_skips=3", "trainer.save_every=1"]
+    with pytest.warns(UserWarning, match="non-finite"), pytest.raises(NonFiniteLossError) as e:
+        _train(tmp_path, "a", over)
+    assert str(e.value).startswith("3 steps in a row (2-4) had a non-finite loss")
+    assert "trainer.max_consecutive_skips" in str(e.value)
+    assert sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir()) == ["step_1", "step_2", "step_3"]
+
+
+def test_a_run_where_every_step_is_skipped_fails(tmp_path, capsys):
+    # 6 steps, fewer than the default limit of 10 in a row: the end of the run must still not look like success.
+    with pytest.warns(UserWarning, match="non-finite"), pytest.raises(NonFiniteLossError, match="every step"):
+        _train(tmp_path, "a", [*NONE, _nan_at(None), "trainer.save_every=0"])
+    assert "distckpt run summary" not in capsys.readouterr().out
+    assert not (tmp_path / "a" / "checkpoints").exists()
 
 
 def test_wandb_offline_without_key_or_network(tmp_path, monkeypatch):
