@@ -10,10 +10,20 @@ uses it.
 
 from __future__ import annotations
 
+import logging
+import re
 import sys
 
 # The codes launch/train.py exits with after printing its own short message on rank 0.
 EXPLAINED = {2, 3}
+
+
+class _DropExplainedFailures(logging.Filter):
+    """Drops the agent's "failed (exitcode: 2) local_rank: 0 ..." line when the worker explained the code."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        m = re.match(r"failed \(exitcode: (-?\d+)\)", record.getMessage())
+        return not (m and int(m.group(1)) in EXPLAINED)
 
 
 def main(argv: list[str]) -> int:
@@ -21,6 +31,7 @@ def main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_DropExplainedFailures())
     try:
         run(parse_args(argv))
     except ChildFailedError as e:
