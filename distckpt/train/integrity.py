@@ -26,10 +26,11 @@ _CHUNK = 16 * 2**20
 
 
 def _crc32(path: Path) -> int:
+    buf = memoryview(bytearray(_CHUNK))  # one buffer, refilled: no allocation per chunk
     crc = 0
-    with open(path, "rb") as f:
-        while block := f.read(_CHUNK):
-            crc = zlib.crc32(block, crc)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            crc = zlib.crc32(buf[:n], crc)
     return crc
 
 
