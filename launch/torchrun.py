@@ -19,11 +19,14 @@ EXPLAINED = {2, 3}
 
 
 class _DropExplainedFailures(logging.Filter):
-    """Drops the agent's "failed (exitcode: 2) local_rank: 0 ..." line when the worker explained the code."""
+    """Drops the agent's "failed (exitcode: 2) local_rank: 0 ..." line when the worker explained the code,
+    and its "Sending process N closing signal SIGTERM" to the workers left after a first failure (a crash
+    still gets torchrun's full report from :func:`main`)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        m = re.match(r"failed \(exitcode: (-?\d+)\)", record.getMessage())
-        return not (m and int(m.group(1)) in EXPLAINED)
+        msg = record.getMessage()
+        m = re.match(r"failed \(exitcode: (-?\d+)\)", msg)
+        return not ((m and int(m.group(1)) in EXPLAINED) or re.match(r"Sending process \d+ closing signal", msg))
 
 
 def main(argv: list[str]) -> int:

@@ -10,6 +10,7 @@ import pytest
 import torch
 from launchkit import TINY, assert_params_equal, compose, final_params
 
+from distckpt.errors import ConfigError
 from distckpt.train import NonFiniteLossError
 from launch.run import train
 
@@ -159,3 +160,14 @@ def test_mixed_precision_tracks_fp32(tmp_path, precision):
     assert res.skipped_steps == [] and res.step == 6
     assert res.losses["loss"] == pytest.approx(ref.losses["loss"], rel=2e-2)
     assert res.losses["loss"] != ref.losses["loss"]  # autocast really ran in lower precision
+
+
+@pytest.mark.parametrize("target,expect", [
+    ("tests.faults.Nope", "trainer.callbacks: cannot make tests.faults.Nope: "),
+    ("collections.OrderedDict", "trainer.callbacks: collections.OrderedDict made a OrderedDict, not a "
+                                "distckpt.train.Callback; subclass it."),
+])
+def test_bad_callback_is_a_config_error(tmp_path, target, expect):
+    with pytest.raises(ConfigError) as e:
+        _train(tmp_path, "a", [*NONE, f"trainer.callbacks=[{{_target_:{target}}}]"])
+    assert str(e.value).startswith(expect) and len(str(e.value).splitlines()) == 1
