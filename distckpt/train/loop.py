@@ -206,12 +206,8 @@ def fit(
             if bar is not None:
                 bar.update(1)
             last = step == opts.max_steps
-            if (last or stop_now) and len(result.skipped_steps) == step - result.start_step:
-                raise NonFiniteLossError(
-                    f"every step of this run ({result.start_step + 1}-{step}) was skipped for a non-finite loss "
-                    "or gradient norm; stopped without saving.\nLower optim.lr, check the data and the model "
-                    "(trainer.on_nonfinite=stop names the first bad step)."
-                )
+            if last or stop_now:
+                _refuse_all_skipped(result, step)
             if stop_now or last or (opts.save_every and step % opts.save_every == 0):
                 _save(model, state, ckpt_dir, opts, result)
             if stop_now:
@@ -297,6 +293,16 @@ def _optimizer_step(state: TrainState, step: int, bad: bool, opts: LoopOptions, 
         )
     if rank == 0:
         warnings.warn(f"step {step}: non-finite loss or gradient norm on some rank; step skipped", stacklevel=3)
+
+
+def _refuse_all_skipped(result: LoopResult, step: int) -> None:
+    """A run whose every step was skipped must not end like a success (nor save)."""
+    if len(result.skipped_steps) == step - result.start_step:
+        raise NonFiniteLossError(
+            f"every step of this run ({result.start_step + 1}-{step}) was skipped for a non-finite loss or "
+            "gradient norm; stopped without saving.\nLower optim.lr, check the data and the model "
+            "(trainer.on_nonfinite=stop names the first bad step)."
+        )
 
 
 def _trailing_run(steps: list[int]) -> int:
