@@ -115,6 +115,7 @@ class LoggerConfig:
     tensorboard: bool = False
     wandb: Optional[str] = None  # None | online | offline | disabled
     wandb_project: str = "distckpt"
+    wandb_init_timeout: float = 20.0  # seconds to wait for wandb's server before logging offline
 
 
 @dataclass
@@ -251,6 +252,7 @@ RANGES: dict[str, Range] = {
     "optim.momentum": DROPOUT,
     "optim.warmup_steps": Range(0),
     "optim.min_lr_ratio": PROBABILITY,
+    "logger.wandb_init_timeout": Range(0, 25, lo_open=True, why="the fallback to offline must come within 30 s"),
     "trainer.max_steps": SIZE,
     "trainer.grad_accum": SIZE,
     "trainer.clip_grad_norm": Range(0, why="0 turns clipping off"),
