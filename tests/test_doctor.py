@@ -227,3 +227,16 @@ def test_suggestion_is_re_verified_when_a_failure_hides_another(capsys):
     assert code == 1, out
     assert "[NOT OK] blocks.2 [control_flow]" in out and "blocks.0 [" not in out  # the first run sees block 2 only
     assert "blocks=['blocks.1']); distckpt.parallelize" in out and "(doctor ran them: SAFE)" in out
+
+
+def test_hydra_config_mode_validates_the_config_first(capsys, monkeypatch):
+    """An out-of-range override is refused before any rank starts, as `launch/train.py --check` refuses it."""
+    pytest.importorskip("hydra")
+    monkeypatch.chdir(ROOT)
+    monkeypatch.syspath_prepend(ROOT)
+    from launch.doctor import main as launch_doctor
+
+    assert launch_doctor(["model=gpt", "model.n_layer=0", "--steps", "1"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "distckpt doctor: model.n_layer=0 is out of range: it must be an integer >= 1; fix the override "
+        "model.n_layer=..."]
