@@ -373,7 +373,7 @@ def check_model(cfg: DictConfig) -> None:
     import torch
 
     import distckpt
-    from distckpt.select.policies import parse_policy, parse_size
+    from distckpt.select.policies import Budget, parse_policy, parse_size
     from launch.build import build_model
 
     c = cfg.ac
@@ -386,6 +386,10 @@ def check_model(cfg: DictConfig) -> None:
         policy = parse_policy(c.policy)
     except ConfigError as e:
         raise ConfigError(f"ac.policy={c.policy}: {e}") from None
+    cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
+    if isinstance(policy, Budget) and policy.bytes is None and not cuda:
+        raise ConfigError(f"ac.policy={c.policy}: budget:auto uses the free CUDA memory, and this run has no CUDA "
+                          f"device (trainer.device={cfg.trainer.device}); give a size, e.g. ac.size=2GiB.")
     try:
         with torch.device("meta"):
             model = build_model(cfg.model, cfg.data)
