@@ -364,8 +364,17 @@ def _importable(module: str) -> bool:
         return False
 
 
+# The models check_model builds on the meta device: the built-in ones, from their config alone.
+META_BUILDABLE = ("gpt", "mlp", "hf")
+
+
+def _meta_buildable(m: DictConfig) -> bool:
+    return m.name in META_BUILDABLE and not m.get("pretrained")  # from_pretrained reads a checkpoint
+
+
 def check_model(cfg: DictConfig) -> None:
-    """Build the model on the meta device and apply the ``ac`` group to it, as training will.
+    """Parse the ``ac`` group; build a built-in model (:data:`META_BUILDABLE`) on the meta device and
+    apply the ``ac`` group to it, as training will.
 
     Raises:
         ConfigError: a bad ``ac.policy``/``ac.size``/``ac.blocks``, or a model that cannot be built.
@@ -390,6 +399,8 @@ def check_model(cfg: DictConfig) -> None:
     if isinstance(policy, Budget) and policy.bytes is None and not cuda:
         raise ConfigError(f"ac.policy={c.policy}: budget:auto uses the free CUDA memory, and this run has no CUDA "
                           f"device (trainer.device={cfg.trainer.device}); give a size, e.g. ac.size=2GiB.")
+    if not _meta_buildable(cfg.model):
+        return  # a user's model may read files or weights in __init__: wrap checks it at start
     try:
         with torch.device("meta"):
             model = build_model(cfg.model, cfg.data)
