@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 from omegaconf import DictConfig
 
+from distckpt.options import SHARDED
 from distckpt.train.data import DigitsData, StepData, SyntheticMLPData, SyntheticTokens
 from distckpt.train.models import MultiTaskGPT, MultiTaskMLP, build_hf_causal_lm
 
@@ -98,7 +99,7 @@ def build_scaler(p: DictConfig, strategy: str, device: torch.device) -> Any:
     """A grad scaler for fp16 (the sharded one under FSDP/FSDP2), else ``None``."""
     if not p.grad_scaler:
         return None
-    if strategy in ("fsdp", "fsdp2"):
+    if strategy in SHARDED:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         return ShardedGradScaler(device=device.type)

@@ -20,7 +20,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from distckpt.errors import ConfigError
-from distckpt.options import GRAPHS, OPTIMIZERS, STRATEGIES, check_run
+from distckpt.options import GRAPHS, OPTIMIZERS, SHARDED, STRATEGIES, check_run, check_shard_size
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
@@ -73,8 +73,9 @@ class DataConfig:
 # --- strategy, activation checkpointing (the `ac` group), precision --------------------------------------------------
 @dataclass
 class StrategyConfig:
-    name: str = "ddp"  # none | ddp | fsdp | fsdp2
+    name: str = "ddp"  # none | ddp | fsdp | fsdp2 | hsdp
     graph: str = "auto"  # auto | static | dynamic (distckpt.parallelize)
+    shard_size: Optional[int] = None  # hsdp: ranks per shard group; None: LOCAL_WORLD_SIZE (one node's ranks)
 
 
 @dataclass
@@ -245,6 +246,7 @@ RANGES: dict[str, Range] = {
     "data.batch_size": SIZE,
     "data.seed": Range(0),
     "data.noise": PROBABILITY,
+    "strategy.shard_size": Range(1, why="ranks per shard group; null: the ranks of one node"),
     "ac.n": SIZE,
     "optim.lr": Range(0, lo_open=True),
     "optim.weight_decay": Range(0),
@@ -282,6 +284,29 @@ def _check_ranges(cfg: DictConfig) -> None:
             why = f" ({allowed.why})" if allowed.why else ""
             raise ConfigError(f"{key}={shown} is out of range: {what} must be {kind} {allowed}{why}; "
                               f"fix the override {key}=...")
+
+
+def shard_size(strategy: DictConfig, world_size: int) -> int | None:
+    """``strategy.shard_size`` under ``strategy=hsdp``, by default ``LOCAL_WORLD_SIZE`` (the ranks of one
+    node; before torchrun sets it, the whole job: one node); None for the other strategies."""
+    if strategy.name != "hsdp":
+        return None
+    if strategy.shard_size is not None:
+        return int(strategy.shard_size)
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
+def _validate_shard_size(strategy: DictConfig, world_size: int) -> None:
+    if strategy.name != "hsdp":
+        if strategy.shard_size is not None:
+            raise ConfigError(f"strategy.shard_size={strategy.shard_size} is for strategy=hsdp (got "
+                              f"strategy={strategy.name}); remove it, or use strategy=hsdp.")
+        return
+    try:
+        check_shard_size(shard_size(strategy, world_size), world_size)
+    except ConfigError as e:
+        raise ConfigError(f"strategy=hsdp strategy.shard_size={strategy.shard_size}: {e} Fix the override "
+                          "strategy.shard_size=N (the ranks per node).") from None
 
 
 def validate(cfg: DictConfig, world_size: int = 1) -> None:
@@ -328,9 +353,10 @@ def _check_combinations(cfg: DictConfig, world_size: int) -> None:
     if cfg.precision.dtype == "fp16" and not cfg.precision.grad_scaler:
         raise ConfigError("precision.dtype=fp16 without a grad scaler underflows; use precision=fp16 "
                           "(which sets precision.grad_scaler=true) or precision=bf16.")
-    if cfg.precision.sharded and s not in ("fsdp", "fsdp2"):
-        raise ConfigError(f"precision.sharded=true needs strategy=fsdp or fsdp2 (got strategy={s}); "
+    if cfg.precision.sharded and s not in SHARDED:
+        raise ConfigError(f"precision.sharded=true needs strategy=fsdp, fsdp2 or hsdp (got strategy={s}); "
                           "use precision=bf16 (autocast) instead.")
+    _validate_shard_size(cfg.strategy, world_size)
     try:  # the library's own rule for these settings, so --check and parallelize agree
         check_run(s, reentrant=cfg.ac.reentrant, graph=cfg.strategy.graph, accumulate=t.grad_accum > 1)
     except ConfigError as e:

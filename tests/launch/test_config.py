@@ -12,6 +12,7 @@ import yaml
 from launchkit import ROOT, compose, env
 from omegaconf import OmegaConf
 
+from distckpt.errors import ConfigError
 from launch.check import check_overrides
 from launch.config import validate
 
@@ -240,3 +241,26 @@ def test_every_extra_named_exists_in_pyproject():
     for _, _, module, extra in EXTRAS:  # the extra installs the package that provides the module
         dist = {"sklearn": "scikit-learn"}.get(module, module)
         assert any(req.startswith(dist) for req in extras.get(extra, [])), (module, extra)
+
+
+@pytest.mark.parametrize("overrides,world,local,expect", [
+    (["strategy=hsdp"], 4, None, None),  # shard_size null: the job's ranks (one node) before torchrun
+    (["strategy=hsdp"], 4, "2", None),  # LOCAL_WORLD_SIZE under torchrun: 2 nodes x 2
+    (["strategy=hsdp", "strategy.shard_size=2"], 4, None, None),
+    (["strategy=hsdp", "strategy.shard_size=3"], 4, None, "does not divide the world size 4"),
+    (["strategy=hsdp"], 4, "3", "does not divide the world size 4"),
+    (["strategy=hsdp", "strategy.shard_size=0"], 4, None, "is out of range: it must be an integer >= 1"),
+    (["strategy=fsdp2", "strategy.shard_size=2"], 4, None, "is for strategy=hsdp"),
+])
+def test_hsdp_shard_size_is_validated(overrides, world, local, expect, monkeypatch):
+    if local is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+    cfg = compose([*overrides, "data.batch_size=8"])
+    if expect is None:
+        validate(cfg, world_size=world)
+        return
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, world_size=world)
+    assert expect in str(e.value) and "strategy.shard_size" in str(e.value), str(e.value)
