@@ -130,6 +130,7 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -> Loo
     validate(cfg, world)
     _quiet_torch_warnings()
     t = cfg.trainer
+    user_callbacks = _callbacks(t.callbacks)  # a bad entry is a ConfigError before anything is written
     device = _device(t.device)
     # The process group stays up when train() returns: tearing a gloo group down from Python can
     # deadlock (measured here: the DDP reducer's destructor joins gloo's worker thread while holding
@@ -168,7 +169,7 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -> Loo
         on_nonfinite=t.on_nonfinite, max_consecutive_skips=t.max_consecutive_skips, guard_every=t.guard_every,
         progress=t.progress,
     )
-    callbacks = [_WriteConfig(cfg, path, rank), *_callbacks(t.callbacks)]
+    callbacks = [_WriteConfig(cfg, path, rank), *user_callbacks]
     try:
         result = fit(model, state, data, opts=opts, run_dir=path, sink=sink, device=device,
                      autocast=autocast_factory(cfg.precision, device), clip=clip_fn(model, strategy), guard=guard,

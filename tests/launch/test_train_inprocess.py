@@ -171,3 +171,4 @@ def test_bad_callback_is_a_config_error(tmp_path, target, expect):
     with pytest.raises(ConfigError) as e:
         _train(tmp_path, "a", [*NONE, f"trainer.callbacks=[{{_target_:{target}}}]"])
     assert str(e.value).startswith(expect) and len(str(e.value).splitlines()) == 1
+    assert not (tmp_path / "a").exists()  # refused before the run dir is made
