@@ -32,7 +32,7 @@ class Subset:
     def __init__(self, chosen: list[int]):
         self.chosen = chosen
 
-    def select(self, plan: Any) -> list[int]:
+    def select(self, candidates: Any) -> list[int]:
         return self.chosen
 
 

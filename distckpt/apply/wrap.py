@@ -31,7 +31,7 @@ from distckpt.apply.recompute import (
 )
 from distckpt.errors import ConfigError
 from distckpt.select.blocks import BlockSpec, find_blocks
-from distckpt.select.policies import Budget, Plan, Policy, parse_policy, select_blocks
+from distckpt.select.policies import Budget, Candidates, Policy, parse_policy, select_blocks
 
 __all__ = ["checkpointed", "checkpointing_disabled", "is_checkpointed", "unwrap", "wrap"]
 
@@ -326,8 +326,7 @@ def _apply_plan(model: nn.Module, pol: Policy, candidates: list[tuple[str, nn.Mo
     if record is not None and record.handed_over is not None:
         strategy, world, shard_size = record.handed_over
         pol = dataclasses.replace(record.policy, strategy=strategy, shard_size=shard_size)
-    plan = Plan(model, candidates, example_inputs, world)
-    chosen = select_blocks(pol, plan)
+    chosen = select_blocks(pol, Candidates(model, candidates, example_inputs, world))
     if record is not None and isinstance(pol, Budget):
         record.planned_for = (pol.strategy_for(world), world, pol.shard_size)
     for i in chosen:

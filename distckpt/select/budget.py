@@ -37,7 +37,7 @@ from distckpt.options import SHARDED, STRATEGIES, check_shard_size
 from distckpt.select.profile import ModelProfile
 
 if TYPE_CHECKING:
-    from distckpt.select.policies import Plan
+    from distckpt.select.policies import Candidates
 
 __all__ = ["BudgetPlan", "OPTIMIZER_STATES", "plan_budget", "predicted_peak", "select_for_budget"]
 
@@ -332,13 +332,13 @@ def auto_budget(device_type: str) -> int:
     return int(free + torch.cuda.memory_allocated())
 
 
-def select_for_budget(plan: Plan, budget_bytes: int | None, *, strategy: str = "ddp",
+def select_for_budget(candidates: Candidates, budget_bytes: int | None, *, strategy: str = "ddp",
                       optimizer: str = "adamw", grad_accumulation: bool = False,
                       shard_size: int | None = None) -> list[int]:
     """The blocks to checkpoint for ``budget:SIZE`` (``None``: ``budget:auto``).
 
     Args:
-        plan: the candidate blocks, the sample batch and the world size.
+        candidates: the candidate blocks, the sample batch and the world size.
         budget_bytes: peak training memory not to exceed, in bytes; ``None`` for auto (CUDA).
         strategy: how parameters, gradients and optimizer state are placed: ``"ddp"`` (full
             replicas), ``"fsdp"``/``"fsdp2"`` (sharded by world size), ``"hsdp"`` (sharded by
@@ -350,17 +350,17 @@ def select_for_budget(plan: Plan, budget_bytes: int | None, *, strategy: str = "
             ``parallelize`` uses).
 
     Returns:
-        Indices into ``plan.blocks``.
+        Indices into ``candidates.blocks``.
 
     Raises:
         ConfigError: no sample batch, no placement fits, or ``budget:auto`` off CUDA.
     """
-    mp = plan.model_profile()
+    mp = candidates.model_profile()
     if budget_bytes is None:
         budget_bytes = auto_budget(mp.device)
     if strategy == "hsdp" and shard_size is None and os.environ.get("LOCAL_WORLD_SIZE"):
         shard_size = int(os.environ["LOCAL_WORLD_SIZE"])
-    result = plan_budget(mp, budget_bytes, strategy=strategy, world_size=plan.world_size, optimizer=optimizer,
+    result = plan_budget(mp, budget_bytes, strategy=strategy, world_size=candidates.world_size, optimizer=optimizer,
                          grad_accumulation=grad_accumulation, shard_size=shard_size)
     logger.info(
         "distckpt budget %s: checkpointing %d of %d blocks, predicted peak %s, recompute %.3g GFLOP",

@@ -25,7 +25,7 @@ __all__ = [
     "FirstN",
     "Fraction",
     "Full",
-    "Plan",
+    "Candidates",
     "Policy",
     "Selective",
     "parse_policy",
@@ -39,7 +39,7 @@ SPEC_FORMS = (
 
 
 @dataclass
-class Plan:
+class Candidates:
     """What a policy sees when it chooses: the candidate blocks in forward order.
 
     ``profile()`` measures activation bytes and recompute cost per block on ``example_inputs``
@@ -78,15 +78,15 @@ class Policy(Protocol):
     checkpointing); ``None`` means plain full recompute.
     """
 
-    def select(self, plan: Plan) -> list[int]: ...
+    def select(self, candidates: Candidates) -> list[int]: ...
 
 
 @dataclass(frozen=True)
 class Full:
     """Checkpoint every block."""
 
-    def select(self, plan: Plan) -> list[int]:
-        return list(range(len(plan.blocks)))
+    def select(self, candidates: Candidates) -> list[int]:
+        return list(range(len(candidates.blocks)))
 
 
 @dataclass(frozen=True)
@@ -99,8 +99,8 @@ class EveryN:
         if not isinstance(self.n, int) or self.n < 1:
             raise ConfigError(f"every:N needs an integer N >= 1, got {self.n!r}. Valid forms: {SPEC_FORMS}.")
 
-    def select(self, plan: Plan) -> list[int]:
-        return list(range(0, len(plan.blocks), self.n))
+    def select(self, candidates: Candidates) -> list[int]:
+        return list(range(0, len(candidates.blocks), self.n))
 
 
 @dataclass(frozen=True)
@@ -113,8 +113,8 @@ class FirstN:
         if not isinstance(self.n, int) or self.n < 0:
             raise ConfigError(f"first:N needs an integer N >= 0, got {self.n!r}. Valid forms: {SPEC_FORMS}.")
 
-    def select(self, plan: Plan) -> list[int]:
-        return list(range(min(self.n, len(plan.blocks))))
+    def select(self, candidates: Candidates) -> list[int]:
+        return list(range(min(self.n, len(candidates.blocks))))
 
 
 @dataclass(frozen=True)
@@ -127,8 +127,8 @@ class Fraction:
         if not isinstance(self.f, (int, float)) or not math.isfinite(self.f) or not 0.0 <= self.f <= 1.0:
             raise ConfigError(f"fraction:F needs 0 <= F <= 1, got {self.f!r}. Valid forms: {SPEC_FORMS}.")
 
-    def select(self, plan: Plan) -> list[int]:
-        n = len(plan.blocks)
+    def select(self, candidates: Candidates) -> list[int]:
+        n = len(candidates.blocks)
         k = round(self.f * n)
         # Centre of each of k equal slices of the depth: fraction:0.5 of 8 blocks -> 1, 3, 5, 7.
         return sorted({min(n - 1, int((i + 0.5) * n / k)) for i in range(k)}) if k else []
@@ -166,10 +166,10 @@ class Budget:
             return self.strategy
         return "ddp" if world_size > 1 else "none"
 
-    def select(self, plan: Plan) -> list[int]:
+    def select(self, candidates: Candidates) -> list[int]:
         from distckpt.select.budget import select_for_budget
 
-        return select_for_budget(plan, self.bytes, strategy=self.strategy_for(plan.world_size),
+        return select_for_budget(candidates, self.bytes, strategy=self.strategy_for(candidates.world_size),
                                  optimizer=self.optimizer, grad_accumulation=self.grad_accumulation,
                                  shard_size=self.shard_size)
 
@@ -186,8 +186,8 @@ class Selective:
     save_ops: tuple[Any, ...] | None = None
     every_other_matmul: bool = True
 
-    def select(self, plan: Plan) -> list[int]:
-        return list(range(len(plan.blocks)))
+    def select(self, candidates: Candidates) -> list[int]:
+        return list(range(len(candidates.blocks)))
 
     def context_fn(self) -> Callable[[], tuple[Any, Any]]:
         from distckpt.select.selective import selective_context_fn
@@ -254,9 +254,9 @@ def parse_policy(spec: str | Policy | None) -> Policy | None:
     raise ConfigError(f"unknown checkpoint policy {spec!r}. Valid forms: {SPEC_FORMS}.")
 
 
-def select_blocks(policy: Policy, plan: Plan) -> list[int]:
+def select_blocks(policy: Policy, candidates: Candidates) -> list[int]:
     """Run ``policy.select`` and check what it returned (an internal invariant)."""
-    chosen = sorted(set(policy.select(plan)))
-    assert all(0 <= i < len(plan.blocks) for i in chosen), chosen
+    chosen = sorted(set(policy.select(candidates)))
+    assert all(0 <= i < len(candidates.blocks) for i in chosen), chosen
     return chosen
 

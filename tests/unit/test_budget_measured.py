@@ -53,7 +53,7 @@ class Subset:
     def __init__(self, chosen: tuple[int, ...]):
         self.chosen = list(chosen)
 
-    def select(self, plan) -> list[int]:
+    def select(self, candidates) -> list[int]:
         return self.chosen
 
 
