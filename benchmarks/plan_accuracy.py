@@ -95,8 +95,7 @@ def compare(factory: Callable[[], tuple], budget_frac: float = 0.5) -> dict[str,
     torch.manual_seed(0)
     r = plan_at_scale(factory, strategy="none", world_size=1)
     none, full = r.policy("none").peak_bytes, r.policy("full").peak_bytes
-    budget = int(full + budget_frac * (none - full))
-    r = plan_at_scale(factory, strategy="none", world_size=1, budget=budget)
+    r = r.with_budget(int(full + budget_frac * (none - full)))
     out = {}
     for p in r.policies:
         blocks = [r.blocks[i] for i in p.checkpointed]

@@ -14,8 +14,9 @@ from distckpt.options import GRAPHS, STRATEGIES
 
 __all__ = ["add_doctor_flags", "add_plan_flags", "doctor_options", "main", "run_plan"]
 
-# The launcher's doctor (Hydra mode), in a distckpt checkout; the library never imports the launcher.
+# The launcher's doctor and plan (Hydra mode), in a distckpt checkout; the library never imports the launcher.
 LAUNCH_DOCTOR = Path("launch") / "doctor.py"
+LAUNCH_PLAN = Path("launch") / "plan.py"
 
 
 def add_doctor_flags(parser: argparse.ArgumentParser) -> None:
@@ -74,7 +75,8 @@ def _parser() -> argparse.ArgumentParser:
                     "state, activations, the peak and recompute FLOPs of none, full, selective and the budget "
                     "plan, and the blocks the budget would checkpoint.",
     )
-    plan.add_argument("--factory", required=True, help="pkg.module:function returning (model, loss_fn, batch_fn)")
+    plan.add_argument("overrides", nargs="*", help="Hydra overrides of the launcher's config (key=value)")
+    plan.add_argument("--factory", help="pkg.module:function returning (model, loss_fn, batch_fn)")
     add_plan_flags(plan)
     return parser
 
@@ -111,14 +113,15 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _delegate(argv: list[str]) -> int:
-    """``distckpt doctor <overrides>``: run the launcher's doctor of this checkout with the same arguments."""
-    script = Path.cwd() / LAUNCH_DOCTOR
+def _delegate(argv: list[str], command: str = "doctor") -> int:
+    """``distckpt doctor|plan <overrides>``: run the launcher's script of this checkout with the same arguments."""
+    launch = LAUNCH_DOCTOR if command == "doctor" else LAUNCH_PLAN
+    script = Path.cwd() / launch
     if not script.is_file():
-        print(f"distckpt doctor: launcher overrides need a distckpt checkout: run `python {LAUNCH_DOCTOR} "
+        print(f"distckpt {command}: launcher overrides need a distckpt checkout: run `python {launch} "
               "model=... ` from its root, or use --factory pkg.module:make.", file=sys.stderr)
         return 2
-    rest = argv[argv.index("doctor") + 1:]
+    rest = argv[argv.index(command) + 1:]
     return subprocess.run([sys.executable, str(script), *rest], env=dict(os.environ)).returncode
 
 
@@ -131,7 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     if args.command == "plan":
-        return run_plan(args)
+        if bool(args.factory) == bool(args.overrides):
+            print("distckpt plan: give either --factory pkg.module:make or launcher overrides such as model=gpt.",
+                  file=sys.stderr)
+            return 2
+        return _delegate(argv, "plan") if args.overrides else run_plan(args)
     from distckpt.check.doctor import doctor
     from distckpt.errors import ConfigError
 

@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -60,6 +60,22 @@ class PlanReport:
     policies: tuple[PolicyEstimate, ...]
     budget_bytes: int | None
     budget_error: str = ""  # why no choice fits the budget, when none does
+    profile: ModelProfile | None = field(default=None, repr=False, compare=False)  # the stretched profile
+
+    def with_budget(self, budget: int, *, grad_accumulation: bool = False) -> PlanReport:
+        """The same report with the ``budget`` plan for ``budget`` bytes (no new trace).
+
+        Raises:
+            ConfigError: no choice fits (the message names the smallest budget that does).
+        """
+        assert self.profile is not None, "reports from plan_at_scale carry their profile"
+        bp = plan_budget(self.profile, budget, strategy=self.strategy, world_size=self.world_size,
+                         shard_size=self.shard_size, optimizer=self.optimizer, grad_accumulation=grad_accumulation)
+        full = self.policy("full").recompute_flops
+        ratio = full / max(1, sum(b.forward_flops for b in self.profile.blocks))
+        rest = tuple(p for p in self.policies if p.policy != "budget")
+        est = PolicyEstimate("budget", bp.peak_bytes, int(bp.recompute_flops * ratio), bp.selected)
+        return dataclasses.replace(self, policies=(*rest, est), budget_bytes=budget, budget_error="")
 
     def policy(self, name: str) -> PolicyEstimate:
         """The estimate of ``name`` (``none``, ``full``, ``selective``, ``budget``)."""
@@ -367,25 +383,21 @@ def _report(mp: ModelProfile, mp_sel: ModelProfile, found: list[tuple[str, nn.Mo
     policies = [PolicyEstimate("none", predicted_peak(mp, [], **kw), 0, ()),
                 PolicyEstimate("full", predicted_peak(mp, range(n), **kw), full_flops, tuple(range(n))),
                 PolicyEstimate("selective", predicted_peak(mp_sel, range(n), **kw), sel_flops, tuple(range(n)))]
-    error = ""
-    if budget is not None:
-        try:
-            bp = plan_budget(mp, budget, **kw)
-            # The plan counts a whole forward per checkpointed block; non-reentrant checkpointing stops
-            # early, so it is scaled by what the traced full step measured.
-            ratio = full_flops / max(1, sum(b.forward_flops for b in mp.blocks))
-            policies.append(PolicyEstimate("budget", bp.peak_bytes, int(bp.recompute_flops * ratio), bp.selected))
-        except ConfigError as e:
-            error = str(e)
     params, grads, optim = _per_rank(mp, strategy, world_size, shard_size, optimizer)
     total = sum(p.numel() for p in {id(p): p for _, m in found for p in m.parameters()}.values())
-    return PlanReport(
+    report = PlanReport(
         strategy=strategy, world_size=world_size, shard_size=shard_size, optimizer=optimizer,
         blocks=tuple(name for name, _ in found), traced_blocks=len(kept),
         total_params=_param_count(mp, found, total), param_bytes=params, grad_bytes=grads,
         optimizer_bytes=optim, activation_bytes=mp.activation_bytes,
         forward_flops=sum(b.forward_flops for b in mp.blocks), policies=tuple(policies),
-        budget_bytes=budget, budget_error=error)
+        budget_bytes=None, profile=mp)
+    if budget is None:
+        return report
+    try:
+        return report.with_budget(budget, grad_accumulation=grad_accumulation)
+    except ConfigError as e:
+        return dataclasses.replace(report, budget_bytes=budget, budget_error=str(e))
 
 
 def _param_count(mp: ModelProfile, found: list[tuple[str, nn.Module]], block_params: int) -> int:
