@@ -351,7 +351,7 @@ def plan_at_scale(factory: Any, *, strategy: str = "fsdp2", world_size: int = 1,
 
     with compat.fake_mode(), _fake_storages():
         model, root, prefix, call = _subject(factory, example_inputs)
-        call = _resize(call, micro_batch, seq_len)
+        call = _profile.Call(*_resize(_profile._as_args(call), micro_batch, seq_len))
         root.train()
         found = find_blocks(model, blocks)
         whole = _whole(root, found)
@@ -363,7 +363,8 @@ def plan_at_scale(factory: Any, *, strategy: str = "fsdp2", world_size: int = 1,
                 mp = _stretch(_profile.profile_model(root, cut, call), found, kept, source, whole)
                 mp_sel, full_flops, sel_flops = _selective(mp, root, cut, kept, source, call)
         except (RuntimeError, NotImplementedError) as e:
-            if "data-dependent" in str(e) or "FakeTensor" in type(e).__name__ or "Fake" in str(e):
+            # FakeTensorMode's own errors (DataDependentOutputException, ...) live in torch._subclasses.
+            if type(e).__module__.startswith("torch._subclasses") or "data-dependent" in str(e):
                 raise ConfigError(f"distckpt plan runs the model on fake tensors (no values); it read a value: "
                                   f"{e}. Make the factory's model shape-only in forward.") from e
             raise

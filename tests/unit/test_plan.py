@@ -4,6 +4,7 @@ peaks of real steps, the 70B-shaped plan, and the command."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from benchmarks.plan_accuracy import compare, gpt_factory, hf_factory, make_llama_70b
 from distckpt.cli import main
@@ -64,3 +65,24 @@ def test_launcher_config_plans_and_cli_delegates(capsys):
     assert "3 blocks" in out and "fsdp2, 4 ranks" in out and "selective" in out
     assert launch_plan(["model=nosuch"]) == 2
     assert main(["plan"]) == 2 and "either --factory" in capsys.readouterr().err
+
+
+class _ReadsValues(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        if x.sum().item() > 0:  # reads a value: impossible on fake tensors
+            x = x * 2
+        return x.sum()
+
+
+def test_micro_batch_resizes_and_value_reading_models_are_refused():
+    f = gpt_factory(2)
+    small, big = (plan_at_scale(f, strategy="none", micro_batch=b) for b in (2, 8))
+    assert 3.5 < big.activation_bytes / small.activation_bytes <= 4.0
+    with pytest.raises(ConfigError, match="fake tensors"):
+        plan_at_scale(_ReadsValues, strategy="none", example_inputs=(torch.randn(4, 8),))
