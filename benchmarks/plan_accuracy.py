@@ -6,12 +6,14 @@ a real steady-state AdamW step, per model and policy (none, full, selective, a b
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn as nn
 
 import distckpt
 from distckpt.select.estimate import plan_at_scale
@@ -20,19 +22,23 @@ from distckpt.select.profile import memory_tracker
 RESULTS = Path(__file__).parent / "results" / "plan_accuracy.md"
 
 
+def _gpt_batch(step: int, rank: int, world: int) -> dict[str, torch.Tensor]:
+    return {"tokens": torch.randint(0, 256, (4, 64)), "label": torch.randint(0, 4, (4,))}
+
+
+def _sum_losses(m: nn.Module, b: Any) -> torch.Tensor:
+    return sum(m(b).values())
+
+
+def _make_gpt(n_layer: int) -> tuple:
+    from distckpt.train.models import MultiTaskGPT
+
+    return MultiTaskGPT(vocab_size=256, seq_len=64, d_model=64, n_layer=n_layer, n_head=4), _sum_losses, _gpt_batch
+
+
 def gpt_factory(n_layer: int = 6) -> Callable[[], tuple]:
-    """The launcher's MultiTaskGPT (distckpt/train/models.py), the doctor's contract."""
-    def make() -> tuple:
-        from distckpt.train.models import MultiTaskGPT
-
-        model = MultiTaskGPT(vocab_size=256, seq_len=64, d_model=64, n_layer=n_layer, n_head=4)
-
-        def batch(step: int, rank: int, world: int) -> dict[str, torch.Tensor]:
-            return {"tokens": torch.randint(0, 256, (4, 64)), "label": torch.randint(0, 4, (4,))}
-
-        return model, lambda m, b: sum(m(b).values()), batch
-
-    return make
+    """The launcher's MultiTaskGPT (distckpt/train/models.py), the doctor's contract (picklable)."""
+    return functools.partial(_make_gpt, n_layer)
 
 
 def mlp_factory(n_layer: int = 6) -> Callable[[], tuple]:
