@@ -26,11 +26,12 @@ $(STAMP): $(RUN_STAMP)
 
 # The default job (or ARGS="strategy=fsdp2 trainer.max_steps=50 ..."); overrides are checked before torchrun
 # starts, so a bad one prints one line and exits 2. Outputs: outputs/<model>-<strategy>/<run id>/.
+# launch/torchrun.py is torchrun exiting with the workers' code (2: config/resume error, 3: non-finite stop).
 train: $(RUN_STAMP)
 	@if [ "$(NPROC)" -gt 0 ] 2>/dev/null; then n=$(NPROC); else n=2; fi; \
 	DISTCKPT_NPROC=$$n $(BIN)/python launch/train.py --check $(ARGS) || exit $$?; \
 	echo "torchrun --standalone --nproc_per_node=$$n launch/train.py $(ARGS)"; \
-	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=$$n launch/train.py $(ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m launch.torchrun --standalone --nproc_per_node=$$n launch/train.py $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

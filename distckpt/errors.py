@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "GradDesyncError", "RecomputeMismatchError"]
+__all__ = ["ConfigError", "GradDesyncError", "NoGradientError", "RecomputeMismatchError", "ResumeError"]
 
 
 class ConfigError(ValueError):
@@ -12,8 +12,23 @@ class ConfigError(ValueError):
     """
 
 
+class ResumeError(ConfigError):
+    """A run cannot resume from its checkpoints: they do not match the model or optimizer, or none is intact.
+
+    A ``ConfigError``: the way out is a setting (``trainer.resume=false`` or a new run folder).
+    """
+
+
 class GradDesyncError(RuntimeError):
     """Gradients (or replicated parameters) differ across ranks after synchronization."""
+
+
+class NoGradientError(RuntimeError):
+    """Parameters that should train received no gradient on any rank for several checked steps.
+
+    Not a :class:`GradDesyncError`: the ranks agree (on nothing); the fix is in the model or the
+    checkpointing mode (a frozen input under reentrant checkpointing, a detached head), not the sync.
+    """
 
 
 class RecomputeMismatchError(RuntimeError):

@@ -20,7 +20,7 @@ import distckpt
 from distckpt._dist import rank_world
 from distckpt._spawn import free_port
 from distckpt.errors import ConfigError
-from distckpt.train import LoopOptions, LoopResult, MetricSink, TrainState, fit, format_summary
+from distckpt.train import Callback, LoopOptions, LoopResult, MetricSink, TrainState, fit, format_summary
 from distckpt.train.data import micro_batches
 from launch.build import (
     autocast_factory,
@@ -130,6 +130,7 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -> Loo
     validate(cfg, world)
     _quiet_torch_warnings()
     t = cfg.trainer
+    user_callbacks = _callbacks(t.callbacks)  # a bad entry is a ConfigError before anything is written
     device = _device(t.device)
     # The process group stays up when train() returns: tearing a gloo group down from Python can
     # deadlock (measured here: the DDP reducer's destructor joins gloo's worker thread while holding
@@ -141,7 +142,6 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -> Loo
     path = _run_dir(run_dir)
     if rank == 0:
         Path(path).mkdir(parents=True, exist_ok=True)
-        (Path(path) / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
     torch.manual_seed(t.seed)  # the same initial parameters on every rank
     data = build_data(cfg.data, cfg.model)
@@ -166,12 +166,14 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -> Loo
     opts = LoopOptions(
         max_steps=t.max_steps, grad_accum=t.grad_accum, clip_grad_norm=t.clip_grad_norm, log_every=t.log_every,
         save_every=t.save_every, keep_last=t.keep_last, eval_every=t.eval_every, resume=t.resume,
-        on_nonfinite=t.on_nonfinite, guard_every=t.guard_every, progress=t.progress,
-        nan_at_steps=tuple(t.fault.nan_at_steps), kill_at_step=t.fault.kill_at_step, kill_rank=t.fault.kill_rank,
+        on_nonfinite=t.on_nonfinite, max_consecutive_skips=t.max_consecutive_skips, guard_every=t.guard_every,
+        progress=t.progress,
     )
+    callbacks = [_WriteConfig(cfg, path, rank), *user_callbacks]
     try:
         result = fit(model, state, data, opts=opts, run_dir=path, sink=sink, device=device,
-                     autocast=autocast_factory(cfg.precision, device), clip=clip_fn(model, strategy), guard=guard)
+                     autocast=autocast_factory(cfg.precision, device), clip=clip_fn(model, strategy), guard=guard,
+                     callbacks=callbacks)
     finally:
         sink.close()
     result.guard = _guard_report(guard, result.guard_checks, verified)
@@ -179,6 +181,36 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -> Loo
     if rank == 0:
         print(_summary(cfg, result, path, model), flush=True)
     return result
+
+
+class _WriteConfig(Callback):
+    """Writes the resolved ``config.yaml`` once the resume succeeded: a run refused on resume keeps the
+    config its checkpoints were written with."""
+
+    def __init__(self, cfg: DictConfig, path: str, rank: int) -> None:
+        self.cfg, self.path, self.rank = cfg, path, rank
+
+    def on_train_start(self, step: int) -> None:
+        if self.rank == 0:
+            (Path(self.path) / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg, resolve=True))
+
+
+def _callbacks(entries: Any) -> list[Callback]:
+    """``trainer.callbacks``: each entry a ``{_target_: pkg.Class, ...}`` node, instantiated by Hydra."""
+    from hydra.utils import instantiate
+
+    made = []
+    for e in entries:
+        target = e.get("_target_") if hasattr(e, "get") else e
+        try:
+            cb = instantiate(e)
+        except Exception as err:  # hydra's InstantiationException wraps the import or constructor error
+            raise ConfigError(f"trainer.callbacks: cannot make {target}: {str(err).strip().splitlines()[0]}") from None
+        if not isinstance(cb, Callback):
+            raise ConfigError(f"trainer.callbacks: {target} made a {type(cb).__name__}, not a "
+                              "distckpt.train.Callback; subclass it.")
+        made.append(cb)
+    return made
 
 
 def _mesh(cfg: DictConfig, world: int) -> str:
@@ -216,10 +248,18 @@ def _summary(cfg: DictConfig, r: LoopResult, path: str, model: torch.nn.Module) 
         ("throughput", f"{r.samples_per_s:.0f} samples/s"),
         ("peak memory", f"{r.peak_memory_mib:.0f} MiB (rank 0, {mem_kind})"),
         ("checkpointed", shown or "nothing"),
-        ("skipped steps", ", ".join(map(str, r.skipped_steps)) or "none"),
+        ("skipped steps", _skipped(r)),
         ("guards", r.guard),
         ("checkpoints", f"{len(r.checkpoints)} written, latest {Path(r.checkpoints[-1]).name}" if r.checkpoints
                         else "none"),
         ("metrics", str(Path(path) / "metrics.jsonl")),
     ]
     return format_summary(rows)
+
+
+def _skipped(r: LoopResult) -> str:
+    if not r.skipped_steps:
+        return "none"
+    shown = ", ".join(map(str, r.skipped_steps[:10])) + (", ..." if len(r.skipped_steps) > 10 else "")
+    return (f"{len(r.skipped_steps)} of {r.step - r.start_step} steps skipped (non-finite loss or gradient norm; "
+            f"no update): {shown}")

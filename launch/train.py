@@ -21,21 +21,28 @@ from launch.config import CONF_DIR, register  # noqa: E402
 
 register()
 
+EXIT_NONFINITE = 3  # a non-finite loss stopped the run (trainer.on_nonfinite); 2 is a config or resume error
+
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
     import torch.distributed as dist
 
-    from distckpt.errors import ConfigError
+    from distckpt.errors import ConfigError, ResumeError
+    from distckpt.train import NonFiniteLossError
     from launch.run import train
 
     code = 0
     try:
         train(cfg)
-    except ConfigError as e:  # found after composition (e.g. a policy this version lacks)
+    except (ConfigError, NonFiniteLossError) as e:
+        # Raised alike on every rank (the checks and the non-finite decision are the same everywhere):
+        # rank 0 says it in one or two lines, every rank exits with the same code.
+        kind = "resume error" if isinstance(e, ResumeError) else "config error" if isinstance(e, ConfigError) \
+            else "stopped"
+        code = EXIT_NONFINITE if isinstance(e, NonFiniteLossError) else 2
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"config error: {e}", file=sys.stderr)
-        code = 2
+            print(f"{kind}: {e}", file=sys.stderr)
     except Exception:
         if not dist.is_initialized():
             raise

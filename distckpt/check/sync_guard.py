@@ -20,13 +20,9 @@ from distckpt._dist import rank_world
 from distckpt._dist import shard_key as _shard_key
 from distckpt._dist import unwrap_ddp as _inner
 from distckpt.apply.wrap import _clean_fqn
-from distckpt.errors import ConfigError, GradDesyncError
+from distckpt.errors import ConfigError, GradDesyncError, NoGradientError
 
 __all__ = ["GradSyncGuard", "GuardReport", "NoGradientError"]
-
-
-class NoGradientError(GradDesyncError):
-    """Parameters that should train received no gradient on any rank for several checked steps."""
 
 
 

@@ -349,8 +349,10 @@ def accumulate(model: nn.Module) -> Iterator[None]:
 
     state: SyncState | None = getattr(model, _STATE, None)
     if getattr(model, "static_graph", False):
+        # What parallelize recorded (a user-built DDP with static_graph=True has no state: its graph is static).
         reentrant = state is not None and bool(state.reentrant)
-        raise ConfigError(accumulate_refusal("ddp", reentrant=reentrant, graph="auto" if reentrant else "static"))
+        graph = "static" if state is None or state.static_check else "auto"
+        raise ConfigError(accumulate_refusal("ddp", reentrant=reentrant, graph=graph))
     if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(False)
         ctx: Any = contextlib.nullcontext()

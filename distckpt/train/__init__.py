@@ -4,19 +4,32 @@ Torch only: Hydra lives in ``launch/``; tqdm, TensorBoard, wandb, scikit-learn a
 imported lazily where they are used.
 """
 
-from distckpt.train.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from distckpt.train.callbacks import Callback
+from distckpt.train.checkpoint import (
+    TrainState,
+    check_compatible,
+    latest_checkpoint,
+    load_checkpoint,
+    resume_latest,
+    save_checkpoint,
+)
+from distckpt.train.integrity import verify_checkpoint
 from distckpt.train.loop import LoopOptions, LoopResult, NonFiniteLossError, fit
 from distckpt.train.metrics import MetricSink, format_summary
 
 __all__ = [
+    "Callback",
     "LoopOptions",
     "LoopResult",
     "MetricSink",
     "NonFiniteLossError",
     "TrainState",
+    "check_compatible",
     "fit",
     "format_summary",
     "latest_checkpoint",
     "load_checkpoint",
+    "resume_latest",
     "save_checkpoint",
+    "verify_checkpoint",
 ]

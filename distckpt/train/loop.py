@@ -14,7 +14,7 @@ import os
 import signal
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,17 +25,18 @@ import torch.nn as nn
 
 from distckpt._dist import local_tensor, rank_world
 from distckpt.parallel.strategies import accumulate
-from distckpt.train.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from distckpt.train.callbacks import Callback
+from distckpt.train.checkpoint import TrainState, resume_latest, save_checkpoint
 from distckpt.train.data import StepData, micro_batches
 from distckpt.train.metrics import MetricSink, Stopwatch, peak_memory_mib
 
-__all__ = ["LoopOptions", "NonFiniteLossError", "fit"]
+__all__ = ["Callback", "LoopOptions", "NonFiniteLossError", "fit"]
 
 log = logging.getLogger("distckpt.train")
 
 
 class NonFiniteLossError(RuntimeError):
-    """The loss or the gradient norm was NaN/inf and the run was configured to stop."""
+    """The loss or the gradient norm was NaN/inf and the run was configured to stop (or skipped too many)."""
 
 
 @dataclass
@@ -51,13 +52,10 @@ class LoopOptions:
     eval_every: int = 0
     resume: bool = True
     on_nonfinite: str = "skip"  # "skip" the step, or "stop" the run
+    max_consecutive_skips: int = 10  # "skip": stop after this many skipped steps in a row (0: no limit)
     task_weights: dict[str, float] = field(default_factory=dict)
     guard_every: int = 0
     progress: bool = True
-    # Fault injection for tests: NaN loss at these steps; SIGKILL this process at a step (first attempt only).
-    nan_at_steps: tuple[int, ...] = ()
-    kill_at_step: int | None = None
-    kill_rank: int = 1
 
 
 @dataclass
@@ -85,14 +83,6 @@ def _all_sum(t: torch.Tensor) -> torch.Tensor:
         # gloo has no AVG; a SUM also merges the flags (any rank > 0 means "some rank").
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
-
-
-def _broadcast(obj: Any) -> Any:
-    if not dist.is_initialized():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 class _StopRequest:
@@ -138,6 +128,7 @@ def fit(
     autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
     clip: Callable[[float], torch.Tensor] | None = None,
     guard: Any = None,
+    callbacks: Sequence[Callback] = (),
 ) -> LoopResult:
     """Train ``model`` until ``opts.max_steps`` optimizer steps are done, resuming if a checkpoint exists.
 
@@ -152,12 +143,15 @@ def fit(
         autocast: a context factory for the forward (mixed precision), or ``nullcontext``.
         clip: ``clip(max_norm) -> total_norm`` for this model's parallel layout (FSDP1 needs its own).
         guard: an object with ``.check()`` run after each backward (``distckpt.GradSyncGuard``), or ``None``.
+        callbacks: hooks called on every rank (see :class:`distckpt.train.Callback`), in order.
 
     Returns:
         A :class:`LoopResult`.
 
     Raises:
-        NonFiniteLossError: a non-finite loss with ``opts.on_nonfinite == "stop"``.
+        NonFiniteLossError: a non-finite loss with ``opts.on_nonfinite == "stop"``; more than
+            ``opts.max_consecutive_skips`` skipped steps in a row; or every step of the run skipped.
+        ResumeError: the run's checkpoints do not match the model/optimizer, or none is intact.
     """
     rank, world = rank_world()
     ckpt_dir = Path(run_dir) / "checkpoints"
@@ -167,7 +161,8 @@ def fit(
     result.start_step = state.step
     optimizer, scheduler, scaler = state.optimizer, state.scheduler, state.scaler
     clip = clip or (lambda max_norm: torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    for cb in callbacks:
+        cb.on_train_start(state.step)
 
     bar = _progress_bar(opts, state.step) if rank == 0 and opts.progress and state.step < opts.max_steps else None
     watch, t0 = Stopwatch(), time.perf_counter()
@@ -180,6 +175,8 @@ def fit(
             micro = micro_batches(data.global_batch(step), rank, world, opts.grad_accum)
             total, sums = _forward_backward(model, micro, step, opts, device, autocast, scaler)
             tasks = sorted(sums)
+            for cb in callbacks:
+                cb.on_after_backward(step, model)
             if guard is not None:  # a collective: every rank checks at every step (the guard skips by `every`)
                 report = guard.check()
                 result.guard_checks += bool(getattr(report, "grads_checked", True))
@@ -197,11 +194,10 @@ def fit(
             state.step = step
             samples_done += data.batch_size
             watch.add(data.batch_size)
-            if opts.kill_at_step == step and rank == opts.kill_rank and restart == 0:
-                os.kill(os.getpid(), signal.SIGKILL)  # fault injection (tests): a worker dies mid-run
-
             global_losses = {k: packed[3 + j].item() / world for j, k in enumerate(tasks)}
             result.losses = {"loss": packed[2].item() / world, **global_losses}
+            for cb in callbacks:
+                cb.on_step_end(step, result)
             if opts.eval_every and step % opts.eval_every == 0:
                 result.eval_loss = _evaluate(model, data, device, autocast, opts.task_weights)
             if step % max(opts.log_every, 1) == 0 or step == opts.max_steps or stop_now:
@@ -210,6 +206,8 @@ def fit(
             if bar is not None:
                 bar.update(1)
             last = step == opts.max_steps
+            if last or stop_now:
+                _refuse_all_skipped(result, step)
             if stop_now or last or (opts.save_every and step % opts.save_every == 0):
                 _save(model, state, ckpt_dir, opts, result)
             if stop_now:
@@ -226,12 +224,11 @@ def fit(
 
 
 def _resume(state: TrainState, ckpt_dir: Path, rank: int) -> str | None:
-    """Load the latest checkpoint (found by rank 0, the same for all); its path, or None."""
-    latest = _broadcast(str(p) if rank == 0 and (p := latest_checkpoint(ckpt_dir)) else None)
-    if latest:
-        load_checkpoint(state, latest)
-        log.info("resumed from %s (step %d)", latest, state.step)
-    return latest
+    """Load the newest intact checkpoint (the same on every rank); its path, or None."""
+    path = resume_latest(state, ckpt_dir)
+    if path is not None:
+        log.info("resumed from %s (step %d)", path, state.step)
+    return str(path) if path is not None else None
 
 
 def _progress_bar(opts: LoopOptions, start: int) -> Any:
@@ -259,8 +256,6 @@ def _forward_backward(model: nn.Module, micro: list[dict[str, torch.Tensor]], st
         with (contextlib.nullcontext() if sync else accumulate(model)), autocast():
             losses = model(mb)
             loss = sum(opts.task_weights.get(k, 1.0) * v for k, v in losses.items()) / len(micro)
-        if step in opts.nan_at_steps:
-            loss = loss * float("nan")
         (scaler.scale(loss) if scaler is not None else loss).backward()
         total += loss.detach().float()
         for k, v in losses.items():
@@ -285,12 +280,37 @@ def _optimizer_step(state: TrainState, step: int, bad: bool, opts: LoopOptions, 
         scaler.update()
     if opts.on_nonfinite == "stop":
         raise NonFiniteLossError(
-            f"non-finite loss or gradient norm at step {step} (on at least one rank); stopped "
-            "without saving. Lower optim.lr, use precision=fp32, or set trainer.on_nonfinite=skip."
+            f"non-finite loss or gradient norm at step {step} (on at least one rank); stopped without saving.\n"
+            "Lower optim.lr, use precision=fp32, or set trainer.on_nonfinite=skip."
         )
     result.skipped_steps.append(step)
+    run = _trailing_run(result.skipped_steps)
+    if opts.max_consecutive_skips and run >= opts.max_consecutive_skips:
+        raise NonFiniteLossError(
+            f"{run} steps in a row ({step - run + 1}-{step}) had a non-finite loss or gradient norm and were "
+            "skipped; stopped without saving.\nLower optim.lr, use precision=fp32, or raise "
+            "trainer.max_consecutive_skips (0: no limit)."
+        )
     if rank == 0:
         warnings.warn(f"step {step}: non-finite loss or gradient norm on some rank; step skipped", stacklevel=3)
+
+
+def _refuse_all_skipped(result: LoopResult, step: int) -> None:
+    """A run whose every step was skipped must not end like a success (nor save)."""
+    if len(result.skipped_steps) == step - result.start_step:
+        raise NonFiniteLossError(
+            f"every step of this run ({result.start_step + 1}-{step}) was skipped for a non-finite loss or "
+            "gradient norm; stopped without saving.\nLower optim.lr, check the data and the model "
+            "(trainer.on_nonfinite=stop names the first bad step)."
+        )
+
+
+def _trailing_run(steps: list[int]) -> int:
+    """How many of ``steps`` (ascending) end in a run of consecutive numbers."""
+    n = 1 if steps else 0
+    while n < len(steps) and steps[-n - 1] == steps[-n] - 1:
+        n += 1
+    return n
 
 
 def _log(sink: MetricSink, bar: Any, step: int, result: LoopResult, optimizer: torch.optim.Optimizer,

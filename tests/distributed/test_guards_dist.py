@@ -11,7 +11,7 @@ import torch.nn as nn
 from harness import RankError
 
 import distckpt
-from distckpt.guards import GradSyncGuard
+from distckpt import GradSyncGuard
 
 pytestmark = pytest.mark.dist
 

@@ -54,8 +54,8 @@ def test_hsdp_two_nodes_match_single_process(uninterrupted, tmp_path):
 def test_hsdp_kill_9_on_one_node_and_resume_bitwise(uninterrupted, tmp_path):
     run = tmp_path / "killed"
     # Rank 3 (the second node's second worker) SIGKILLs itself after step 10, first attempt only.
-    out = "".join(o for o, _ in _two_nodes([*HSDP, "trainer.fault.kill_at_step=10", "trainer.fault.kill_rank=3"],
-                                           run, restarts=1))
+    kill = "trainer.callbacks=[{_target_:tests.faults.KillAt,step:10,rank:3}]"  # tests/faults.py
+    out = "".join(o for o, _ in _two_nodes([*HSDP, kill], run, restarts=1))
     assert "resumed from step_8" in out
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps.count(9) == 2 and steps[-1] == 16  # steps 9-10 ran twice: before the kill and after

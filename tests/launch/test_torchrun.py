@@ -7,11 +7,13 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 from launchkit import (
+    ROOT,
     TINY,
     assert_params_equal,
     compose,
@@ -85,8 +87,8 @@ def test_kill_9_and_torchrun_restart_resume_bitwise(uninterrupted, tmp_path):
     run = tmp_path / "killed"
     # Rank 1 SIGKILLs itself after step 10 (first attempt only); torchrun restarts both workers, which
     # resume from step_8, the latest complete checkpoint.
-    proc = torchrun([*LONG, "strategy=ddp", "trainer.fault.kill_at_step=10"], run, extra=["--standalone",
-                    "--max-restarts=1"])
+    kill = "trainer.callbacks=[{_target_:tests.faults.KillAt,step:10,rank:1}]"  # tests/faults.py
+    proc = torchrun([*LONG, "strategy=ddp", kill], run, extra=["--standalone", "--max-restarts=1"])
     assert "resumed from step_8" in proc.stdout
     steps = [r["step"] for r in _metrics(run)]
     assert steps.count(9) == 2 and steps[-1] == 30  # steps 9-10 ran twice: before the kill and after
@@ -143,3 +145,51 @@ def test_two_torchrun_agents_as_two_nodes(single_process, tmp_path):
     assert sum("distckpt run summary" in out for out, _ in outs) == 1  # rank 0 only
     assert "strategy=ddp x2" in "".join(out for out, _ in outs)
     assert_params_equal(final_params(run, TINY), final_params(ref_dir, TINY), exact=False)
+
+
+def _wrapped_torchrun(overrides: list[str], run: Path) -> subprocess.CompletedProcess:
+    """What `make train` runs: torchrun through launch/torchrun.py, which exits with the workers' code."""
+    agent = popen([sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc_per_node=2",
+                   str(ROOT / "launch" / "train.py"), *overrides, f"hydra.run.dir={run}"])
+    try:
+        out, err = agent.communicate(timeout=120)
+    finally:
+        kill_group(agent)
+    return subprocess.CompletedProcess(agent.args, agent.returncode, out, err)
+
+
+@pytest.fixture
+def one_process_run(tmp_path):
+    """A finished 6-step run of one process (checkpoints step_3 and step_6), to resume on 2 ranks."""
+    run = tmp_path / "run"
+    train(compose([*TINY, "strategy=none"]), run_dir=run)
+    return run
+
+
+def test_resume_error_under_torchrun_is_one_message_and_exit_2(one_process_run):
+    proc = _wrapped_torchrun([*TINY, "strategy=ddp", "model.n_layer=3", "trainer.max_steps=9"], one_process_run)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    err = proc.stderr.strip().splitlines()
+    assert err[0].startswith(f"resume error: cannot resume from {one_process_run / 'checkpoints' / 'step_6'}: ")
+    assert len(err) <= 25 and proc.stderr.count("resume error") == 1  # rank 0 only
+    assert "Traceback" not in proc.stderr + proc.stdout and "ChildFailedError" not in proc.stderr
+    assert "trainer.resume=false" in err[-1]
+
+
+def test_nonfinite_stop_under_torchrun_is_two_lines_and_exit_3(one_process_run):
+    # Also a resume on another world size (1 -> 2 ranks): only the per-rank RNG entries differ, so it loads.
+    nan = "trainer.callbacks=[{_target_:tests.faults.NanGrads,steps:[8],rank:1}]"  # tests/faults.py
+    proc = _wrapped_torchrun([*TINY, "strategy=ddp", "trainer.max_steps=9", "trainer.on_nonfinite=stop", nan],
+                             one_process_run)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout and "step_6" in proc.stdout
+    assert proc.stderr.strip().splitlines() == [
+        "stopped: non-finite loss or gradient norm at step 8 (on at least one rank); stopped without saving.",
+        "Lower optim.lr, use precision=fp32, or set trainer.on_nonfinite=skip.",
+    ]
+    assert sorted(p.name for p in (one_process_run / "checkpoints").iterdir()) == ["step_3", "step_6"]
+
+
+def test_make_train_runs_torchrun_through_the_exit_code_wrapper():
+    target = (ROOT / "Makefile").read_text().split("\ntrain:")[1].split("\n\n")[0]
+    assert "-m launch.torchrun --standalone" in target and "$(BIN)/torchrun" not in target

@@ -10,6 +10,7 @@ import pytest
 import torch
 from launchkit import TINY, assert_params_equal, compose, final_params
 
+from distckpt.errors import ConfigError
 from distckpt.train import NonFiniteLossError
 from launch.run import train
 
@@ -59,8 +60,14 @@ def test_resume_from_latest_complete_checkpoint_is_bitwise_equal(tmp_path):
     assert_params_equal(final_params(tmp_path / "cut", over), ref, exact=True)
 
 
-def test_nonfinite_loss_is_skipped_on_request(tmp_path):
-    over = [*NONE, "trainer.fault.nan_at_steps=[2,4]", "trainer.on_nonfinite=skip"]
+def _nan_at(steps) -> str:
+    """The override installing the tests' NaN-gradient fault (tests/faults.py) at ``steps`` (None: every step)."""
+    arg = "" if steps is None else f",steps:[{','.join(map(str, steps))}]"
+    return f"trainer.callbacks=[{{_target_:tests.faults.NanGrads{arg}}}]"
+
+
+def test_nonfinite_loss_is_skipped_on_request(tmp_path, capsys):
+    over = [*NONE, _nan_at([2, 4]), "trainer.on_nonfinite=skip"]
     with pytest.warns(UserWarning, match="non-finite"):
         res = _train(tmp_path, "a", over)
     assert res.skipped_steps == [2, 4] and res.step == 6
@@ -68,13 +75,33 @@ def test_nonfinite_loss_is_skipped_on_request(tmp_path):
     assert [r["skipped"] for r in records] == [False, True, False, True, False, False]
     params = final_params(tmp_path / "a", over)
     assert all(torch.isfinite(p).all() for p in params.values())
+    summary = capsys.readouterr().out
+    assert "2 of 6 steps skipped (non-finite loss or gradient norm; no update): 2, 4" in summary
 
 
 def test_nonfinite_loss_stops_without_writing_a_checkpoint(tmp_path):
-    over = [*NONE, "trainer.fault.nan_at_steps=[4]", "trainer.on_nonfinite=stop", "trainer.save_every=2"]
-    with pytest.raises(NonFiniteLossError, match="step 4"):
+    over = [*NONE, _nan_at([4]), "trainer.on_nonfinite=stop", "trainer.save_every=2"]
+    with pytest.raises(NonFiniteLossError, match="step 4") as e:
         _train(tmp_path, "a", over)
+    assert len(str(e.value).splitlines()) == 2 and "trainer.on_nonfinite=skip" in str(e.value)
     assert sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir()) == ["step_2"]
+
+
+def test_skip_stops_after_max_consecutive_skips(tmp_path):
+    over = [*NONE, _nan_at([2, 3, 4, 5]), "trainer.max_consecutive_skips=3", "trainer.save_every=1"]
+    with pytest.warns(UserWarning, match="non-finite"), pytest.raises(NonFiniteLossError) as e:
+        _train(tmp_path, "a", over)
+    assert str(e.value).startswith("3 steps in a row (2-4) had a non-finite loss")
+    assert "trainer.max_consecutive_skips" in str(e.value)
+    assert sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir()) == ["step_1", "step_2", "step_3"]
+
+
+def test_a_run_where_every_step_is_skipped_fails(tmp_path, capsys):
+    # 6 steps, fewer than the default limit of 10 in a row: the end of the run must still not look like success.
+    with pytest.warns(UserWarning, match="non-finite"), pytest.raises(NonFiniteLossError, match="every step"):
+        _train(tmp_path, "a", [*NONE, _nan_at(None), "trainer.save_every=0"])
+    assert "distckpt run summary" not in capsys.readouterr().out
+    assert not (tmp_path / "a" / "checkpoints").exists()
 
 
 def test_wandb_offline_without_key_or_network(tmp_path, monkeypatch):
@@ -133,3 +160,15 @@ def test_mixed_precision_tracks_fp32(tmp_path, precision):
     assert res.skipped_steps == [] and res.step == 6
     assert res.losses["loss"] == pytest.approx(ref.losses["loss"], rel=2e-2)
     assert res.losses["loss"] != ref.losses["loss"]  # autocast really ran in lower precision
+
+
+@pytest.mark.parametrize("target,expect", [
+    ("tests.faults.Nope", "trainer.callbacks: cannot make tests.faults.Nope: "),
+    ("collections.OrderedDict", "trainer.callbacks: collections.OrderedDict made a OrderedDict, not a "
+                                "distckpt.train.Callback; subclass it."),
+])
+def test_bad_callback_is_a_config_error(tmp_path, target, expect):
+    with pytest.raises(ConfigError) as e:
+        _train(tmp_path, "a", [*NONE, f"trainer.callbacks=[{{_target_:{target}}}]"])
+    assert str(e.value).startswith(expect) and len(str(e.value).splitlines()) == 1
+    assert not (tmp_path / "a").exists()  # refused before the run dir is made
