@@ -16,11 +16,13 @@ __all__ = [
     "checkpoint_wrapper_class",
     "composable_checkpoint_fqns",
     "current_graph_task_id",
+    "fake_mode",
     "is_plain_backward",
     "mem_tracker",
     "mem_tracker_states",
     "op_overload_types",
     "queue_after_backward",
+    "storage_id",
     "to_local",
     "torch_dispatch_mode",
     "will_execute",
@@ -170,3 +172,19 @@ def mem_tracker_merge_peak(tracker: Any, saved: Any) -> None:
     for d, v in old_peak.items():
         if v >= tracker._peak_mem.get(d, -1):
             tracker._peak_mem[d], tracker._peak_mem_snap[d] = v, old_snap[d]
+
+
+def fake_mode() -> Any:
+    """A ``FakeTensorMode`` (``torch._subclasses.fake_tensor``): ``distckpt plan`` builds a model and runs
+    one sample step of it with tensors that have shapes, dtypes and storages but no data, so a 70B model
+    is planned on a laptop; MemTracker and FlopCounterMode work under it. No public API does this
+    (the meta device has no autograd-tracked storages MemTracker can follow). torch 2.13."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def storage_id(t: torch.Tensor) -> int:
+    """An identity of ``t``'s storage that also tells fake storages apart: the address of its
+    ``StorageImpl`` (the private ``_cdata``); ``data_ptr()`` is 0 for every fake tensor. torch 2.13."""
+    return t.untyped_storage()._cdata

@@ -1,5 +1,6 @@
 """The ``distckpt`` command: ``distckpt doctor`` checks that a model is safe to train with
-checkpointing under DDP/FSDP/FSDP2 (see :mod:`distckpt.check.doctor`)."""
+checkpointing under DDP/FSDP/FSDP2 (see :mod:`distckpt.check.doctor`); ``distckpt plan`` predicts
+per-rank memory of each checkpointing policy at any scale (see :mod:`distckpt.select.estimate`)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ from pathlib import Path
 
 from distckpt.options import GRAPHS, STRATEGIES
 
-__all__ = ["add_doctor_flags", "doctor_options", "main"]
+__all__ = ["add_doctor_flags", "add_plan_flags", "doctor_options", "main", "run_plan"]
 
-# The launcher's doctor (Hydra mode), in a distckpt checkout; the library never imports the launcher.
+# The launcher's doctor and plan (Hydra mode), in a distckpt checkout; the library never imports the launcher.
 LAUNCH_DOCTOR = Path("launch") / "doctor.py"
+LAUNCH_PLAN = Path("launch") / "plan.py"
 
 
 def add_doctor_flags(parser: argparse.ArgumentParser) -> None:
@@ -65,17 +67,61 @@ def _parser() -> argparse.ArgumentParser:
     doc.add_argument("overrides", nargs="*", help="Hydra overrides of the launcher's config (key=value)")
     doc.add_argument("--factory", help="pkg.module:function returning (model, loss_fn, batch_fn)")
     add_doctor_flags(doc)
+    plan = sub.add_parser(
+        "plan",
+        help="predict per-rank memory and recompute of none/full/selective/budget at any scale, on fake tensors",
+        description="Build the model from --factory pkg.module:make (the doctor's contract) on fake tensors, trace "
+                    "one block of each distinct shape, and print per rank: parameters, gradients, optimizer "
+                    "state, activations, the peak and recompute FLOPs of none, full, selective and the budget "
+                    "plan, and the blocks the budget would checkpoint.",
+    )
+    plan.add_argument("overrides", nargs="*", help="Hydra overrides of the launcher's config (key=value)")
+    plan.add_argument("--factory", help="pkg.module:function returning (model, loss_fn, batch_fn)")
+    add_plan_flags(plan)
     return parser
 
 
-def _delegate(argv: list[str]) -> int:
-    """``distckpt doctor <overrides>``: run the launcher's doctor of this checkout with the same arguments."""
-    script = Path.cwd() / LAUNCH_DOCTOR
+def add_plan_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``distckpt plan``."""
+    parser.add_argument("--strategy", choices=STRATEGIES, default="fsdp2", help="data parallelism (default fsdp2)")
+    parser.add_argument("--world-size", type=int, default=1, help="ranks (default 1)")
+    parser.add_argument("--shard-size", type=int, default=None, help="hsdp: ranks that shard (one node's)")
+    parser.add_argument("--micro-batch", type=int, default=None, help="per-rank batch (default: the factory's)")
+    parser.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the factory's)")
+    parser.add_argument("--budget", default=None, help="per-rank memory budget for the budget plan, e.g. 60GiB")
+    parser.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd, sgd_momentum, none")
+    parser.add_argument("--grad-accumulation", action="store_true", help="gradients persist across micro-batches")
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """``distckpt plan``: print the report. Returns 0, or 2 on a usage error (printed)."""
+    from distckpt.errors import ConfigError
+    from distckpt.select.estimate import plan_at_scale, render
+    from distckpt.select.policies import parse_size
+
+    try:
+        if args.world_size < 1:
+            raise ConfigError("--world-size must be >= 1.")
+        report = plan_at_scale(args.factory, strategy=args.strategy, world_size=args.world_size,
+                               shard_size=args.shard_size, micro_batch=args.micro_batch, seq_len=args.seq_len,
+                               budget=parse_size(args.budget) if args.budget else None, optimizer=args.optimizer,
+                               grad_accumulation=args.grad_accumulation)
+    except ConfigError as e:
+        print(f"distckpt plan: {e}", file=sys.stderr)
+        return 2
+    print(render(report))
+    return 0
+
+
+def _delegate(argv: list[str], command: str = "doctor") -> int:
+    """``distckpt doctor|plan <overrides>``: run the launcher's script of this checkout with the same arguments."""
+    launch = LAUNCH_DOCTOR if command == "doctor" else LAUNCH_PLAN
+    script = Path.cwd() / launch
     if not script.is_file():
-        print(f"distckpt doctor: launcher overrides need a distckpt checkout: run `python {LAUNCH_DOCTOR} "
+        print(f"distckpt {command}: launcher overrides need a distckpt checkout: run `python {launch} "
               "model=... ` from its root, or use --factory pkg.module:make.", file=sys.stderr)
         return 2
-    rest = argv[argv.index("doctor") + 1:]
+    rest = argv[argv.index(command) + 1:]
     return subprocess.run([sys.executable, str(script), *rest], env=dict(os.environ)).returncode
 
 
@@ -87,6 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
+    if args.command == "plan":
+        if bool(args.factory) == bool(args.overrides):
+            print("distckpt plan: give either --factory pkg.module:make or launcher overrides such as model=gpt.",
+                  file=sys.stderr)
+            return 2
+        return _delegate(argv, "plan") if args.overrides else run_plan(args)
     from distckpt.check.doctor import doctor
     from distckpt.errors import ConfigError
 

@@ -126,3 +126,13 @@ def test_mem_tracker_peak_window_restart_and_merge():
         compat.mem_tracker_merge_peak(tracker, saved)
     overall = tracker.get_tracker_snapshot("peak")
     assert max(s.get("Total", 0) for s in overall.values()) >= 512 * 512 * 4
+
+
+def test_fake_mode_and_storage_id():
+    with compat.fake_mode():
+        a = torch.empty(4, 4)
+        b, c = a[1:], torch.empty(4, 4)
+    assert type(a).__name__ == "FakeTensor"
+    assert compat.storage_id(a) == compat.storage_id(b) != compat.storage_id(c)
+    x = torch.zeros(3)
+    assert compat.storage_id(x) == compat.storage_id(x.view(3, 1)) != compat.storage_id(torch.zeros(3))

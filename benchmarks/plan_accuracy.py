@@ -1,0 +1,160 @@
+"""How close ``distckpt plan`` (fake tensors, a few traced blocks) comes to MemTracker's measured peak of
+a real steady-state AdamW step, per model and policy (none, full, selective, a budget plan), one rank.
+
+    PYTHONPATH=. python benchmarks/plan_accuracy.py   # writes benchmarks/results/plan_accuracy.md
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+import distckpt
+from distckpt.select.estimate import plan_at_scale
+from distckpt.select.profile import memory_tracker
+
+RESULTS = Path(__file__).parent / "results" / "plan_accuracy.md"
+
+
+def _gpt_batch(step: int, rank: int, world: int) -> dict[str, torch.Tensor]:
+    return {"tokens": torch.randint(0, 256, (4, 64)), "label": torch.randint(0, 4, (4,))}
+
+
+def _sum_losses(m: nn.Module, b: Any) -> torch.Tensor:
+    return sum(m(b).values())
+
+
+def _make_gpt(n_layer: int) -> tuple:
+    from distckpt.train.models import MultiTaskGPT
+
+    return MultiTaskGPT(vocab_size=256, seq_len=64, d_model=64, n_layer=n_layer, n_head=4), _sum_losses, _gpt_batch
+
+
+def gpt_factory(n_layer: int = 6) -> Callable[[], tuple]:
+    """The launcher's MultiTaskGPT (distckpt/train/models.py), the doctor's contract (picklable)."""
+    return functools.partial(_make_gpt, n_layer)
+
+
+def mlp_factory(n_layer: int = 6) -> Callable[[], tuple]:
+    """The launcher's MultiTaskMLP."""
+    def make() -> tuple:
+        from distckpt.train.models import MultiTaskMLP
+
+        model = MultiTaskMLP(in_features=32, hidden=256, n_layer=n_layer)
+
+        def batch(step: int, rank: int, world: int) -> dict[str, torch.Tensor]:
+            n = 1024
+            return {"x": torch.randn(n, 32), "y_a": torch.randint(0, 10, (n,)), "y_b": torch.randint(0, 2, (n,))}
+
+        return model, lambda m, b: sum(m(b).values()), batch
+
+    return make
+
+
+def hf_factory(family: str) -> Callable[[], tuple]:
+    """A Hugging Face model of tests/zoo.py at its small size (no padding mask: see docs/plan.md)."""
+    def make() -> tuple:
+        from tests.zoo import FAMILIES
+
+        fam = FAMILIES[family]
+        model = fam.make()
+        ids = torch.randint(3, 128, (2, 32))
+
+        def batch(step: int, rank: int, world: int) -> dict[str, Any]:
+            return {"input_ids": ids, "labels": ids, "use_cache": False}
+
+        return model, lambda m, b: m(**b).loss, batch
+
+    return make
+
+
+def measured_peak(factory: Callable[[], tuple], policy: str, blocks: list[str] | None = None) -> int:
+    """MemTracker's peak of a steady-state AdamW step (the first step creates the optimizer state)."""
+    torch.manual_seed(0)
+    model, loss_fn, batch_fn = factory()
+    model.train()
+    if policy != "none":
+        distckpt.wrap(model, "full" if policy == "budget" else policy, blocks=blocks)
+    batch = batch_fn(0, 0, 1)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+
+    def step() -> None:
+        loss_fn(model, batch).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    tracker = memory_tracker(model, opt, *[t for t in batch.values() if isinstance(t, torch.Tensor)])
+    with tracker:
+        step()
+    return max(d.get("Total", 0) for d in tracker.get_tracker_snapshot("peak").values())
+
+
+def compare(factory: Callable[[], tuple], budget_frac: float = 0.5) -> dict[str, tuple[int, int]]:
+    """``{policy: (predicted, measured)}`` at one rank without a strategy (full replicas, no DDP)."""
+    torch.manual_seed(0)
+    r = plan_at_scale(factory, strategy="none", world_size=1)
+    none, full = r.policy("none").peak_bytes, r.policy("full").peak_bytes
+    r = r.with_budget(int(full + budget_frac * (none - full)))
+    out = {}
+    for p in r.policies:
+        blocks = [r.blocks[i] for i in p.checkpointed]
+        if p.policy == "budget" and not blocks:
+            out[p.policy] = (p.peak_bytes, measured_peak(factory, "none"))
+            continue
+        out[p.policy] = (p.peak_bytes, measured_peak(factory, p.policy, blocks if p.policy == "budget" else None))
+    return out
+
+
+make_gpt = gpt_factory(4)  # `distckpt plan --factory benchmarks.plan_accuracy:make_gpt`
+
+
+def make_llama_70b() -> tuple:
+    """A Llama-3-70B-shaped model (80 layers, hidden 8192, FFN 28672, 64 heads, 8 KV heads, vocab 128256),
+    bf16, one sequence of 4096 tokens per rank: ``distckpt plan --factory benchmarks.plan_accuracy:make_llama_70b``.
+    Only ever built on fake tensors (140 GB of parameters)."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                   num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # .to(bfloat16) cannot swap fake parameters
+    try:
+        model = transformers.LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(old)
+
+    def batch(step: int, rank: int, world: int) -> dict[str, Any]:
+        ids = torch.zeros(1, 4096, dtype=torch.long)
+        return {"input_ids": ids, "labels": ids, "use_cache": False}
+
+    return model, lambda m, b: m(**b).loss, batch
+
+
+MODELS = {"MultiTaskGPT": gpt_factory(), "MultiTaskMLP": mlp_factory(), "gpt2": hf_factory("gpt2"),
+          "llama": hf_factory("llama")}
+
+
+def main() -> None:
+    lines = ["# distckpt plan: predicted vs measured peak (one rank, CPU, MemTracker)", "",
+             f"torch {torch.__version__}; fake-tensor plan vs a real steady-state AdamW step; "
+             "error = predicted / measured - 1.", "",
+             "| model | policy | predicted MiB | measured MiB | error |", "|---|---|---|---|---|"]
+    for name, factory in MODELS.items():
+        for policy, (pred, meas) in compare(factory).items():
+            lines.append(f"| {name} | {policy} | {pred / 2**20:.2f} | {meas / 2**20:.2f} | "
+                         f"{100 * (pred / meas - 1):+.1f}% |")
+            print(lines[-1], flush=True)
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    main()

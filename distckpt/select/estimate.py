@@ -1,0 +1,455 @@
+"""``distckpt plan``: per-rank memory and recompute of every checkpointing policy for a model and a
+cluster we cannot run, from one sample step on fake tensors (no data, no allocation).
+
+How: the factory builds the model under ``FakeTensorMode``; the repeated blocks are cut down to a few
+(the first, a middle one, one of each other distinct shape, the last); :func:`profile_model` measures
+that short model's sample step (saved tensors, ``MemTracker``, ``FlopCounterMode``: all work on fake
+tensors); the profile is stretched back to every block (a cut block takes the numbers of the kept
+block of its shape, its gradient counts shifted by the blocks it lost behind it); and the budget
+module's memory model places parameters, gradients and optimizer state for the strategy and world size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_map
+
+from distckpt import _torch_compat as compat
+from distckpt.errors import ConfigError
+from distckpt.select import profile as _profile
+from distckpt.select.budget import OPTIMIZER_STATES, plan_budget, predicted_peak, shards, static_bytes
+from distckpt.select.profile import ModelProfile
+
+__all__ = ["PlanReport", "PolicyEstimate", "plan_at_scale", "render"]
+
+
+@dataclass(frozen=True)
+class PolicyEstimate:
+    """One policy's predicted peak per rank, its recompute FLOPs per step and the blocks it checkpoints."""
+
+    policy: str
+    peak_bytes: int
+    recompute_flops: int
+    checkpointed: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """What :func:`plan_at_scale` predicts for one rank (bytes; FLOPs per training step)."""
+
+    strategy: str
+    world_size: int
+    shard_size: int | None
+    optimizer: str
+    blocks: tuple[str, ...]
+    traced_blocks: int  # blocks traced on fake tensors (the others take their numbers)
+    total_params: int  # parameter count of the whole model
+    param_bytes: int  # per rank (sharded strategies: the shard plus the unsharded non-block parameters)
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int  # held for backward without checkpointing
+    forward_flops: int  # one forward of the blocks
+    policies: tuple[PolicyEstimate, ...]
+    budget_bytes: int | None
+    budget_error: str = ""  # why no choice fits the budget, when none does
+    profile: ModelProfile | None = field(default=None, repr=False, compare=False)  # the stretched profile
+
+    def with_budget(self, budget: int, *, grad_accumulation: bool = False) -> PlanReport:
+        """The same report with the ``budget`` plan for ``budget`` bytes (no new trace).
+
+        Raises:
+            ConfigError: no choice fits (the message names the smallest budget that does).
+        """
+        assert self.profile is not None, "reports from plan_at_scale carry their profile"
+        bp = plan_budget(self.profile, budget, strategy=self.strategy, world_size=self.world_size,
+                         shard_size=self.shard_size, optimizer=self.optimizer, grad_accumulation=grad_accumulation)
+        full = self.policy("full").recompute_flops
+        ratio = full / max(1, sum(b.forward_flops for b in self.profile.blocks))
+        rest = tuple(p for p in self.policies if p.policy != "budget")
+        est = PolicyEstimate("budget", bp.peak_bytes, int(bp.recompute_flops * ratio), bp.selected)
+        return dataclasses.replace(self, policies=(*rest, est), budget_bytes=budget, budget_error="")
+
+    def policy(self, name: str) -> PolicyEstimate:
+        """The estimate of ``name`` (``none``, ``full``, ``selective``, ``budget``)."""
+        return next(p for p in self.policies if p.policy == name)
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    return (str(t.device), compat.storage_id(t))
+
+
+@contextlib.contextmanager
+def _fake_storages() -> Iterator[None]:
+    """profile.py tells storages apart by ``data_ptr()``, which is 0 for every fake tensor; for the
+    duration of a fake profile it uses the storage's identity instead (same result on real tensors).
+    TODO(lead): fold this key into profile._storage_key and drop the patch."""
+    saved = _profile._storage_key
+    _profile._storage_key = _storage_key
+    try:
+        yield
+    finally:
+        _profile._storage_key = saved
+
+
+def _signature(m: nn.Module) -> tuple[Any, ...]:
+    return type(m), tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in m.named_parameters())
+
+
+def _kept(blocks: list[tuple[str, nn.Module]]) -> tuple[list[int], list[int]]:
+    """Which blocks to trace (indices into ``blocks``) and, for every block, the traced one it copies."""
+    n = len(blocks)
+    sigs = [_signature(m) for _, m in blocks]
+    keep = {0, n - 1} | ({1} if n > 2 else set())
+    for i, s in enumerate(sigs):
+        if s not in {sigs[j] for j in keep}:
+            keep.add(i)
+    kept = sorted(keep)
+    middle = [j for j in kept if j not in (0, n - 1)]
+    source = []
+    for i in range(n):
+        if i in keep:
+            source.append(i)
+        else:
+            source.append(next((j for j in middle if sigs[j] == sigs[i]),
+                               next(j for j in kept if sigs[j] == sigs[i])))
+    return kept, source
+
+
+def _cut(model: nn.Module, blocks: list[tuple[str, nn.Module]], kept: list[int]) -> Callable[[], None]:
+    """Leave only the ``kept`` blocks in their container (one ``nn.ModuleList``/``Sequential``); returns
+    the undo.
+
+    Raises:
+        ConfigError: blocks spread over several containers, or a container of another kind.
+    """
+    parents = {name.rpartition(".")[0] for name, _ in blocks}
+    if len(parents) != 1:
+        raise ConfigError(f"distckpt plan traces blocks of one container; these sit in {sorted(parents)}: "
+                          "pass blocks= naming one nn.ModuleList's children.")
+    container = model.get_submodule(parents.pop())
+    if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+        raise ConfigError(f"distckpt plan needs the blocks in an nn.ModuleList or nn.Sequential, not "
+                          f"{type(container).__name__}.")
+    full = dict(container._modules)
+    names = [name.rpartition(".")[2] for name, _ in blocks]
+    container._modules = {str(k): full[names[j]] for k, j in enumerate(kept)}
+
+    def undo() -> None:
+        container._modules = full
+
+    return undo
+
+
+def _stretch(mp: ModelProfile, blocks: list[tuple[str, nn.Module]], kept: list[int], source: list[int],
+             whole: dict[str, int]) -> ModelProfile:
+    """The traced profile extended to every block: block i copies its source's numbers, with each
+    gradient count shifted by the trainable bytes of the blocks behind it that the cut removed."""
+    def trainable(m: nn.Module) -> int:
+        return sum(p.numel() * p.element_size() for p in m.parameters() if p.requires_grad)
+
+    size = [trainable(m) for _, m in blocks]
+    after_full = [sum(size[i + 1:]) for i in range(len(blocks))]
+    after_cut = {j: sum(size[k] for k in kept if k > j) for j in kept}
+    out = []
+    for i, (name, _) in enumerate(blocks):
+        b = mp.blocks[kept.index(source[i])]
+        d = after_full[i] - after_cut[source[i]]
+
+        def shift(v: int, d: int = d) -> int:
+            return v + d if v >= 0 else v
+
+        out.append(dataclasses.replace(
+            b, fqn=name, grads_ready_bytes=shift(b.grads_ready_bytes),
+            grads_at_peak_bytes=shift(b.grads_at_peak_bytes), recompute_grads_bytes=shift(b.recompute_grads_bytes)))
+    lost = sum(size) - sum(size[k] for k in kept)
+    tail = mp.tail_grads_bytes + lost if mp.tail_grads_bytes >= 0 else -1
+    return dataclasses.replace(mp, blocks=tuple(out), tail_grads_bytes=tail, **whole)
+
+
+def _whole(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> dict[str, int]:
+    """The parameter counts of the whole model (before the cut), as :class:`ModelProfile` fields."""
+    def distinct(ts: list[torch.Tensor]) -> int:
+        return sum({compat.storage_id(t): t.untyped_storage().nbytes() for t in ts}.values())
+
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    return dict(param_bytes=distinct(params), trainable_bytes=distinct(trainable),
+                trainable_tensors=len({compat.storage_id(p) for p in trainable}),
+                buffer_bytes=distinct(list(model.buffers())),
+                block_param_bytes=max((distinct(list(m.parameters())) for _, m in blocks), default=0),
+                max_param_bytes=max((p.untyped_storage().nbytes() for p in params), default=0))
+
+
+def _policy_step(model: nn.Module, blocks: list[tuple[str, nn.Module]], call: Any, context_fn: Any
+                 ) -> tuple[list[int], int]:
+    """One fake training step with every block checkpointed (``context_fn``: selective; ``False``: no
+    checkpointing): the bytes each block leaves alive after its forward, and the step's FLOPs."""
+    from torch.utils.checkpoint import checkpoint
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def patched(orig: Any) -> Any:
+        def forward(*a: Any, **kw: Any) -> Any:
+            kw = {k: _profile._CACHE_OFF.get(k, v) for k, v in kw.items()}
+            if context_fn is False:
+                return orig(*a, **kw)
+            extra = {"context_fn": context_fn} if context_fn is not None else {}
+            return checkpoint(orig, *a, use_reentrant=False, **extra, **kw)
+
+        return forward
+
+    args, kwargs = _profile._as_args(call)
+    tracker = _profile.memory_tracker(model, *_profile._tensors((args, kwargs)))
+    before: dict[int, int] = {}
+    left = [0] * len(blocks)
+
+    def total() -> int:
+        return sum(d.get("Total", 0) for d in tracker.get_tracker_snapshot().values())
+
+    hooks = []
+    for i, (_, m) in enumerate(blocks):
+        hooks.append(m.register_forward_pre_hook(lambda mod, a, i=i: before.__setitem__(i, total())))
+        hooks.append(m.register_forward_hook(lambda mod, a, o, i=i: left.__setitem__(i, total() - before[i])))
+    saved = [(m, m.__dict__.get("forward")) for _, m in blocks]
+    counter = FlopCounterMode(display=False)
+    try:
+        for _, m in blocks:
+            m.forward = patched(m.forward)
+        with tracker, counter:
+            _profile.scalar_loss(model(*args, **kwargs)).backward()
+    finally:
+        for h in hooks:
+            h.remove()
+        for m, f in saved:
+            if f is None:
+                m.__dict__.pop("forward", None)
+            else:
+                m.forward = f
+        for p in model.parameters():
+            p.grad = None
+    return left, int(counter.get_total_flops())
+
+
+def _selective(mp: ModelProfile, model: nn.Module, cut: list[tuple[str, nn.Module]], kept: list[int],
+               source: list[int], call: Any) -> tuple[ModelProfile, int, int]:
+    """The profile as selective checkpointing sees it (a checkpointed block holds its input plus the op
+    outputs the policy saves), and the measured recompute FLOPs of ``full`` and ``selective``."""
+    from distckpt.select.policies import parse_policy
+
+    _, none_flops = _policy_step(model, cut, call, False)
+    full_left, full_flops = _policy_step(model, cut, call, None)
+    sel_left, sel_flops = _policy_step(model, cut, call, parse_policy("selective").context_fn())
+    # Bytes selective keeps beyond full's, per traced block; the footprint (what a block holds while
+    # it runs backward) stays: the kept outputs replace the ones a full recompute would make.
+    extra = {j: max(0, s - f) for j, s, f in zip(kept, sel_left, full_left)}
+    blocks = tuple(dataclasses.replace(b, input_bytes=b.input_bytes + extra[source[i]],
+                                       saved_input_bytes=b.saved_input_bytes + extra[source[i]])
+                   for i, b in enumerate(mp.blocks))
+    scale = len(mp.blocks) / len(kept)
+    return (dataclasses.replace(mp, blocks=blocks), int((full_flops - none_flops) * scale),
+            int((sel_flops - none_flops) * scale))
+
+
+def _resize(batch: Any, micro_batch: int | None, seq_len: int | None) -> Any:
+    """``batch`` with its leading (batch) and second (sequence) sizes replaced, values left undefined:
+    every tensor whose dim 0 has the batch's leading size, and dim 1 its first sequence length."""
+    leaves = [t for t in _profile._tensors(batch) if t.dim() > 0]
+    if not leaves or (micro_batch is None and seq_len is None):
+        return batch
+    b0 = leaves[0].shape[0]
+    s0 = next((t.shape[1] for t in leaves if t.dim() > 1), None)
+
+    def resize(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            return t
+        shape = list(t.shape)
+        if micro_batch is not None and shape[0] == b0:
+            shape[0] = micro_batch
+        if seq_len is not None and t.dim() > 1 and shape[1] == s0:
+            shape[1] = seq_len
+        return t.new_zeros(shape) if shape != list(t.shape) else t
+
+    return tree_map(resize, batch)
+
+
+class _LossModule(nn.Module):
+    """The model and the factory's loss as one module: the profile runs ``module(batch)``."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[[nn.Module, Any], torch.Tensor]) -> None:
+        super().__init__()
+        self.m = model
+        self.loss_fn = loss_fn
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        return self.loss_fn(self.m, batch)
+
+
+def _subject(factory: Any, example_inputs: Any) -> tuple[nn.Module, nn.Module, str, Any]:
+    """(model, module to profile, prefix of block names in it, sample call) from a factory."""
+    from distckpt.check.doctor import load_factory
+
+    made = (load_factory(factory) if isinstance(factory, str) else factory)()
+    if isinstance(made, nn.Module):
+        if example_inputs is None:
+            raise ConfigError("plan_at_scale: a factory returning only a model needs example_inputs= (one "
+                              "rank's micro-batch, as model(*example_inputs) takes it).")
+        return made, made, "", example_inputs
+    model, loss_fn, batch_fn = made
+    # The factory's batch (rank 0 of 1) is one rank's micro-batch; --micro-batch/--seq-len resize it.
+    batch = batch_fn(0, 0, 1) if example_inputs is None else example_inputs
+    return model, _LossModule(model, loss_fn), "m.", _profile.Call((batch,), {})
+
+
+def _per_rank(mp: ModelProfile, strategy: str, world_size: int, shard_size: int | None,
+              optimizer: str) -> tuple[int, int, int]:
+    """Parameters, gradients and optimizer state per rank: the sharding of budget.static_bytes
+    (shards of ``1/shards()``), without its working set of unsharded blocks (that is in the peak)."""
+    if optimizer not in OPTIMIZER_STATES:
+        raise ConfigError(f"optimizer must be one of {sorted(OPTIMIZER_STATES)}, got {optimizer!r}.")
+    div = shards(strategy, world_size, shard_size)
+    k = OPTIMIZER_STATES[optimizer]
+    steps = 4 * mp.trainable_tensors if optimizer in ("adam", "adamw") else 0
+    return mp.param_bytes // div, mp.trainable_bytes // div, k * mp.trainable_bytes // div + steps
+
+
+def plan_at_scale(factory: Any, *, strategy: str = "fsdp2", world_size: int = 1, shard_size: int | None = None,
+                  micro_batch: int | None = None, seq_len: int | None = None, budget: int | None = None,
+                  optimizer: str = "adamw", grad_accumulation: bool = False, blocks: Any = None,
+                  example_inputs: Any = None) -> PlanReport:
+    """Predict one rank's peak training memory and recompute FLOPs under ``none``, ``full``,
+    ``selective`` and a ``budget`` plan, without allocating the model (``FakeTensorMode``).
+
+    Args:
+        factory: ``"pkg.module:make"`` or a callable; ``make()`` returns ``(model, loss_fn, batch_fn)``
+            (the doctor's contract, :mod:`distckpt.check.doctor`) or just a model (then pass
+            ``example_inputs``). It runs under ``FakeTensorMode``: it must not read tensor values.
+        strategy: ``"ddp"``, ``"fsdp"``, ``"fsdp2"``, ``"hsdp"`` or ``"none"``.
+        world_size: ranks; ``shard_size``: ``"hsdp"``'s sharding group.
+        micro_batch, seq_len: resize the sample batch's leading and sequence dimensions.
+        budget: bytes per rank for the ``budget`` plan (``None``: no budget plan).
+        optimizer: ``"adamw"``, ``"adam"``, ``"sgd"``, ``"sgd_momentum"`` or ``"none"``.
+        grad_accumulation: gradients persist across micro-batches.
+        blocks: the candidate blocks (as ``wrap``'s ``blocks=``); ``None`` finds them.
+        example_inputs: overrides the factory's batch.
+
+    Returns:
+        A :class:`PlanReport`.
+
+    Raises:
+        ConfigError: a bad strategy, optimizer, shard size or factory, or a model that reads tensor
+            values while it runs (it cannot run on fake tensors).
+    """
+    from distckpt.apply.wrap import checkpointing_disabled
+    from distckpt.select.blocks import find_blocks
+
+    with compat.fake_mode(), _fake_storages():
+        model, root, prefix, call = _subject(factory, example_inputs)
+        call = _profile.Call(*_resize(_profile._as_args(call), micro_batch, seq_len))
+        root.train()
+        found = find_blocks(model, blocks)
+        whole = _whole(root, found)
+        kept, source = _kept(found)
+        undo = _cut(model, found, kept)
+        cut = [(prefix + found[j][0], found[j][1]) for j in kept]
+        try:
+            with checkpointing_disabled(model):
+                mp = _stretch(_profile.profile_model(root, cut, call), found, kept, source, whole)
+                mp_sel, full_flops, sel_flops = _selective(mp, root, cut, kept, source, call)
+        except (RuntimeError, NotImplementedError) as e:
+            # FakeTensorMode's own errors (DataDependentOutputException, ...) live in torch._subclasses.
+            if type(e).__module__.startswith("torch._subclasses") or "data-dependent" in str(e):
+                raise ConfigError(f"distckpt plan runs the model on fake tensors (no values); it read a value: "
+                                  f"{e}. Make the factory's model shape-only in forward.") from e
+            raise
+        finally:
+            undo()
+    return _report(mp, mp_sel, found, kept, full_flops, sel_flops, strategy=strategy, world_size=world_size,
+                   shard_size=shard_size, optimizer=optimizer, budget=budget, grad_accumulation=grad_accumulation)
+
+
+def _report(mp: ModelProfile, mp_sel: ModelProfile, found: list[tuple[str, nn.Module]], kept: list[int],
+            full_flops: int, sel_flops: int, *, strategy: str, world_size: int, shard_size: int | None,
+            optimizer: str, budget: int | None, grad_accumulation: bool) -> PlanReport:
+    kw = dict(strategy=strategy, world_size=world_size, shard_size=shard_size, optimizer=optimizer,
+              grad_accumulation=grad_accumulation)
+    static_bytes(mp, strategy=strategy, world_size=world_size, optimizer=optimizer, shard_size=shard_size)  # checks
+    n = len(mp.blocks)
+    policies = [PolicyEstimate("none", predicted_peak(mp, [], **kw), 0, ()),
+                PolicyEstimate("full", predicted_peak(mp, range(n), **kw), full_flops, tuple(range(n))),
+                PolicyEstimate("selective", predicted_peak(mp_sel, range(n), **kw), sel_flops, tuple(range(n)))]
+    params, grads, optim = _per_rank(mp, strategy, world_size, shard_size, optimizer)
+    total = sum(p.numel() for p in {id(p): p for _, m in found for p in m.parameters()}.values())
+    report = PlanReport(
+        strategy=strategy, world_size=world_size, shard_size=shard_size, optimizer=optimizer,
+        blocks=tuple(name for name, _ in found), traced_blocks=len(kept),
+        total_params=_param_count(mp, found, total), param_bytes=params, grad_bytes=grads,
+        optimizer_bytes=optim, activation_bytes=mp.activation_bytes,
+        forward_flops=sum(b.forward_flops for b in mp.blocks), policies=tuple(policies),
+        budget_bytes=None, profile=mp)
+    if budget is None:
+        return report
+    try:
+        return report.with_budget(budget, grad_accumulation=grad_accumulation)
+    except ConfigError as e:
+        return dataclasses.replace(report, budget_bytes=budget, budget_error=str(e))
+
+
+def _param_count(mp: ModelProfile, found: list[tuple[str, nn.Module]], block_params: int) -> int:
+    """Parameters of the whole model, from its bytes (the blocks' own element size for the rest)."""
+    size = next((p.element_size() for _, m in found for p in m.parameters()), 4)
+    return block_params + max(0, mp.param_bytes - block_params * size) // size
+
+
+def _fmt(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _flops(n: float) -> str:
+    return "0" if not n else f"{n / 10 ** (3 * (e := min(5, int(math.log10(n)) // 3))):.2f} " + \
+        ["", "K", "M", "G", "T", "P"][e] + "FLOP"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def _ranges(idx: tuple[int, ...]) -> str:
+    out, start = [], None
+    for k, i in enumerate(idx):
+        if start is None:
+            start = i
+        if k + 1 == len(idx) or idx[k + 1] != i + 1:
+            out.append(str(start) if start == i else f"{start}-{i}")
+            start = None
+    return ",".join(out) or "-"
+
+
+def render(r: PlanReport) -> str:
+    """The report as ``distckpt plan`` prints it."""
+    where = f"{r.strategy}, {r.world_size} ranks" + (f", shard size {r.shard_size}" if r.shard_size else "")
+    lines = [f"distckpt plan: {_count(r.total_params)} parameters, {len(r.blocks)} blocks ({r.blocks[0]}, ...; "
+             f"{r.traced_blocks} traced), {where}, {r.optimizer}",
+             "per rank:",
+             f"  parameters        {_fmt(r.param_bytes):>12}",
+             f"  gradients         {_fmt(r.grad_bytes):>12}",
+             f"  optimizer state   {_fmt(r.optimizer_bytes):>12}",
+             f"  activations       {_fmt(r.activation_bytes):>12}  (no checkpointing; one forward of the blocks: "
+             f"{_flops(r.forward_flops)})",
+             f"  {'policy':<10} {'peak':>12}  {'recompute':>13}  checkpointed blocks"]
+    for p in r.policies:
+        label = p.policy if p.policy != "budget" else f"budget:{_fmt(r.budget_bytes).replace(' ', '')}"
+        lines.append(f"  {label:<10} {_fmt(p.peak_bytes):>12}  {_flops(p.recompute_flops):>13}  "
+                     f"{_ranges(p.checkpointed)}")
+    if r.budget_error:
+        lines.append(f"  budget: {r.budget_error}")
+    return "\n".join(lines)

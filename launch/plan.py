@@ -1,0 +1,50 @@
+"""``python launch/plan.py model=hf model.config_name=llama model.d_model=4096 ... [--world-size 64]``:
+``distckpt plan`` on the model and data of the launcher's config (its strategy unless ``--strategy``).
+
+The library's plan takes a factory; this script passes the doctor's factory of a Hydra config
+(:func:`launch.doctor.build_subject`, unwrapped), so the library never imports the launcher.
+``distckpt plan <overrides>``, run from a checkout, delegates here. Exit 0, or 2 on a bad override.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from pathlib import Path
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `launch` and `distckpt` from a checkout
+
+from distckpt.errors import ConfigError  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Plan the config of ``argv``'s overrides and print the report.
+
+    Returns:
+        The exit code: 0, or 2 on bad usage or a bad override.
+    """
+    from distckpt.cli import add_plan_flags, run_plan
+    from launch.doctor import _compose, build_subject
+
+    parser = argparse.ArgumentParser(prog="python launch/plan.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("overrides", nargs="+", help="Hydra overrides of the launcher's config (key=value)")
+    add_plan_flags(parser)
+    parser.set_defaults(strategy=None)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = _compose(args.overrides)
+    except ConfigError as e:
+        print(f"distckpt plan: {e}", file=sys.stderr)
+        return 2
+    args.strategy = args.strategy or cfg.strategy.name
+    if args.shard_size is None and args.strategy == "hsdp":
+        args.shard_size = cfg.strategy.get("shard_size")
+    # The launcher's whole global batch is one micro-batch unless --micro-batch says otherwise.
+    args.factory = functools.partial(build_subject, tuple(args.overrides), False, 1, True)
+    return run_plan(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""``distckpt plan`` (distckpt.select.estimate): predictions on fake tensors against MemTracker's measured
+peaks of real steps, the 70B-shaped plan, and the command."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.plan_accuracy import compare, gpt_factory, hf_factory, make_llama_70b
+from distckpt.cli import main
+from distckpt.errors import ConfigError
+from distckpt.select.estimate import plan_at_scale
+
+
+@pytest.mark.parametrize("name,factory", [("MultiTaskGPT", gpt_factory(4)), ("llama", hf_factory("llama"))])
+def test_predicted_peaks_within_5_percent_of_measured(name, factory):
+    # 4 blocks, 3 traced: the cut block' numbers come from the stretch, not from a trace.
+    results = compare(factory)
+    assert set(results) == {"none", "full", "selective", "budget"}
+    for policy, (pred, meas) in results.items():
+        assert abs(pred / meas - 1) < 0.05, (name, policy, pred, meas)
+    assert results["full"][1] < results["none"][1]
+
+
+def test_llama_70b_shaped_on_64_ranks_fsdp2():
+    r = plan_at_scale(make_llama_70b, strategy="fsdp2", world_size=64, budget=60 * 2**30)
+    assert len(r.blocks) == 80 and r.traced_blocks == 3
+    assert abs(r.total_params / 70.55e9 - 1) < 0.01
+    assert abs(r.param_bytes / (70.6e9 * 2 / 64) - 1) < 0.01  # bf16 shards
+    assert r.grad_bytes == r.param_bytes and abs(r.optimizer_bytes / (2 * r.param_bytes) - 1) < 0.01
+    none, full, sel, budget = (r.policy(p) for p in ("none", "full", "selective", "budget"))
+    # Activations of one 4096-token sequence: at least the 80 blocks' inputs (4096 x 8192 bf16 each).
+    assert r.activation_bytes > 80 * 4096 * 8192 * 2
+    assert full.peak_bytes < sel.peak_bytes < none.peak_bytes
+    assert 0 == none.recompute_flops < sel.recompute_flops < full.recompute_flops
+    assert budget.peak_bytes <= 60 * 2**30 and 0 < len(budget.checkpointed) < 80
+
+
+def test_hsdp_shards_over_the_shard_group_only():
+    f = gpt_factory(2)
+    hsdp = plan_at_scale(f, strategy="hsdp", world_size=8, shard_size=2)
+    fsdp = plan_at_scale(f, strategy="fsdp2", world_size=2)
+    assert hsdp.param_bytes == fsdp.param_bytes and hsdp.policies == fsdp.policies
+    with pytest.raises(ConfigError, match="shard_size"):
+        plan_at_scale(f, strategy="hsdp", world_size=8)
+
+
+def test_cli_plan_prints_each_policy_and_rejects_a_bad_budget(capsys):
+    assert main(["plan", "--factory", "benchmarks.plan_accuracy:make_gpt", "--strategy", "ddp", "--world-size", "2",
+                 "--micro-batch", "2", "--budget", "8MiB"]) == 0
+    out = capsys.readouterr().out
+    for word in ("parameters", "gradients", "optimizer state", "activations", "none", "full", "selective",
+                 "budget:8.00MiB"):
+        assert word in out, word
+    assert main(["plan", "--factory", "benchmarks.plan_accuracy:make_gpt", "--budget", "lots"]) == 2
+    assert "not a size" in capsys.readouterr().err
+
+
+def test_launcher_config_plans_and_cli_delegates(capsys):
+    from launch.plan import main as launch_plan
+
+    overrides = ["model=gpt", "model.n_layer=3", "strategy=fsdp2"]
+    assert launch_plan([*overrides, "--world-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "3 blocks" in out and "fsdp2, 4 ranks" in out and "selective" in out
+    assert launch_plan(["model=nosuch"]) == 2
+    assert main(["plan"]) == 2 and "either --factory" in capsys.readouterr().err
+
+
+class _ReadsValues(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        if x.sum().item() > 0:  # reads a value: impossible on fake tensors
+            x = x * 2
+        return x.sum()
+
+
+def test_micro_batch_resizes_and_value_reading_models_are_refused():
+    f = gpt_factory(2)
+    small, big = (plan_at_scale(f, strategy="none", micro_batch=b) for b in (2, 8))
+    assert 3.5 < big.activation_bytes / small.activation_bytes <= 4.0
+    with pytest.raises(ConfigError, match="fake tensors"):
+        plan_at_scale(_ReadsValues, strategy="none", example_inputs=(torch.randn(4, 8),))
