@@ -11,10 +11,9 @@ module's memory model places parameters, gradients and optimizer state for the s
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,23 +79,6 @@ class PlanReport:
     def policy(self, name: str) -> PolicyEstimate:
         """The estimate of ``name`` (``none``, ``full``, ``selective``, ``budget``)."""
         return next(p for p in self.policies if p.policy == name)
-
-
-def _storage_key(t: torch.Tensor) -> tuple[str, int]:
-    return (str(t.device), compat.storage_id(t))
-
-
-@contextlib.contextmanager
-def _fake_storages() -> Iterator[None]:
-    """profile.py tells storages apart by ``data_ptr()``, which is 0 for every fake tensor; for the
-    duration of a fake profile it uses the storage's identity instead (same result on real tensors).
-    TODO(lead): fold this key into profile._storage_key and drop the patch."""
-    saved = _profile._storage_key
-    _profile._storage_key = _storage_key
-    try:
-        yield
-    finally:
-        _profile._storage_key = saved
 
 
 def _signature(m: nn.Module) -> tuple[Any, ...]:
@@ -349,7 +331,7 @@ def plan_at_scale(factory: Any, *, strategy: str = "fsdp2", world_size: int = 1,
     from distckpt.apply.wrap import checkpointing_disabled
     from distckpt.select.blocks import find_blocks
 
-    with compat.fake_mode(), _fake_storages():
+    with compat.fake_mode():
         model, root, prefix, call = _subject(factory, example_inputs)
         call = _profile.Call(*_resize(_profile._as_args(call), micro_batch, seq_len))
         root.train()

@@ -166,8 +166,9 @@ def scalar_loss(out: Any) -> torch.Tensor:
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int]:
-    st = t.untyped_storage()
-    return (str(t.device), st.data_ptr())
+    # The storage's identity, not its data_ptr(): the same on real tensors, and it also tells fake
+    # tensors apart (distckpt plan profiles under FakeTensorMode, where every data_ptr() is 0).
+    return (str(t.device), compat.storage_id(t))
 
 
 def _storage_bytes(t: torch.Tensor) -> int:
