@@ -63,7 +63,13 @@ class HFModelConfig:
 class DataConfig:
     name: str = "synthetic"  # synthetic | digits
     batch_size: int = 32  # the global batch: split over ranks and micro-batches
-    seed: int = 0
+    seed: int = 0  # the data set (synthetic) and the per-epoch shuffling
+    shuffle: bool = True  # a new seeded permutation each epoch
+    drop_last: bool = True  # drop an incomplete last global batch of an epoch
+    num_workers: int = 0  # DataLoader worker processes per rank
+    pin_memory: bool = True  # on CUDA only
+    n: int = 4096  # synthetic: samples in the train split
+    n_eval: int = 256  # samples in the eval split (0: no eval split)
     noise: float = 0.05  # synthetic tokens only
 
 

@@ -21,7 +21,6 @@ from distckpt._dist import rank_world
 from distckpt._spawn import free_port
 from distckpt.errors import ConfigError
 from distckpt.train import LoopOptions, LoopResult, MetricSink, TrainState, fit, format_summary
-from distckpt.train.data import micro_batches
 from launch.build import (
     autocast_factory,
     build_data,
@@ -144,9 +143,9 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -> Loo
         (Path(path) / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
     torch.manual_seed(t.seed)  # the same initial parameters on every rank
-    data = build_data(cfg.data, cfg.model)
+    data = build_data(cfg.data, cfg.model, device)
     model = build_model(cfg.model, cfg.data)
-    example = micro_batches(data.global_batch(0), 0, rank_world()[1], t.grad_accum)[0]
+    example = data.example(t.grad_accum)
     _wrap(model, cfg, example)
     blocks = distckpt.checkpointed(model)  # before parallelize: the user's names, no wrapper prefixes
     verified = _optional_verify(model, example, t.verify_recompute)
@@ -155,7 +154,7 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -> Loo
     model = distckpt.parallelize(model, strategy, graph=cfg.strategy.graph,
                                  **parallel_kwargs(cfg.precision, strategy))
     optimizer, scheduler = build_optimizer(cfg.optim, model, t.max_steps)
-    state = TrainState(model, optimizer, scheduler, build_scaler(cfg.precision, strategy, device))
+    state = TrainState(model, optimizer, scheduler, build_scaler(cfg.precision, strategy, device), data=data)
     guard = _optional_guard(model, t.guard_every)
     torch.manual_seed(t.seed + 1 + rank)  # dropout: one stream per rank, restored on resume
 

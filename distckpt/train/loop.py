@@ -26,7 +26,7 @@ import torch.nn as nn
 from distckpt._dist import local_tensor, rank_world
 from distckpt.parallel.strategies import accumulate
 from distckpt.train.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
-from distckpt.train.data import StepData, micro_batches
+from distckpt.train.data import ShardedLoader, micro_batches
 from distckpt.train.metrics import MetricSink, Stopwatch, peak_memory_mib
 
 __all__ = ["LoopOptions", "NonFiniteLossError", "fit"]
@@ -129,7 +129,7 @@ def _params_finite(model: nn.Module) -> bool:
 def fit(
     model: nn.Module,
     state: TrainState,
-    data: StepData,
+    data: ShardedLoader,
     *,
     opts: LoopOptions,
     run_dir: str | os.PathLike[str],
@@ -144,7 +144,7 @@ def fit(
     Args:
         model: the (wrapped, parallelized) model; ``model(batch)`` returns a dict of per-task losses.
         state: optimizer, scheduler, grad scaler and step, as saved in checkpoints.
-        data: the step-indexed data source.
+        data: this rank's loader (its position is saved in ``state`` and restored on resume).
         opts: loop options.
         run_dir: the run folder; checkpoints go to ``run_dir/checkpoints``.
         sink: where metrics go (a no-op on ranks other than 0).
@@ -162,6 +162,8 @@ def fit(
     rank, world = rank_world()
     ckpt_dir = Path(run_dir) / "checkpoints"
     result = LoopResult()
+    if state.data is None:
+        state.data = data  # the loader's position goes into every checkpoint
     if opts.resume:
         result.resumed_from = _resume(state, ckpt_dir, rank)
     result.start_step = state.step
@@ -177,7 +179,7 @@ def fit(
         model.train()
         while state.step < opts.max_steps:
             step = state.step + 1  # the step being computed, 1-based
-            micro = micro_batches(data.global_batch(step), rank, world, opts.grad_accum)
+            micro = micro_batches(data.next_batch(), 0, 1, opts.grad_accum)  # this rank's part, already
             total, sums = _forward_backward(model, micro, step, opts, device, autocast, scaler)
             tasks = sorted(sums)
             if guard is not None:  # a collective: every rank checks at every step (the guard skips by `every`)
@@ -203,7 +205,7 @@ def fit(
             global_losses = {k: packed[3 + j].item() / world for j, k in enumerate(tasks)}
             result.losses = {"loss": packed[2].item() / world, **global_losses}
             if opts.eval_every and step % opts.eval_every == 0:
-                result.eval_loss = _evaluate(model, data, device, autocast, opts.task_weights)
+                result.eval_loss = _evaluate(model, data, device, autocast, opts.task_weights, world)
             if step % max(opts.log_every, 1) == 0 or step == opts.max_steps or stop_now:
                 _log(sink, bar, step, result, optimizer, norm, watch.lap(), peak_memory_mib(device), bad,
                      with_eval=bool(opts.eval_every and step % opts.eval_every == 0))
@@ -313,15 +315,19 @@ def _save(model: nn.Module, state: TrainState, ckpt_dir: Path, opts: LoopOptions
     result.checkpoints.append(str(save_checkpoint(state, ckpt_dir, keep_last=opts.keep_last)))
 
 
-def _evaluate(model: nn.Module, data: StepData, device: torch.device, autocast: Callable[[], Any],
-              weights: dict[str, float]) -> float:
-    # Every rank evaluates the whole eval batch: FSDP needs every rank in the forward anyway, and the
-    # result is then the same number everywhere without a collective.
+def _evaluate(model: nn.Module, data: ShardedLoader, device: torch.device, autocast: Callable[[], Any],
+              weights: dict[str, float], world: int) -> float | None:
+    """The weighted loss over the eval split, averaged over its global batches (every rank has as many)."""
     model.eval()
+    total, n = torch.zeros(()), 0
     try:
         with torch.no_grad(), autocast():
-            batch = {k: v.to(device) for k, v in data.eval_batch().items()}
-            losses = model(batch)
-            return float(sum(weights.get(k, 1.0) * v.float() for k, v in losses.items()))
+            for batch in data.eval_batches():
+                losses = model({k: v.to(device) for k, v in batch.items()})
+                total += sum(weights.get(k, 1.0) * v.float() for k, v in losses.items()).cpu()
+                n += 1
     finally:
         model.train()
+    if n == 0:
+        return None
+    return _all_sum(total).item() / (n * world)
