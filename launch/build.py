@@ -10,16 +10,25 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import Dataset, IterableDataset
 
 from distckpt.train.data import DIGITS_FEATURES, ShardedLoader, digits, synthetic_mlp, synthetic_tokens
 from distckpt.train.models import MultiTaskGPT, MultiTaskMLP, build_hf_causal_lm
+from launch.targets import instantiate_target
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def build_model(m: DictConfig, d: DictConfig) -> nn.Module:
-    """The model of ``model=...`` (its input size follows ``data=digits`` when chosen)."""
+    """The model of ``model=...`` (its input size follows ``data=digits`` when chosen).
+
+    Raises:
+        ConfigError: ``model=custom`` with a ``_target_`` that cannot be built (see ``launch/targets.py``).
+    """
+    if m.name == "custom":
+        return instantiate_target(m, "model", (nn.Module,), "an nn.Module whose forward(batch) returns a dict "
+                                  "of named scalar losses")
     if m.name == "gpt":
         return MultiTaskGPT(vocab_size=m.vocab_size, seq_len=m.seq_len, d_model=m.d_model, n_layer=m.n_layer,
                             n_head=m.n_head, n_classes=m.n_classes, dropout=m.dropout)
@@ -32,7 +41,17 @@ def build_model(m: DictConfig, d: DictConfig) -> nn.Module:
 
 
 def build_datasets(d: DictConfig, m: DictConfig) -> tuple[Any, Any]:
-    """The train and eval data sets of ``data=...`` (eval ``None`` when there is none), shaped for ``model=...``."""
+    """The train and eval data sets of ``data=...`` (eval ``None`` when there is none), shaped for ``model=...``.
+
+    Raises:
+        ConfigError: ``data=custom`` with a ``_target_`` that cannot be built (see ``launch/targets.py``).
+    """
+    if d.name == "custom":
+        what = "a torch.utils.data.Dataset of dicts of tensors or an IterableDataset"
+        train_set = instantiate_target(d, "data", (Dataset, IterableDataset), what)
+        eval_over = OmegaConf.to_container(d.eval, resolve=True) if d.get("eval") else None
+        return train_set, instantiate_target(d, "data", (Dataset, IterableDataset), what, **eval_over) if eval_over \
+            else None
     if d.name == "digits":
         return digits("train", d.n_eval), digits("eval", d.n_eval) if d.n_eval else None
     if m.name == "mlp":

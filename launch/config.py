@@ -141,6 +141,7 @@ class TrainerConfig:
     seed: int = 0
     resume: bool = True
     on_nonfinite: str = "skip"  # skip | stop
+    task_weights: dict[str, float] = field(default_factory=dict)  # loss = sum of weight * task loss (default 1)
     guard_every: int = 0  # distckpt.GradSyncGuard every N steps; 0 = off
     verify_recompute: bool = False  # distckpt.verify_recompute once at start
     progress: bool = True
@@ -150,8 +151,8 @@ class TrainerConfig:
 
 @dataclass
 class Config:
-    model: Any = MISSING
-    data: DataConfig = MISSING
+    model: Any = MISSING  # untyped: model=custom takes any keys (its target's arguments)
+    data: Any = MISSING  # likewise for data=custom; the built-in data sets use DataConfig
     strategy: StrategyConfig = MISSING
     ac: ACConfig = MISSING  # activation checkpointing; `ckpt` was its old name (refused in launch/check.py)
     precision: PrecisionConfig = MISSING
@@ -188,7 +189,7 @@ def register() -> None:
 CHOICES = {
     "strategy.name": STRATEGIES,
     "strategy.graph": GRAPHS,
-    "data.name": ("synthetic", "digits"),
+    "data.name": ("synthetic", "digits", "custom"),
     "precision.dtype": ("fp32", "bf16", "fp16"),
     "optim.name": OPTIMIZERS,
     "optim.scheduler": ("constant", "cosine", "linear"),
@@ -231,7 +232,7 @@ def validate(cfg: DictConfig, world_size: int = 1) -> None:
     if d.batch_size % (world_size * t.grad_accum):
         raise ConfigError(f"data.batch_size={d.batch_size} must be a multiple of {world_size} ranks x "
                           f"trainer.grad_accum={t.grad_accum}; change data.batch_size or trainer.grad_accum.")
-    if d.name == "digits" and m.name != "mlp":
+    if d.name == "digits" and m.name not in ("mlp", "custom"):
         raise ConfigError(f"data=digits is image features: it needs model=mlp (got model={m.name}).")
     if cfg.precision.dtype == "fp16" and not cfg.precision.grad_scaler:
         raise ConfigError("precision.dtype=fp16 without a grad scaler underflows; use precision=fp16 "

@@ -88,6 +88,8 @@ def _run_dir(run_dir: str | os.PathLike[str] | None) -> str:
 
 def _wrap(model: torch.nn.Module, cfg: DictConfig, example: dict[str, torch.Tensor]) -> None:
     c = cfg.ac
+    if c.policy == "none":  # nothing to checkpoint: a model without repeated blocks (model=custom) is fine
+        return
     distckpt.wrap(model, c.policy, blocks=list(c.blocks) if c.blocks else None, reentrant=c.reentrant,
                   offload="cpu" if c.offload else None, example_inputs=(example,))
 
@@ -164,6 +166,7 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -> Loo
         max_steps=t.max_steps, grad_accum=t.grad_accum, clip_grad_norm=t.clip_grad_norm, log_every=t.log_every,
         save_every=t.save_every, keep_last=t.keep_last, eval_every=t.eval_every, resume=t.resume,
         on_nonfinite=t.on_nonfinite, guard_every=t.guard_every, progress=t.progress,
+        task_weights=dict(t.task_weights),
         nan_at_steps=tuple(t.fault.nan_at_steps), kill_at_step=t.fault.kill_at_step, kill_rank=t.fault.kill_rank,
     )
     try:

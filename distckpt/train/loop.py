@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distckpt._dist import local_tensor, rank_world
+from distckpt.errors import ConfigError
 from distckpt.parallel.strategies import accumulate
 from distckpt.train.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
 from distckpt.train.data import ShardedLoader, micro_batches
@@ -259,7 +260,7 @@ def _forward_backward(model: nn.Module, micro: list[dict[str, torch.Tensor]], st
         mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
         sync = i == len(micro) - 1
         with (contextlib.nullcontext() if sync else accumulate(model)), autocast():
-            losses = model(mb)
+            losses = _task_losses(model(mb), opts.task_weights)
             loss = sum(opts.task_weights.get(k, 1.0) * v for k, v in losses.items()) / len(micro)
         if step in opts.nan_at_steps:
             loss = loss * float("nan")
@@ -268,6 +269,21 @@ def _forward_backward(model: nn.Module, micro: list[dict[str, torch.Tensor]], st
         for k, v in losses.items():
             sums[k] = sums.get(k, 0) + v.detach().float() / len(micro)
     return total, sums
+
+
+def _task_losses(out: Any, weights: dict[str, float]) -> dict[str, torch.Tensor]:
+    """``out`` if it follows the model protocol: a dict of named scalar losses that has every weighted task.
+
+    Raises:
+        ConfigError: it is not such a dict, or ``weights`` names a task it lacks.
+    """
+    if not isinstance(out, dict) or not all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in out.values()):
+        raise ConfigError(f"the model's forward(batch) returned {type(out).__name__}; it must return a dict of "
+                          "named scalar losses, one per task, e.g. {'lm': loss_lm, 'cls': loss_cls}.")
+    if unknown := sorted(set(weights) - set(out)):
+        raise ConfigError(f"trainer.task_weights names {unknown}, which the model does not return; "
+                          f"its tasks are {sorted(out)}.")
+    return out
 
 
 def _optimizer_step(state: TrainState, step: int, bad: bool, opts: LoopOptions, result: LoopResult,

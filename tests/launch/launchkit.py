@@ -98,3 +98,14 @@ def assert_params_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
             assert torch.equal(a[k], b[k]), f"{k} differs: max |diff| {(a[k] - b[k]).abs().max().item():.3g}"
         else:
             torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+
+
+class TensorLossNet(torch.nn.Module):
+    """Breaks the model protocol on purpose: its forward returns one tensor, not a dict of named losses."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(dim, 1)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.fc(batch["x"]).mean()
