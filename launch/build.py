@@ -13,7 +13,14 @@ import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import Dataset, IterableDataset
 
-from distckpt.train.data import DIGITS_FEATURES, ShardedLoader, digits, synthetic_mlp, synthetic_tokens
+from distckpt.train.data import (
+    DIGITS_FEATURES,
+    ShardedLoader,
+    TokenWindows,
+    digits,
+    synthetic_mlp,
+    synthetic_tokens,
+)
 from distckpt.train.models import MultiTaskGPT, MultiTaskMLP, build_hf_causal_lm
 from launch.targets import instantiate_target
 
@@ -52,6 +59,13 @@ def build_datasets(d: DictConfig, m: DictConfig) -> tuple[Any, Any]:
         eval_over = OmegaConf.to_container(d.eval, resolve=True) if d.get("eval") else None
         return train_set, instantiate_target(d, "data", (Dataset, IterableDataset), what, **eval_over) if eval_over \
             else None
+    if d.name == "tokens":
+        vocab = m.get("vocab_size")
+
+        def windows(path: str) -> TokenWindows:
+            return TokenWindows(path, m.seq_len, d.dtype, vocab_size=vocab)
+
+        return windows(d.path), windows(d.eval_path) if d.eval_path else None
     if d.name == "digits":
         return digits("train", d.n_eval), digits("eval", d.n_eval) if d.n_eval else None
     if m.name == "mlp":

@@ -73,6 +73,14 @@ class DataConfig:
     noise: float = 0.05  # synthetic tokens only
 
 
+@dataclass
+class TokensDataConfig(DataConfig):
+    name: str = "tokens"
+    path: str = MISSING  # a flat binary of token ids (nanoGPT's train.bin; scripts/make_tokens.py writes one)
+    eval_path: Optional[str] = None  # the eval split's file (e.g. val.bin); None: no eval split
+    dtype: str = "uint16"  # uint16 | uint32
+
+
 # --- strategy, activation checkpointing (the `ac` group), precision --------------------------------------------------
 @dataclass
 class StrategyConfig:
@@ -177,6 +185,7 @@ def register() -> None:
     for group, name, node in [
         ("model", "gpt_schema", GPTModelConfig), ("model", "mlp_schema", MLPModelConfig),
         ("model", "hf_schema", HFModelConfig), ("data", "data_schema", DataConfig),
+        ("data", "tokens_schema", TokensDataConfig),
         ("strategy", "strategy_schema", StrategyConfig), ("ac", "ac_schema", ACConfig),
         ("precision", "precision_schema", PrecisionConfig), ("optim", "optim_schema", OptimConfig),
         ("logger", "logger_schema", LoggerConfig), ("trainer", "trainer_schema", TrainerConfig),
@@ -189,7 +198,7 @@ def register() -> None:
 CHOICES = {
     "strategy.name": STRATEGIES,
     "strategy.graph": GRAPHS,
-    "data.name": ("synthetic", "digits", "custom"),
+    "data.name": ("synthetic", "digits", "custom", "tokens"),
     "precision.dtype": ("fp32", "bf16", "fp16"),
     "optim.name": OPTIMIZERS,
     "optim.scheduler": ("constant", "cosine", "linear"),
@@ -232,6 +241,15 @@ def validate(cfg: DictConfig, world_size: int = 1) -> None:
     if d.batch_size % (world_size * t.grad_accum):
         raise ConfigError(f"data.batch_size={d.batch_size} must be a multiple of {world_size} ranks x "
                           f"trainer.grad_accum={t.grad_accum}; change data.batch_size or trainer.grad_accum.")
+    if d.name == "tokens":
+        if d.dtype not in ("uint16", "uint32"):
+            raise ConfigError(f"data.dtype={d.dtype!r} is not one of uint16, uint32.")
+        for key in ("path", "eval_path"):
+            if d[key] is not None and not Path(d[key]).is_file():
+                raise ConfigError(f"data.{key}={d[key]} is not a file; write one with scripts/make_tokens.py.")
+        if "seq_len" not in m:
+            raise ConfigError(f"data=tokens cuts the file into model.seq_len windows: model={m.name} has no "
+                              "seq_len (add +model.seq_len=N).")
     if d.name == "digits" and m.name not in ("mlp", "custom"):
         raise ConfigError(f"data=digits is image features: it needs model=mlp (got model={m.name}).")
     if cfg.precision.dtype == "fp16" and not cfg.precision.grad_scaler:

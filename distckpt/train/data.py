@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ __all__ = [
     "DictDataset",
     "GlobalBatchSampler",
     "ShardedLoader",
+    "TokenWindows",
     "digits",
     "micro_batches",
     "synthetic_mlp",
@@ -218,6 +220,67 @@ class ShardedLoader:
 
 
 # --- built-in data sets -------------------------------------------------------------------------------
+TOKEN_DTYPES = ("uint16", "uint32")
+
+
+class TokenWindows(Dataset):
+    """A flat binary file of token ids (nanoGPT's ``train.bin``) as consecutive windows of ``seq_len`` tokens.
+
+    The file is opened with ``numpy.memmap`` in each process that reads it (DataLoader workers
+    included) and never loaded whole; item ``i`` is ``{"tokens": ids[i*seq_len:(i+1)*seq_len]}`` as int64.
+
+    Args:
+        path: the file; its size must be a multiple of the dtype's size.
+        seq_len: tokens per window (the model's ``seq_len``); a last partial window is dropped.
+        dtype: ``"uint16"`` (nanoGPT's default, vocabularies up to 65536) or ``"uint32"``.
+        vocab_size: if given, every id must be below it (checked once, with one pass over the file).
+
+    Raises:
+        ConfigError: a missing or ill-sized file, a bad dtype, no complete window, or an id out of range.
+    """
+
+    def __init__(self, path: str, seq_len: int, dtype: str = "uint16", vocab_size: int | None = None) -> None:
+        import numpy as np  # torch's optional numpy; needed for memory-mapped token files only
+
+        if dtype not in TOKEN_DTYPES:
+            raise ConfigError(f"data.dtype={dtype!r} is not one of {', '.join(TOKEN_DTYPES)}.")
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError(f"token file {path} does not exist; write one with scripts/make_tokens.py.")
+        size, itemsize = file.stat().st_size, np.dtype(dtype).itemsize
+        if size % itemsize:
+            raise ConfigError(f"token file {path} has {size} bytes, not a multiple of {itemsize} ({dtype}); "
+                              f"is data.dtype right?")
+        self.path, self.seq_len, self.dtype = str(file), seq_len, dtype
+        self.n_tokens = size // itemsize
+        if self.n_tokens < seq_len:
+            raise ConfigError(f"token file {path} has {self.n_tokens} tokens, fewer than one window of "
+                              f"model.seq_len={seq_len}.")
+        self._ids: Any = None
+        if vocab_size is not None and (top := int(self._memmap().max())) >= vocab_size:
+            raise ConfigError(f"token file {path} has token id {top} >= model.vocab_size={vocab_size}; "
+                              f"set model.vocab_size={top + 1} or more (or check data.dtype).")
+
+    def _memmap(self) -> Any:
+        import numpy as np
+
+        if self._ids is None:
+            self._ids = np.memmap(self.path, dtype=self.dtype, mode="r", shape=(self.n_tokens,))
+        return self._ids
+
+    def __getstate__(self) -> dict[str, Any]:  # to DataLoader workers: each opens the file itself
+        return {**self.__dict__, "_ids": None}
+
+    def __len__(self) -> int:
+        return self.n_tokens // self.seq_len
+
+    def __getitem__(self, i: int) -> Batch:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        window = self._memmap()[i * self.seq_len:(i + 1) * self.seq_len]
+        return {"tokens": torch.from_numpy(window.astype("int64"))}
+
+
 def synthetic_tokens(n: int, seq_len: int, vocab_size: int, n_classes: int, seed: int = 0,
                      noise: float = 0.05) -> DictDataset:
     """``n`` token sequences ``x_t = (x_0 + a*t) mod V`` with a little noise; the class is the stride ``a``.

@@ -20,7 +20,8 @@ GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
 CUSTOM = ["model=custom", "model._target_=examples.custom.TwoTaskNet", "data=custom",
           "data._target_=examples.custom.make_dataset"]
 NEEDS = {("data", "digits"): ["model=mlp"], ("precision", "bf16_sharded"): ["strategy=fsdp2"],
-         ("model", "custom"): CUSTOM, ("data", "custom"): CUSTOM}
+         ("model", "custom"): CUSTOM, ("data", "custom"): CUSTOM,
+         ("data", "tokens"): [f"data.path={ROOT / 'pyproject.toml'}"]}  # any existing file: composition only
 
 
 def test_groups_are_the_documented_ones():

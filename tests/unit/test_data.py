@@ -92,3 +92,25 @@ def test_bad_sizes_name_the_setting():
         ShardedLoader(_ids(8), 16, rank=0, world_size=1).next_batch()
     with pytest.raises(ConfigError, match="multiple of 4"):
         micro_batches({"i": torch.arange(6)}, 0, 1, 4)
+
+
+def test_token_windows_memmap_a_flat_id_file(tmp_path):
+    np = pytest.importorskip("numpy")
+    from distckpt.train.data import TokenWindows
+
+    ids = np.arange(70_000, 70_000 + 50, dtype="uint32")  # above uint16's range
+    ids.tofile(tmp_path / "t.bin")
+    ds = TokenWindows(str(tmp_path / "t.bin"), seq_len=8, dtype="uint32")
+    assert len(ds) == 6  # 50 // 8; the last 2 ids are no full window
+    assert ds[1]["tokens"].tolist() == list(range(70_008, 70_016)) and ds[1]["tokens"].dtype == torch.int64
+    batch = ShardedLoader(ds, 4, shuffle=False, rank=1, world_size=2, num_workers=1).next_batch()
+    assert batch["tokens"][:, 0].tolist() == [70_016, 70_024]  # rank 1: windows 2 and 3 (a worker read them)
+    with pytest.raises(ConfigError, match="token id 70049 >= model.vocab_size=1000; set model.vocab_size=70050"):
+        TokenWindows(str(tmp_path / "t.bin"), seq_len=8, dtype="uint32", vocab_size=1000)
+    (tmp_path / "odd.bin").write_bytes(b"\0" * 7)
+    with pytest.raises(ConfigError, match="7 bytes, not a multiple of 2 \\(uint16\\); is data.dtype right"):
+        TokenWindows(str(tmp_path / "odd.bin"), seq_len=2)
+    with pytest.raises(ConfigError, match="fewer than one window of model.seq_len=64"):
+        TokenWindows(str(tmp_path / "t.bin"), seq_len=64, dtype="uint32")
+    with pytest.raises(ConfigError, match="does not exist; write one with scripts/make_tokens.py"):
+        TokenWindows(str(tmp_path / "none.bin"), seq_len=8)
