@@ -21,7 +21,7 @@ from distckpt.train.data import (
     synthetic_mlp,
     synthetic_tokens,
 )
-from distckpt.train.models import MultiTaskGPT, MultiTaskMLP, build_hf_causal_lm
+from distckpt.train.models import MultiTaskGPT, MultiTaskMLP
 from launch.targets import instantiate_target
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -43,8 +43,9 @@ def build_model(m: DictConfig, d: DictConfig) -> nn.Module:
         in_features = DIGITS_FEATURES if d.name == "digits" else m.in_features
         return MultiTaskMLP(in_features=in_features, hidden=m.hidden, n_layer=m.n_layer,
                             n_classes_a=m.n_classes_a, dropout=m.dropout)
-    return build_hf_causal_lm(m.config_name, vocab_size=m.vocab_size, seq_len=m.seq_len, n_layer=m.n_layer,
-                              d_model=m.d_model, n_head=m.n_head, n_classes=m.n_classes, dropout=m.dropout)
+    from launch.hf import build_hf  # transformers/peft: the "hf" extra
+
+    return build_hf(m)
 
 
 def build_datasets(d: DictConfig, m: DictConfig) -> tuple[Any, Any]:

@@ -46,9 +46,19 @@ class MLPModelConfig:
 
 
 @dataclass
+class LoRAConfig:
+    r: int = 0  # the adapters' rank; 0: no LoRA (the whole model trains)
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: Optional[list[str]] = None  # None: peft's default for the model type (gpt2: c_attn)
+
+
+@dataclass
 class HFModelConfig:
     name: str = "hf"
-    config_name: str = MISSING  # a transformers model type: gpt2, llama, ...
+    config_name: str = MISSING  # a transformers model type: gpt2, llama, ... (ignored with `pretrained`)
+    pretrained: Optional[str] = None  # a local directory written by save_pretrained (never a download)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     vocab_size: int = 64
     seq_len: int = 32
     d_model: int = 64
@@ -241,6 +251,12 @@ def validate(cfg: DictConfig, world_size: int = 1) -> None:
     if d.batch_size % (world_size * t.grad_accum):
         raise ConfigError(f"data.batch_size={d.batch_size} must be a multiple of {world_size} ranks x "
                           f"trainer.grad_accum={t.grad_accum}; change data.batch_size or trainer.grad_accum.")
+    if m.name == "hf" and m.pretrained:
+        from launch.hf import check_pretrained
+
+        check_pretrained(m.pretrained)
+    if m.name == "hf" and m.lora.r < 0:
+        raise ConfigError(f"model.lora.r={m.lora.r} must be >= 0 (0: no LoRA).")
     if d.name == "tokens":
         if d.dtype not in ("uint16", "uint32"):
             raise ConfigError(f"data.dtype={d.dtype!r} is not one of uint16, uint32.")

@@ -31,6 +31,7 @@ from launch.build import (
     parallel_kwargs,
 )
 from launch.config import validate
+from launch.hf import hf_inner, save_hf
 from launch.loggers import build_writers
 
 log = logging.getLogger("distckpt.launch")
@@ -152,6 +153,7 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -> Loo
     blocks = distckpt.checkpointed(model)  # before parallelize: the user's names, no wrapper prefixes
     verified = _optional_verify(model, example, t.verify_recompute)
     model.to(device)
+    inner = hf_inner(model)  # the HF model before parallelize, for RUN_DIR/hf/ at the end
     strategy = cfg.strategy.name
     model = distckpt.parallelize(model, strategy, graph=cfg.strategy.graph,
                                  **parallel_kwargs(cfg.precision, strategy))
@@ -174,6 +176,8 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -> Loo
                      autocast=autocast_factory(cfg.precision, device), clip=clip_fn(model, strategy), guard=guard)
     finally:
         sink.close()
+    if inner is not None and not result.stopped_by_signal and result.step == t.max_steps:
+        save_hf(model, inner, path)  # every rank: gathers the full state dict; rank 0 writes
     result.guard = _guard_report(guard, result.guard_checks, verified)
     result.checkpointed = blocks
     if rank == 0:
@@ -216,5 +220,6 @@ def _summary(cfg: DictConfig, r: LoopResult, path: str, model: torch.nn.Module) 
         ("checkpoints", f"{len(r.checkpoints)} written, latest {Path(r.checkpoints[-1]).name}" if r.checkpoints
                         else "none"),
         ("metrics", str(Path(path) / "metrics.jsonl")),
+        *([("hf weights", str(Path(path) / "hf"))] if (Path(path) / "hf").is_dir() else []),
     ]
     return format_summary(rows)
