@@ -16,6 +16,7 @@ from torch.utils.data import Dataset, IterableDataset
 from distckpt.train.data import (
     DIGITS_FEATURES,
     ShardedLoader,
+    TaskMixLoader,
     TokenWindows,
     digits,
     synthetic_mlp,
@@ -79,10 +80,23 @@ def build_datasets(d: DictConfig, m: DictConfig) -> tuple[Any, Any]:
     return make(d.n, d.seed), make(d.n_eval, d.seed + 7919) if d.n_eval else None
 
 
-def build_data(d: DictConfig, m: DictConfig, device: torch.device | None = None) -> ShardedLoader:
+def task_data(node: DictConfig) -> DictConfig:
+    """A task's ``data`` node of ``data=multitask``, completed with its data group's defaults."""
+    from launch.config import DataConfig, TokensDataConfig
+
+    schema = {"tokens": TokensDataConfig, "custom": None}.get(node.name, DataConfig)
+    return node if schema is None else OmegaConf.merge(OmegaConf.structured(schema), node)
+
+
+def build_data(d: DictConfig, m: DictConfig, device: torch.device | None = None) -> ShardedLoader | TaskMixLoader:
     """This rank's loader for ``data=...``: sharded over the ranks, shuffled per epoch, resumable."""
-    train_set, eval_set = build_datasets(d, m)
     pin = bool(d.pin_memory) and device is not None and device.type == "cuda"
+    if d.name == "multitask":
+        datasets = {t: build_datasets(task_data(task.data), m) for t, task in d.tasks.items()}
+        return TaskMixLoader(datasets, {t: float(task.weight) for t, task in d.tasks.items()}, d.batch_size,
+                             shuffle=d.shuffle, seed=d.seed, num_workers=d.num_workers, pin_memory=pin,
+                             drop_last=d.drop_last)
+    train_set, eval_set = build_datasets(d, m)
     return ShardedLoader(train_set, d.batch_size, shuffle=d.shuffle, seed=d.seed, num_workers=d.num_workers,
                          pin_memory=pin, drop_last=d.drop_last, eval_dataset=eval_set)
 

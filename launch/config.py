@@ -208,7 +208,7 @@ def register() -> None:
 CHOICES = {
     "strategy.name": STRATEGIES,
     "strategy.graph": GRAPHS,
-    "data.name": ("synthetic", "digits", "custom", "tokens"),
+    "data.name": ("synthetic", "digits", "custom", "tokens", "multitask"),
     "precision.dtype": ("fp32", "bf16", "fp16"),
     "optim.name": OPTIMIZERS,
     "optim.scheduler": ("constant", "cosine", "linear"),
@@ -257,6 +257,14 @@ def validate(cfg: DictConfig, world_size: int = 1) -> None:
         check_pretrained(m.pretrained)
     if m.name == "hf" and m.lora.r < 0:
         raise ConfigError(f"model.lora.r={m.lora.r} must be >= 0 (0: no LoRA).")
+    if d.name == "multitask":
+        total = sum(task.weight for task in d.tasks.values())
+        for name, task in d.tasks.items():
+            share = d.batch_size * task.weight / total
+            if share != int(share) or share % (world_size * t.grad_accum):
+                raise ConfigError(f"data.tasks.{name}: weight {task.weight} gives {share:g} of data.batch_size="
+                                  f"{d.batch_size} samples, not a multiple of {world_size} ranks x trainer.grad_accum="
+                                  f"{t.grad_accum}; change data.batch_size or the task weights.")
     if d.name == "tokens":
         if d.dtype not in ("uint16", "uint32"):
             raise ConfigError(f"data.dtype={d.dtype!r} is not one of uint16, uint32.")

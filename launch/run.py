@@ -21,6 +21,7 @@ from distckpt._dist import rank_world
 from distckpt._spawn import free_port
 from distckpt.errors import ConfigError
 from distckpt.train import LoopOptions, LoopResult, MetricSink, TrainState, fit, format_summary
+from distckpt.train.data import TaskBatches
 from launch.build import (
     autocast_factory,
     build_data,
@@ -149,6 +150,8 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -> Loo
     data = build_data(cfg.data, cfg.model, device)
     model = build_model(cfg.model, cfg.data)
     example = data.example(t.grad_accum)
+    if isinstance(example, TaskBatches):  # data=multitask: the model sees one task's batch per forward
+        example = next(iter(example.values()))
     _wrap(model, cfg, example)
     blocks = distckpt.checkpointed(model)  # before parallelize: the user's names, no wrapper prefixes
     verified = _optional_verify(model, example, t.verify_recompute)

@@ -35,6 +35,8 @@ __all__ = [
     "DictDataset",
     "GlobalBatchSampler",
     "ShardedLoader",
+    "TaskBatches",
+    "TaskMixLoader",
     "TokenWindows",
     "digits",
     "micro_batches",
@@ -45,12 +47,20 @@ __all__ = [
 Batch = dict[str, torch.Tensor]
 
 
+class TaskBatches(dict):
+    """One batch per task (``{task: batch}``): the loop runs one forward per task batch, then one backward."""
+
+
 def micro_batches(batch: Batch, rank: int, world_size: int, n_micro: int) -> list[Batch]:
     """Rank ``rank``'s share of ``batch`` as ``n_micro`` equal micro-batches (``world_size=1``: all of it).
+    A :class:`TaskBatches` splits task by task.
 
     Raises:
         ConfigError: the batch does not split evenly.
     """
+    if isinstance(batch, TaskBatches):
+        per_task = {t: micro_batches(b, rank, world_size, n_micro) for t, b in batch.items()}
+        return [TaskBatches({t: parts[i] for t, parts in per_task.items()}) for i in range(n_micro)]
     n = next(iter(batch.values())).shape[0]
     if n % (world_size * n_micro):
         raise ConfigError(
@@ -217,6 +227,56 @@ class ShardedLoader:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.epoch, self.batch, self._it = int(sd["epoch"]), int(sd["batch"]), None
+
+
+class TaskMixLoader:
+    """Per-task loaders mixed by sampling weight: each global batch has ``batch_size * w_t / sum(w)`` samples
+    of task ``t``, as a :class:`TaskBatches`. Each task's loader is sharded, shuffled and resumed on its own
+    (a task's epoch ends when its data set is used up, independently of the others).
+
+    Args:
+        datasets: ``{task: (train_set, eval_set or None)}``.
+        weights: ``{task: sampling weight}``, the same keys.
+        batch_size: the global batch of all tasks together.
+        kwargs: the :class:`ShardedLoader` options (``seed`` is offset per task, so tasks shuffle apart).
+
+    Raises:
+        ConfigError: a task's share is not a whole multiple of the ranks, or the weights are not positive.
+    """
+
+    def __init__(self, datasets: dict[str, tuple[Dataset, Dataset | None]], weights: dict[str, float],
+                 batch_size: int, *, seed: int = 0, **kwargs: Any) -> None:
+        if set(weights) != set(datasets) or any(w <= 0 for w in weights.values()):
+            raise ConfigError(f"data.tasks needs a positive weight for each task; got {weights}.")
+        total = sum(weights.values())
+        self.batch_size, self.loaders = batch_size, {}
+        for i, (task, (train_set, eval_set)) in enumerate(sorted(datasets.items())):
+            share = batch_size * weights[task] / total
+            if share != int(share) or share < 1:
+                raise ConfigError(f"data.tasks.{task}.weight={weights[task]} gives {share:g} of data.batch_size="
+                                  f"{batch_size} samples; choose weights that split the batch into whole parts.")
+            self.loaders[task] = ShardedLoader(train_set, int(share), seed=seed + 1009 * i, eval_dataset=eval_set,
+                                               **kwargs)
+
+    def next_batch(self) -> TaskBatches:
+        return TaskBatches({t: ld.next_batch() for t, ld in self.loaders.items()})
+
+    def eval_batches(self) -> Iterator[TaskBatches]:
+        """Each task's eval batches, zipped (stops at the shortest split; tasks without one are left out)."""
+        with_eval = {t: ld.eval_batches() for t, ld in self.loaders.items() if ld.eval_dataset is not None}
+        if not with_eval:
+            return iter(())
+        return (TaskBatches(zip(with_eval, group)) for group in zip(*with_eval.values()))
+
+    def example(self, n_micro: int = 1) -> TaskBatches:
+        return TaskBatches({t: ld.example(n_micro) for t, ld in self.loaders.items()})
+
+    def state_dict(self) -> dict[str, Any]:
+        return {t: ld.state_dict() for t, ld in self.loaders.items()}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        for t, ld in self.loaders.items():
+            ld.load_state_dict(sd[t])
 
 
 # --- built-in data sets -------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from distckpt._dist import local_tensor, rank_world
 from distckpt.errors import ConfigError
 from distckpt.parallel.strategies import accumulate
 from distckpt.train.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
-from distckpt.train.data import ShardedLoader, micro_batches
+from distckpt.train.data import ShardedLoader, TaskBatches, micro_batches
 from distckpt.train.metrics import MetricSink, Stopwatch, peak_memory_mib
 
 __all__ = ["LoopOptions", "NonFiniteLossError", "fit"]
@@ -257,10 +257,9 @@ def _forward_backward(model: nn.Module, micro: list[dict[str, torch.Tensor]], st
     sums: dict[str, torch.Tensor] = {}
     total = torch.zeros((), device=device)
     for i, mb in enumerate(micro):
-        mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
         sync = i == len(micro) - 1
         with (contextlib.nullcontext() if sync else accumulate(model)), autocast():
-            losses = _task_losses(model(mb), opts.task_weights)
+            losses = _step_losses(model, mb, device, opts.task_weights)
             loss = sum(opts.task_weights.get(k, 1.0) * v for k, v in losses.items()) / len(micro)
         if step in opts.nan_at_steps:
             loss = loss * float("nan")
@@ -269,6 +268,32 @@ def _forward_backward(model: nn.Module, micro: list[dict[str, torch.Tensor]], st
         for k, v in losses.items():
             sums[k] = sums.get(k, 0) + v.detach().float() / len(micro)
     return total, sums
+
+
+def _to(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def _step_losses(model: nn.Module, batch: dict[str, Any], device: torch.device,
+                 weights: dict[str, float]) -> dict[str, torch.Tensor]:
+    """The task losses of one (micro-)batch; a :class:`TaskBatches` runs one forward per task batch.
+
+    Of the forward on task ``t``'s batch, loss ``t`` counts; the other losses join with weight zero, so
+    that every head takes part in every forward (DDP without unused-parameter search, FSDP2).
+
+    Raises:
+        ConfigError: as :func:`_task_losses`, or a task named after no loss the model returns.
+    """
+    if not isinstance(batch, TaskBatches):
+        return _task_losses(model(_to(batch, device)), weights)
+    losses = {}
+    for task, part in batch.items():
+        out = _task_losses(model(_to(part, device)), {})
+        if task not in out:
+            raise ConfigError(f"data.tasks.{task}: the model's forward on this task's batch returns {sorted(out)}; "
+                              "name each task after the loss it trains.")
+        losses[task] = out[task] + sum(0.0 * v for k, v in out.items() if k != task)
+    return _task_losses(losses, weights)
 
 
 def _task_losses(out: Any, weights: dict[str, float]) -> dict[str, torch.Tensor]:
@@ -339,7 +364,7 @@ def _evaluate(model: nn.Module, data: ShardedLoader, device: torch.device, autoc
     try:
         with torch.no_grad(), autocast():
             for batch in data.eval_batches():
-                losses = model({k: v.to(device) for k, v in batch.items()})
+                losses = _step_losses(model, batch, device, {})
                 total += sum(weights.get(k, 1.0) * v.float() for k, v in losses.items()).cpu()
                 n += 1
     finally:

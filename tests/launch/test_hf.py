@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from launchkit import ROOT, assert_params_equal, compose, env, final_params, torchrun
+from launchkit import ROOT, assert_params_equal, compose, env, final_params, torchrun, write_tiny_gpt2
 
 from launch.run import train
 
@@ -18,15 +18,7 @@ peft = pytest.importorskip("peft")
 
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory):
-    """A tiny GPT-2 written with save_pretrained from a config: no download. No dropout: each rank has its
-    own dropout stream, so 2 ranks would not match one process (GPT-2's config defaults to 0.1)."""
-    path = tmp_path_factory.mktemp("pretrained") / "gpt2-tiny"
-    torch.manual_seed(123)
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
-                                     bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
-                                     attn_pdrop=0.0)
-    transformers.GPT2LMHeadModel(config).save_pretrained(path)
-    return path
+    return write_tiny_gpt2(tmp_path_factory.mktemp("pretrained") / "gpt2-tiny")
 
 
 def _over(pretrained, *extra):
