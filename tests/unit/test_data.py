@@ -114,3 +114,25 @@ def test_token_windows_memmap_a_flat_id_file(tmp_path):
         TokenWindows(str(tmp_path / "t.bin"), seq_len=64, dtype="uint32")
     with pytest.raises(ConfigError, match="does not exist; write one with scripts/make_tokens.py"):
         TokenWindows(str(tmp_path / "none.bin"), seq_len=8)
+
+
+def test_task_mix_shares_the_batch_by_weight_and_resumes_each_task():
+    from distckpt.train.data import TaskBatches, TaskMixLoader
+
+    def make():
+        return TaskMixLoader({"a": (_ids(12), None), "b": (DictDataset({"i": torch.arange(100, 106)}), None)},
+                             {"a": 2.0, "b": 1.0}, 6, seed=0, rank=0, world_size=1)
+
+    ref = make().next_batch()
+    assert isinstance(ref, TaskBatches) and ref["a"]["i"].shape == (4,) and ref["b"]["i"].shape == (2,)
+    full = make()
+    steps = [{t: b["i"].tolist() for t, b in full.next_batch().items()} for _ in range(5)]
+    cut = make()
+    [cut.next_batch() for _ in range(2)]  # a: 2 of 3 batches of its epoch, b: 2 of 3
+    resumed = make()
+    resumed.load_state_dict(cut.state_dict())
+    assert [{t: b["i"].tolist() for t, b in resumed.next_batch().items()} for _ in range(3)] == steps[2:]
+    parts = micro_batches(full.next_batch(), 0, 1, 2)
+    assert [p["a"]["i"].shape[0] for p in parts] == [2, 2] and [p["b"]["i"].shape[0] for p in parts] == [1, 1]
+    with pytest.raises(ConfigError, match="data.tasks.a.weight=1.0 gives 1.5 of data.batch_size=3"):
+        TaskMixLoader({"a": (_ids(12), None), "b": (_ids(12), None)}, {"a": 1.0, "b": 1.0}, 3)
