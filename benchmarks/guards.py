@@ -99,7 +99,7 @@ without `guard.check()`, interleaved; medians. Machine: {platform.processor() or
 
 The step-time ratio carries the noise of a shared machine; the time of `check()` alone is the
 overhead proper (one float32 pass over each gradient for the sum of squares, one gemv for the
-projection, one all-gather of 6 float64 per parameter tensor), timed after a barrier so that it does
+projection, one all-gather of 7 float64 per parameter tensor), timed after a barrier so that it does
 not include one rank waiting for the other.
 """
     RESULTS.mkdir(parents=True, exist_ok=True)

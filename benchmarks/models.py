@@ -3,6 +3,10 @@
 ``GPT`` is a pre-LayerNorm decoder with ``scaled_dot_product_attention`` and a 4x GELU MLP; given
 targets it returns the cross-entropy loss (computed inside the model, so a profile sees it).
 ``hf_gpt2`` builds Hugging Face's GPT-2 architecture from a ``GPT2Config`` (random weights).
+
+The memory tests (tests/unit/test_profile.py, test_budget*.py, ...) import these models on purpose:
+what they assert about the profiler and the budget must hold on the very model the benchmark tables
+report, so the model has one definition here rather than a copy in tests/ that could drift.
 """
 
 from __future__ import annotations

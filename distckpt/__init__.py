@@ -9,8 +9,8 @@ Wrap the blocks first, then parallelize::
 from distckpt.apply.chunk import chunk_feed_forward
 from distckpt.apply.wrap import checkpointed, checkpointing_disabled, wrap
 from distckpt.check.recompute import verify_recompute
-from distckpt.check.sync_guard import GradSyncGuard, NoGradientError
-from distckpt.errors import ConfigError, GradDesyncError, RecomputeMismatchError
+from distckpt.check.sync_guard import GradSyncGuard
+from distckpt.errors import ConfigError, GradDesyncError, NoGradientError, RecomputeMismatchError
 from distckpt.parallel.strategies import accumulate, ddp_kwargs, parallelize, preflight
 from distckpt.select.policies import Budget, EveryN, FirstN, Fraction, Full, Selective, parse_policy
 

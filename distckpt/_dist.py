@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["local_shard", "local_tensor", "rank_world", "unwrap_ddp"]
+__all__ = ["local_shard", "local_tensor", "rank_world", "shard_key", "unwrap_ddp"]
 
 
 def rank_world(group: Any = None) -> tuple[int, int]:
@@ -50,3 +50,21 @@ def local_shard(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
     if types and isinstance(t, types[0]):
         return t.to_local(), not all(isinstance(p, types[1]) for p in t.placements)
     return t, False
+
+
+def shard_key(t: torch.Tensor) -> int:
+    """Which part of ``t`` this rank holds: 0 for a tensor every rank holds whole (a plain tensor, a
+    DTensor placed ``Replicate`` on every mesh dimension), else ``1 +`` this rank's index over the mesh
+    dimensions that shard it. Ranks with equal keys hold the same values when in sync: under HSDP
+    (``(Replicate, Shard)`` on a ``("replicate", "shard")`` mesh) the ranks of one shard column."""
+    types = _dtensor_types()
+    if not types or not isinstance(t, types[0]):
+        return 0
+    mesh, coord = t.device_mesh, t.device_mesh.get_coordinate()
+    split = [dim for dim, placement in enumerate(t.placements) if not isinstance(placement, types[1])]
+    if not split:
+        return 0
+    key = 0
+    for dim in split:
+        key = key * mesh.size(dim) + coord[dim]
+    return key + 1

@@ -144,3 +144,29 @@ def op_overload_types() -> tuple[type, type]:
     """``torch._ops.OpOverload`` and ``OpOverloadPacket``: the types of ``torch.ops.aten.mm.default``
     and ``torch.ops.aten.mm``, to accept either in a selective-checkpointing op list. torch 2.13."""
     return torch._ops.OpOverload, torch._ops.OpOverloadPacket
+
+
+def mem_tracker_restart_peak(tracker: Any) -> Any:
+    """Restart MemTracker's running peak and return what it held (for :func:`mem_tracker_merge_peak`),
+    or ``None`` when the private ``_peak_mem``/``_peak_mem_snap`` fields are absent: the profiler then
+    skips the head's own window (the head is bounded from the whole step). MemTracker has no public
+    way to read a peak over a sub-window of a step. torch 2.13."""
+    if not hasattr(tracker, "_peak_mem") or not hasattr(tracker, "_peak_mem_snap"):
+        return None
+    saved = (tracker._peak_mem, tracker._peak_mem_snap)
+    tracker._peak_mem, tracker._peak_mem_snap = {}, {}
+    return saved
+
+
+def mem_tracker_peak_snapshot(tracker: Any) -> dict[Any, dict[str, int]]:
+    """The snapshot (per device, per memory kind) at the running peak since the last restart. torch 2.13."""
+    return tracker._peak_mem_snap
+
+
+def mem_tracker_merge_peak(tracker: Any, saved: Any) -> None:
+    """Fold a peak saved by :func:`mem_tracker_restart_peak` back in, so the tracker's overall peak is
+    the maximum over both windows, as if it had never been restarted. torch 2.13."""
+    old_peak, old_snap = saved
+    for d, v in old_peak.items():
+        if v >= tracker._peak_mem.get(d, -1):
+            tracker._peak_mem[d], tracker._peak_mem_snap[d] = v, old_snap[d]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "GradDesyncError", "RecomputeMismatchError"]
+__all__ = ["ConfigError", "GradDesyncError", "NoGradientError", "RecomputeMismatchError"]
 
 
 class ConfigError(ValueError):
@@ -14,6 +14,14 @@ class ConfigError(ValueError):
 
 class GradDesyncError(RuntimeError):
     """Gradients (or replicated parameters) differ across ranks after synchronization."""
+
+
+class NoGradientError(RuntimeError):
+    """Parameters that should train received no gradient on any rank for several checked steps.
+
+    Not a :class:`GradDesyncError`: the ranks agree (on nothing); the fix is in the model or the
+    checkpointing mode (a frozen input under reentrant checkpointing, a detached head), not the sync.
+    """
 
 
 class RecomputeMismatchError(RuntimeError):

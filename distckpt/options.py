@@ -9,9 +9,13 @@ import warnings
 
 from distckpt.errors import ConfigError
 
-__all__ = ["GRAPHS", "OPTIMIZERS", "STRATEGIES", "check_graph", "check_run", "check_strategy"]
+__all__ = ["GRAPHS", "OPTIMIZERS", "SHARDED", "STRATEGIES", "check_graph", "check_run", "check_shard_size",
+           "check_strategy"]
 
-STRATEGIES = ("none", "ddp", "fsdp", "fsdp2")
+STRATEGIES = ("none", "ddp", "fsdp", "fsdp2", "hsdp")
+# The strategies that shard parameters, gradients and optimizer state. "hsdp" is FSDP2 over a 2-D mesh
+# ("replicate", "shard"): sharded within a group of shard_size ranks (a node), replicated across groups.
+SHARDED = ("fsdp", "fsdp2", "hsdp")
 # "dynamic" is a deprecated alias of "auto" (any used set, by step or rank): check_graph warns.
 GRAPHS = ("auto", "static", "dynamic")
 OPTIMIZERS = ("adamw", "sgd")  # the optimizers whose state the budget planner counts
@@ -21,6 +25,22 @@ def check_strategy(strategy: str) -> None:
     """Raises ConfigError for an unknown strategy."""
     if strategy not in STRATEGIES:
         raise ConfigError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
+
+
+def check_shard_size(shard_size: object, world_size: int) -> None:
+    """Raises ConfigError unless ``shard_size`` (ranks per shard group under ``"hsdp"``) divides the world.
+
+    Args:
+        shard_size: ranks that shard the parameters between them (usually the ranks of one node).
+        world_size: ranks of the job.
+    """
+    if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
+        raise ConfigError(f"hsdp shard_size must be a positive int (the ranks of one node), got {shard_size!r}.")
+    if world_size % shard_size:
+        raise ConfigError(
+            f"hsdp shard_size={shard_size} does not divide the world size {world_size}: the mesh is "
+            f"(world // shard_size, shard_size). Use a shard_size that divides {world_size}, usually the ranks "
+            "per node (LOCAL_WORLD_SIZE).")
 
 
 def check_graph(graph: str) -> None:
@@ -56,7 +76,7 @@ def check_run(strategy: str, *, reentrant: bool = False, graph: str = "auto", ac
     """Refuse a combination of run settings that distckpt cannot make right, whatever the model.
 
     Args:
-        strategy: ``"none"``, ``"ddp"``, ``"fsdp"`` or ``"fsdp2"``.
+        strategy: ``"none"``, ``"ddp"``, ``"fsdp"``, ``"fsdp2"`` or ``"hsdp"`` (FSDP2's rules).
         reentrant: blocks checkpointed with ``reentrant=True``.
         graph: ``"auto"``, ``"static"`` or ``"dynamic"``.
         accumulate: gradient accumulation with ``distckpt.accumulate`` (more than one micro-batch).

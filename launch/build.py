@@ -13,6 +13,7 @@ import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import Dataset, IterableDataset
 
+from distckpt.options import SHARDED
 from distckpt.train.data import (
     DIGITS_FEATURES,
     ShardedLoader,
@@ -159,7 +160,7 @@ def build_scaler(p: DictConfig, strategy: str, device: torch.device) -> Any:
     """A grad scaler for fp16 (the sharded one under FSDP/FSDP2), else ``None``."""
     if not p.grad_scaler:
         return None
-    if strategy in ("fsdp", "fsdp2"):
+    if strategy in SHARDED:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         return ShardedGradScaler(device=device.type)

@@ -7,17 +7,20 @@ combinations that no single field can express. Errors name the override to fix.
 
 from __future__ import annotations
 
+import importlib.util
+import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from distckpt.errors import ConfigError
-from distckpt.options import GRAPHS, OPTIMIZERS, STRATEGIES, check_run
+from distckpt.options import GRAPHS, OPTIMIZERS, SHARDED, STRATEGIES, check_run, check_shard_size
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
@@ -94,8 +97,9 @@ class TokensDataConfig(DataConfig):
 # --- strategy, activation checkpointing (the `ac` group), precision --------------------------------------------------
 @dataclass
 class StrategyConfig:
-    name: str = "ddp"  # none | ddp | fsdp | fsdp2
+    name: str = "ddp"  # none | ddp | fsdp | fsdp2 | hsdp
     graph: str = "auto"  # auto | static | dynamic (distckpt.parallelize)
+    shard_size: Optional[int] = None  # hsdp: ranks per shard group; None: LOCAL_WORLD_SIZE (one node's ranks)
 
 
 @dataclass
@@ -136,6 +140,7 @@ class LoggerConfig:
     tensorboard: bool = False
     wandb: Optional[str] = None  # None | online | offline | disabled
     wandb_project: str = "distckpt"
+    wandb_init_timeout: float = 20.0  # seconds to wait for wandb's server before logging offline
 
 
 @dataclass
@@ -188,18 +193,22 @@ def _run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S")
 
 
+# Every schema with its group; register() stores them and the range test walks their fields.
+SCHEMAS: list[tuple[str, str, type]] = [
+    ("model", "gpt_schema", GPTModelConfig), ("model", "mlp_schema", MLPModelConfig),
+    ("model", "hf_schema", HFModelConfig), ("data", "data_schema", DataConfig),
+    ("data", "tokens_schema", TokensDataConfig),
+    ("strategy", "strategy_schema", StrategyConfig), ("ac", "ac_schema", ACConfig),
+    ("precision", "precision_schema", PrecisionConfig), ("optim", "optim_schema", OptimConfig),
+    ("logger", "logger_schema", LoggerConfig), ("trainer", "trainer_schema", TrainerConfig),
+]
+
+
 def register() -> None:
     """Register the schemas and the ``run_id`` resolver (idempotent)."""
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
-    for group, name, node in [
-        ("model", "gpt_schema", GPTModelConfig), ("model", "mlp_schema", MLPModelConfig),
-        ("model", "hf_schema", HFModelConfig), ("data", "data_schema", DataConfig),
-        ("data", "tokens_schema", TokensDataConfig),
-        ("strategy", "strategy_schema", StrategyConfig), ("ac", "ac_schema", ACConfig),
-        ("precision", "precision_schema", PrecisionConfig), ("optim", "optim_schema", OptimConfig),
-        ("logger", "logger_schema", LoggerConfig), ("trainer", "trainer_schema", TrainerConfig),
-    ]:
+    for group, name, node in SCHEMAS:
         cs.store(group=group, name=name, node=node)
     if not OmegaConf.has_resolver("run_id"):
         OmegaConf.register_new_resolver("run_id", _run_id, use_cache=True)
@@ -217,15 +226,142 @@ CHOICES = {
 }
 
 
+@dataclass(frozen=True)
+class Range:
+    """The allowed values of a numeric field: an interval, closed unless ``lo_open``/``hi_open``.
+    Non-finite values (nan, inf) are never in it."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    why: str = ""  # said after the range when a value is refused
+
+    def __contains__(self, v: object) -> bool:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            return False
+        above = self.lo is None or (v > self.lo if self.lo_open else v >= self.lo)
+        return above and (self.hi is None or (v < self.hi if self.hi_open else v <= self.hi))
+
+    def __str__(self) -> str:
+        if self.lo is not None and self.hi is not None:
+            return f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
+        if self.lo is not None:
+            return f"{'>' if self.lo_open else '>='} {self.lo:g}"
+        return f"{'<' if self.hi_open else '<='} {self.hi:g}" if self.hi is not None else "finite"
+
+
+SIZE = Range(1)  # counts and sizes
+OFF_OR_EVERY = Range(0, why="0 turns it off")
+PROBABILITY = Range(0, 1)
+DROPOUT = Range(0, 1, hi_open=True)
+# The typed range of every numeric field of the schemas above (tests/launch/test_config.py checks that
+# none is missing). A key absent from a composed config (model.hidden under model=gpt) is skipped; a
+# list's elements are checked one by one.
+RANGES: dict[str, Range] = {
+    "model.vocab_size": SIZE,
+    "model.seq_len": Range(2, why="the lm task predicts each next token, so a sequence needs two"),
+    "model.d_model": SIZE,
+    "model.n_layer": SIZE,
+    "model.n_head": SIZE,
+    "model.n_classes": SIZE,
+    "model.in_features": SIZE,
+    "model.hidden": SIZE,
+    "model.n_classes_a": SIZE,
+    "model.dropout": DROPOUT,
+    "model.lora.r": Range(0, why="the adapters' rank; 0: no LoRA"),
+    "model.lora.alpha": Range(0, lo_open=True),
+    "model.lora.dropout": DROPOUT,
+    "data.batch_size": SIZE,
+    "data.seed": Range(0),
+    "data.num_workers": Range(0, why="0 reads in the training process"),
+    "data.n": SIZE,
+    "data.n_eval": Range(0, why="0: no eval split"),
+    "data.noise": PROBABILITY,
+    "strategy.shard_size": Range(1, why="ranks per shard group; null: the ranks of one node"),
+    "ac.n": SIZE,
+    "optim.lr": Range(0, lo_open=True),
+    "optim.weight_decay": Range(0),
+    "optim.betas": DROPOUT,
+    "optim.momentum": DROPOUT,
+    "optim.warmup_steps": Range(0),
+    "optim.min_lr_ratio": PROBABILITY,
+    "logger.wandb_init_timeout": Range(0, 25, lo_open=True, why="the fallback to offline must come within 30 s"),
+    "trainer.max_steps": SIZE,
+    "trainer.grad_accum": SIZE,
+    "trainer.clip_grad_norm": Range(0, why="0 turns clipping off"),
+    "trainer.log_every": SIZE,
+    "trainer.save_every": OFF_OR_EVERY,
+    "trainer.keep_last": Range(0, why="0 keeps every checkpoint"),
+    "trainer.eval_every": OFF_OR_EVERY,
+    "trainer.seed": Range(0),
+    "trainer.guard_every": OFF_OR_EVERY,
+    "trainer.task_weights": Range(0, why="a task's weight in the loss; 0 leaves it out"),
+}
+LENGTHS = {"optim.betas": 2}  # list fields of a fixed length
+
+
+def _check_ranges(cfg: DictConfig) -> None:
+    from launch.targets import LAUNCHER_KEYS
+
+    for key, allowed in RANGES.items():
+        value = OmegaConf.select(cfg, key, default=None)
+        if value is None:
+            continue
+        group, _, leaf = key.partition(".")
+        if "_target_" in cfg.get(group, {}) and leaf not in LAUNCHER_KEYS.get(group, ()):
+            continue  # model=custom / data=custom: the user's own argument (+data.n=...), checked by its target
+        if isinstance(value, DictConfig):  # trainer.task_weights: each value
+            value = ListConfig(list(value.values()))
+        values = list(value) if isinstance(value, ListConfig) else [value]
+        shown = f"[{','.join(map(str, values))}]" if isinstance(value, ListConfig) else value
+        kind = "an integer" if all(isinstance(v, int) for v in values) else "a number"
+        if key in LENGTHS and len(values) != LENGTHS[key]:
+            raise ConfigError(f"{key}={shown} needs {LENGTHS[key]} values, each {allowed}; fix the override "
+                              f"{key}=[...].")
+        if any(v not in allowed for v in values):
+            what = "each value" if isinstance(value, ListConfig) else "it"
+            why = f" ({allowed.why})" if allowed.why else ""
+            raise ConfigError(f"{key}={shown} is out of range: {what} must be {kind} {allowed}{why}; "
+                              f"fix the override {key}=...")
+
+
+def shard_size(strategy: DictConfig, world_size: int) -> int | None:
+    """``strategy.shard_size`` under ``strategy=hsdp``, by default ``LOCAL_WORLD_SIZE`` (the ranks of one
+    node; before torchrun sets it, the whole job: one node); None for the other strategies."""
+    if strategy.name != "hsdp":
+        return None
+    if strategy.shard_size is not None:
+        return int(strategy.shard_size)
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
+def _validate_shard_size(strategy: DictConfig, world_size: int) -> None:
+    if strategy.name != "hsdp":
+        if strategy.shard_size is not None:
+            raise ConfigError(f"strategy.shard_size={strategy.shard_size} is for strategy=hsdp (got "
+                              f"strategy={strategy.name}); remove it, or use strategy=hsdp.")
+        return
+    try:
+        check_shard_size(shard_size(strategy, world_size), world_size)
+    except ConfigError as e:
+        raise ConfigError(f"strategy=hsdp strategy.shard_size={strategy.shard_size}: {e} Fix the override "
+                          "strategy.shard_size=N (the ranks per node).") from None
+
+
 def validate(cfg: DictConfig, world_size: int = 1) -> None:
     """Check values and combinations of a composed config before anything is built or written.
+
+    Every numeric field against its range (:data:`RANGES`), the choices, the combinations, the
+    optional packages the config needs, and the ``ac`` group against the model itself (built on
+    the meta device: no memory, no compute).
 
     Args:
         cfg: the composed config.
         world_size: the number of processes of the job (``WORLD_SIZE``).
 
     Raises:
-        ConfigError: naming the override to change.
+        ConfigError: naming the override to fix and what it allows.
     """
     try:
         OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
@@ -238,13 +374,14 @@ def validate(cfg: DictConfig, world_size: int = 1) -> None:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}; fix the override {key}=...")
     if cfg.logger.wandb not in (None, "online", "offline", "disabled"):
         raise ConfigError(f"logger.wandb={cfg.logger.wandb!r}: use null, online, offline or disabled.")
+    _check_ranges(cfg)
+    _check_combinations(cfg, world_size)
+    check_extras(cfg)
+    check_model(cfg)
+
+
+def _check_combinations(cfg: DictConfig, world_size: int) -> None:
     t, s, d, m = cfg.trainer, cfg.strategy.name, cfg.data, cfg.model
-    for key in ("max_steps", "grad_accum", "log_every"):
-        if t[key] < 1:
-            raise ConfigError(f"trainer.{key}={t[key]} must be >= 1.")
-    for key in ("save_every", "eval_every", "guard_every", "keep_last"):
-        if t[key] < 0:
-            raise ConfigError(f"trainer.{key}={t[key]} must be >= 0 (0 turns it off).")
     if s == "none" and world_size > 1:
         raise ConfigError(f"strategy=none with {world_size} processes would train {world_size} unrelated "
                           "copies; use strategy=ddp (or fsdp, fsdp2), or run one process.")
@@ -255,8 +392,6 @@ def validate(cfg: DictConfig, world_size: int = 1) -> None:
         from launch.hf import check_pretrained
 
         check_pretrained(m.pretrained)
-    if m.name == "hf" and m.lora.r < 0:
-        raise ConfigError(f"model.lora.r={m.lora.r} must be >= 0 (0: no LoRA).")
     if d.name == "multitask":
         total = sum(task.weight for task in d.tasks.values())
         for name, task in d.tasks.items():
@@ -279,9 +414,10 @@ def validate(cfg: DictConfig, world_size: int = 1) -> None:
     if cfg.precision.dtype == "fp16" and not cfg.precision.grad_scaler:
         raise ConfigError("precision.dtype=fp16 without a grad scaler underflows; use precision=fp16 "
                           "(which sets precision.grad_scaler=true) or precision=bf16.")
-    if cfg.precision.sharded and s not in ("fsdp", "fsdp2"):
-        raise ConfigError(f"precision.sharded=true needs strategy=fsdp or fsdp2 (got strategy={s}); "
+    if cfg.precision.sharded and s not in SHARDED:
+        raise ConfigError(f"precision.sharded=true needs strategy=fsdp, fsdp2 or hsdp (got strategy={s}); "
                           "use precision=bf16 (autocast) instead.")
+    _validate_shard_size(cfg.strategy, world_size)
     try:  # the library's own rule for these settings, so --check and parallelize agree
         check_run(s, reentrant=cfg.ac.reentrant, graph=cfg.strategy.graph, accumulate=t.grad_accum > 1)
     except ConfigError as e:
@@ -289,3 +425,80 @@ def validate(cfg: DictConfig, world_size: int = 1) -> None:
                           f"trainer.grad_accum={t.grad_accum}: {e}") from None
     if "n_head" in m and m.d_model % m.n_head:
         raise ConfigError(f"model.d_model={m.d_model} must be divisible by model.n_head={m.n_head}.")
+
+
+# Optional packages: (the override that needs it, when, the module, the pyproject extra that installs it).
+EXTRAS: list[tuple[str, Callable[[DictConfig], bool], str, str]] = [
+    ("model=hf", lambda c: c.model.name == "hf", "transformers", "hf"),
+    ("data=digits", lambda c: c.data.name == "digits", "sklearn", "launch"),
+    ("logger.tensorboard=true", lambda c: bool(c.logger.tensorboard), "tensorboard", "launch"),
+    ("logger.wandb=online/offline", lambda c: c.logger.wandb in ("online", "offline"), "wandb", "launch"),
+]
+
+
+def check_extras(cfg: DictConfig) -> None:
+    """Raise ConfigError naming the extra to install when the config needs a package that is missing."""
+    for override, needed, module, extra in EXTRAS:
+        if needed(cfg) and not _importable(module):
+            raise ConfigError(f"{override} needs the {module} package, which is not installed: "
+                              f"pip install -e '.[{extra}]' (from the checkout).")
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing, or a module with no spec
+        return False
+
+
+# The models check_model builds on the meta device: the built-in ones, from their config alone.
+META_BUILDABLE = ("gpt", "mlp", "hf")
+
+
+def _meta_buildable(m: DictConfig) -> bool:
+    return m.name in META_BUILDABLE and not m.get("pretrained")  # from_pretrained reads a checkpoint
+
+
+def check_model(cfg: DictConfig) -> None:
+    """Parse the ``ac`` group; build a built-in model (:data:`META_BUILDABLE`) on the meta device and
+    apply the ``ac`` group to it, as training will.
+
+    Raises:
+        ConfigError: a bad ``ac.policy``/``ac.size``/``ac.blocks``, or a model that cannot be built.
+    """
+    import torch
+
+    import distckpt
+    from distckpt.select.policies import Budget, parse_policy, parse_size
+    from launch.build import build_model
+
+    c = cfg.ac
+    if c.size != "auto":
+        try:
+            parse_size(c.size)
+        except ConfigError as e:
+            raise ConfigError(f"ac.size={c.size}: {e} Or ac.size=auto (the free CUDA memory).") from None
+    try:
+        policy = parse_policy(c.policy)
+    except ConfigError as e:
+        raise ConfigError(f"ac.policy={c.policy}: {e}") from None
+    cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
+    if isinstance(policy, Budget) and policy.bytes is None and not cuda:
+        raise ConfigError(f"ac.policy={c.policy}: budget:auto uses the free CUDA memory, and this run has no CUDA "
+                          f"device (trainer.device={cfg.trainer.device}); give a size, e.g. ac.size=2GiB.")
+    if not _meta_buildable(cfg.model):
+        return  # a user's model may read files or weights in __init__: wrap checks it at start
+    try:
+        with torch.device("meta"):
+            model = build_model(cfg.model, cfg.data)
+    except (ValueError, TypeError, KeyError, RuntimeError) as e:  # e.g. a model type transformers lacks
+        text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        text = text if len(text) <= 160 else text[:160].rsplit(" ", 1)[0] + " ..."  # HF lists every model type
+        raise ConfigError(f"model={cfg.model.name} cannot be built from these model.* values: "
+                          f"{type(e).__name__}: {text}") from None
+    blocks = list(c.blocks) if c.blocks else None
+    try:
+        distckpt.wrap(model, policy, blocks=blocks, reentrant=c.reentrant, offload="cpu" if c.offload else None)
+    except ConfigError as e:
+        where = f"ac.blocks=[{','.join(blocks)}]" if blocks else f"model={cfg.model.name} ac.policy={c.policy}"
+        raise ConfigError(f"{where}: {e}" + ("" if blocks else " In the launcher: ac.blocks=[GLOB,...].")) from None

@@ -68,6 +68,24 @@ def build_subject(overrides: tuple[str, ...], wrap: bool, nproc: int, preserve_r
     return model, loss_fn, batch_fn
 
 
+def _validate(cfg: Any, args: argparse.Namespace) -> None:
+    """The launcher's own validation (ranges, combinations, the ``ac`` group on a meta model), for the
+    job doctor runs: ``--nproc`` ranks under the config's (or ``--strategy``'s) strategy.
+
+    Raises:
+        ConfigError: naming the override to fix.
+    """
+    from omegaconf import DictConfig, open_dict
+
+    from launch.config import validate
+
+    job = DictConfig({k: v for k, v in cfg.items() if k != "hydra"})
+    if args.strategy:
+        with open_dict(job):
+            job.strategy.name = args.strategy
+    validate(job, world_size=1 if job.strategy.name == "none" else args.nproc)
+
+
 def _parser() -> argparse.ArgumentParser:
     from distckpt.cli import add_doctor_flags
 
@@ -89,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = _compose(args.overrides)
+        _validate(cfg, args)
         opts = doctor_options(args, label=" ".join(args.overrides), policy_label=str(cfg.ac.policy))
         opts.strategy = opts.strategy or cfg.strategy.name
         opts.graph = opts.graph or cfg.strategy.graph

@@ -33,10 +33,17 @@ class TensorBoardWriter:
 
 
 class WandbWriter:
-    """A wandb run; ``"online"`` without an API key falls back to offline, so a run never prompts or
-    waits for a login. The run id lives in the run dir, so a resumed run continues the same wandb run."""
+    """A wandb run that never blocks or ends the training run.
 
-    def __init__(self, run_dir: Path, mode: str, project: str, config: dict[str, Any]) -> None:
+    ``"online"`` without an API key goes offline at once, so a run never prompts for a login. Any
+    failure of ``wandb.init`` (a malformed key, an unreachable server, no answer within
+    ``init_timeout`` seconds) is one warning and an offline run in the run dir instead; should that
+    fail too, wandb is off for the run. ``metrics.jsonl`` is written in every case. The run id
+    lives in the run dir, so a resumed run continues the same wandb run.
+    """
+
+    def __init__(self, run_dir: Path, mode: str, project: str, config: dict[str, Any],
+                 init_timeout: float = 20.0) -> None:
         import wandb  # needs the wandb package (extra "launch")
 
         mode = os.environ.get("WANDB_MODE", mode)  # the user's environment wins (offline on a cluster, ...)
@@ -47,14 +54,49 @@ class WandbWriter:
         id_file = run_dir / "wandb_id.txt"
         run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
         id_file.write_text(run_id)
-        self._run = wandb.init(project=project, id=run_id, resume="allow", dir=str(run_dir), mode=mode,
-                               config=config, settings=wandb.Settings(console="off", silent=True, init_timeout=60))
+        # init_timeout bounds wandb's wait for its server (measured with wandb 0.31: a 40-character key
+        # and no network fails after init_timeout + ~1.5 s; a malformed key fails at once).
+        settings = wandb.Settings(console="off", silent=True, init_timeout=init_timeout)
+        kwargs = dict(project=project, id=run_id, resume="allow", dir=str(run_dir), config=config, settings=settings)
+        self._run = _init_or_offline(wandb, mode, kwargs)
 
     def log(self, scalars: dict[str, float], step: int) -> None:
-        self._run.log(scalars, step=step)
+        if self._run is not None:
+            self._run.log(scalars, step=step)
 
     def close(self) -> None:
-        self._run.finish()
+        if self._run is not None:
+            self._run.finish()
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
+def _init_or_offline(wandb: Any, mode: str, kwargs: dict[str, Any]) -> Any:
+    """``wandb.init`` in ``mode``; on any failure one warning and an offline run (None if that fails too)."""
+    try:
+        return wandb.init(mode=mode, **kwargs)
+    except Exception as e:  # AuthenticationError, CommError (timeout, no network), UsageError, ...: never fatal
+        if mode != "online":
+            warnings.warn(f"wandb: init in mode {mode} failed ({_first_line(e)}); wandb is off for this run, "
+                          "metrics.jsonl has every metric.", stacklevel=4)
+            return None
+        first = _first_line(e)
+    try:
+        # The failed online run stays registered in wandb's service (measured, wandb 0.31: an offline
+        # init with the same id then fails "run ID is in use"), and the service keeps the settings it
+        # read first: start a fresh one.
+        wandb.teardown()
+        run = wandb.init(mode="offline", **kwargs)
+    except Exception as e:
+        warnings.warn(f"wandb: online init failed ({first}) and offline too ({_first_line(e)}); wandb is off for "
+                      "this run, metrics.jsonl has every metric.", stacklevel=4)
+        return None
+    warnings.warn(f"wandb: online init failed ({first}); logging offline to the run dir instead "
+                  "(sync later with `wandb sync RUN_DIR/wandb`).", stacklevel=4)
+    return run
 
 
 def _wandb_logged_in() -> bool:
@@ -73,5 +115,6 @@ def build_writers(logger: DictConfig, run_dir: str | os.PathLike[str], config: d
     if logger.tensorboard:
         writers.append(TensorBoardWriter(path))
     if logger.wandb and logger.wandb != "disabled":
-        writers.append(WandbWriter(path, logger.wandb, logger.wandb_project, config))
+        writers.append(WandbWriter(path, logger.wandb, logger.wandb_project, config,
+                                   init_timeout=logger.wandb_init_timeout))
     return writers

@@ -31,7 +31,7 @@ from launch.build import (
     clip_fn,
     parallel_kwargs,
 )
-from launch.config import validate
+from launch.config import shard_size, validate
 from launch.hf import hf_inner, save_hf
 from launch.loggers import build_writers
 
@@ -158,7 +158,9 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -> Loo
     model.to(device)
     inner = hf_inner(model)  # the HF model before parallelize, for RUN_DIR/hf/ at the end
     strategy = cfg.strategy.name
-    model = distckpt.parallelize(model, strategy, graph=cfg.strategy.graph,
+    shards = shard_size(cfg.strategy, world)  # hsdp only: the mesh is (world // shards, shards)
+    extra = {"shard_size": shards} if shards else {}
+    model = distckpt.parallelize(model, strategy, graph=cfg.strategy.graph, **extra,
                                  **parallel_kwargs(cfg.precision, strategy))
     optimizer, scheduler = build_optimizer(cfg.optim, model, t.max_steps)
     state = TrainState(model, optimizer, scheduler, build_scaler(cfg.precision, strategy, device), data=data)
@@ -188,6 +190,11 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -> Loo
     return result
 
 
+def _mesh(cfg: DictConfig, world: int) -> str:
+    shards = shard_size(cfg.strategy, world)
+    return f" (mesh {world // shards} replicate x {shards} shard)" if shards else ""
+
+
 def _guard_report(guard: Any, checks: int, verified: str) -> str:
     world = rank_world()[1]
     if guard is None:
@@ -207,7 +214,7 @@ def _summary(cfg: DictConfig, r: LoopResult, path: str, model: torch.nn.Module) 
     mem_kind = "CUDA allocated" if torch.cuda.is_available() else "peak RSS"
     rows = [
         ("run dir", path),
-        ("job", f"model={cfg.model.name} data={cfg.data.name} strategy={cfg.strategy.name} x{world} "
+        ("job", f"model={cfg.model.name} data={cfg.data.name} strategy={cfg.strategy.name} x{world}{_mesh(cfg, world)} "
                 f"ac={cfg.ac.policy} precision={cfg.precision.name}"),
         ("steps", f"{r.start_step} -> {r.step} of {cfg.trainer.max_steps}"
                   + (f" (resumed from {Path(r.resumed_from).name})" if r.resumed_from else "")

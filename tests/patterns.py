@@ -473,22 +473,25 @@ def full_params(pm: nn.Module, strategy: str) -> dict[str, torch.Tensor]:
 
 def assert_matches(results: list, ref: tuple[list[dict], dict], rtol: float = 1e-5, atol: float = 1e-6,
                    param_atol: float | None = None) -> None:
-    """``results``: per rank ``(per-step grads, final params)``; equal across ranks, close to ``ref``
+    """``results``: per rank (2 or more) ``(per-step grads, final params)``; equal across ranks, close to ``ref``
     (params within ``param_atol`` when given, else as the grads)."""
     ref_grads, ref_params = ref
-    (g0, p0), (g1, p1) = results
-    assert len(g0) == len(g1) == len(ref_grads)
-    for step, (rg, a, b) in enumerate(zip(ref_grads, g0, g1)):
+    (g0, p0), others = results[0], results[1:]
+    assert all(len(g) == len(g0) == len(ref_grads) for g, _ in others)
+    for step, rg in enumerate(ref_grads):
+        a = g0[step]
         assert a.keys() == rg.keys()
         for n, r in rg.items():
             assert (a[n] is None) == (r is None), f"step {step} {n}: grad None on reference={r is None}"
-            assert (b[n] is None) == (r is None), f"step {step} {n}: rank 1 grad None differs"
+            for k, (g, _) in enumerate(others, 1):
+                assert (g[step][n] is None) == (r is None), f"step {step} {n}: rank {k} grad None differs"
+                if r is not None:
+                    assert torch.equal(a[n], g[step][n]), f"step {step} {n}: ranks 0 and {k} differ"
             if r is not None:
-                assert torch.equal(a[n], b[n]), f"step {step} {n}: ranks differ"
                 torch.testing.assert_close(a[n], r, rtol=rtol, atol=atol,
                                            msg=lambda m, s=step, n=n: f"step {s} {n}: {m}")
     assert p0.keys() == ref_params.keys()
     for n, r in ref_params.items():
-        assert torch.equal(p0[n], p1[n]), f"{n}: params differ across ranks"
+        assert all(torch.equal(p0[n], p[n]) for _, p in others), f"{n}: params differ across ranks"
         torch.testing.assert_close(p0[n], r, rtol=rtol, atol=atol if param_atol is None else param_atol,
                                    msg=lambda m, n=n: f"{n}: {m}")

@@ -24,9 +24,12 @@ class Block(nn.Module):
         super().__init__()
         self.fc1, self.drop, self.fc2 = nn.Linear(d, 2 * d), nn.Dropout(p), nn.Linear(2 * d, d)
         self.task_b = False  # a task switch read inside the block
+        self.extra = False  # another one, which changes the ops (and so the tensors saved for backward)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.drop(torch.relu(self.fc1(x)))
+        if self.extra:
+            h = torch.sin(h)
         return x + self.fc2(h * 2 if self.task_b else h)
 
 
@@ -77,6 +80,45 @@ def broken_flag():
     return Net(), loss, _batch
 
 
+def _flags_read_in_blocks(flags: dict[int, str]):
+    """A loss that sets a flag in some blocks for the forward and switches it back before backward."""
+
+    def loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        inner = getattr(model, "module", model)
+        for i, name in flags.items():
+            setattr(inner.blocks[i], name, True)
+        out = _mse(model, batch)
+        for i, name in flags.items():
+            setattr(inner.blocks[i], name, False)
+        return out
+
+    return loss
+
+
+def broken_two_blocks():
+    """Blocks 1 and 2 both read a flag that changes before backward."""
+    return Net(), _flags_read_in_blocks({1: "task_b", 2: "task_b"}), _batch
+
+
+def broken_hidden():
+    """Block 2's recompute saves fewer tensors (torch's CheckpointError stops the backward there), which
+    hides block 0's flag: the first fix (leave out block 2) is still broken."""
+    return Net(), _flags_read_in_blocks({0: "task_b", 2: "extra"}), _batch
+
+
+def nan_loss():
+    """A loss that is always nan, with and without checkpointing."""
+
+    def loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return _mse(model, batch) * float("nan")
+
+    return Net(), loss, _batch
+
+
+def raising():
+    raise RuntimeError("cannot open /data/weights.pt")
+
+
 def test_healthy_model_is_safe(capsys):
     code = main(["doctor", "--factory", "test_doctor:healthy", "--steps", "2"])
     out = capsys.readouterr().out
@@ -97,6 +139,7 @@ def test_dropout_without_rng_state_is_not_safe(capsys):
     blocks = "blocks=['blocks.0', 'blocks.1', 'blocks.2']"  # the factory wrapped them itself
     assert f'Settings tried: distckpt.wrap(model, "full", reentrant=False, preserve_rng_state=False, {blocks})' in out
     assert f'settings to try: distckpt.wrap(model, "full", reentrant=False, preserve_rng_state=True, {blocks})' in out
+    assert "(doctor ran them: SAFE)" in out
 
 
 def test_console_script_on_flag_read_in_block():
@@ -145,3 +188,55 @@ def test_overrides_outside_a_checkout_exit_2(capsys, monkeypatch, tmp_path):
     assert main(["doctor", "model=gpt"]) == 2
     err = capsys.readouterr().err
     assert "python launch/doctor.py" in err and len(err.strip().splitlines()) == 1
+
+
+def test_nan_loss_is_not_safe(capsys):
+    """Measured before: "verdict: SAFE", exit 0 (max(0.0, nan) in the reference comparison)."""
+    code = main(["doctor", "--factory", "test_doctor:nan_loss", "--steps", "2"])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "verdict: NOT SAFE" in out
+    assert "[NOT OK] the step [nonfinite]: the loss is not finite with and without checkpointing" in out
+    assert "[NOT OK] step 0: loss nan, global gradient norm nan" in out
+    assert "no checkpointing setting that doctor tried passes" in out and "settings to try" not in out
+
+
+def test_factory_that_raises_is_a_usage_error(capsys):
+    code = main(["doctor", "--factory", "test_doctor:raising", "--steps", "1"])
+    captured = capsys.readouterr()
+    assert code == 2
+    assert captured.err.strip().splitlines() == [
+        "distckpt doctor: the factory test_doctor:raising raised RuntimeError: cannot open /data/weights.pt "
+        "(rank 0); doctor diagnoses a model it can build."]
+    assert "NOT SAFE" not in captured.out
+
+
+def test_two_broken_blocks_are_both_left_out(capsys):
+    code = main(["doctor", "--factory", "test_doctor:broken_two_blocks", "--steps", "1"])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert ('settings to try: distckpt.wrap(model, "full", reentrant=False, preserve_rng_state=True, '
+            'blocks=[\'blocks.0\']); distckpt.parallelize(model, "ddp", graph="auto")  (doctor ran them: SAFE)') in out
+
+
+def test_suggestion_is_re_verified_when_a_failure_hides_another(capsys):
+    """Leaving out block 2 (the one torch's CheckpointError names) is not enough: doctor runs that, finds
+    block 0, and suggests only what passed."""
+    code = main(["doctor", "--factory", "test_doctor:broken_hidden", "--steps", "1"])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "[NOT OK] blocks.2 [control_flow]" in out and "blocks.0 [" not in out  # the first run sees block 2 only
+    assert "blocks=['blocks.1']); distckpt.parallelize" in out and "(doctor ran them: SAFE)" in out
+
+
+def test_hydra_config_mode_validates_the_config_first(capsys, monkeypatch):
+    """An out-of-range override is refused before any rank starts, as `launch/train.py --check` refuses it."""
+    pytest.importorskip("hydra")
+    monkeypatch.chdir(ROOT)
+    monkeypatch.syspath_prepend(ROOT)
+    from launch.doctor import main as launch_doctor
+
+    assert launch_doctor(["model=gpt", "model.n_layer=0", "--steps", "1"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "distckpt doctor: model.n_layer=0 is out of range: it must be an integer >= 1; fix the override "
+        "model.n_layer=..."]

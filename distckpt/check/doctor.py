@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -44,6 +45,8 @@ class DoctorOptions:
     preserve_rng_state: bool = True
     graph: str | None = None  # None: auto
     policy_label: str | None = None  # the policy the factory applied itself (the launcher's config), for the verdict
+    # Checkpoint exactly these blocks (FQNs), replacing what the factory wrapped: how a suggestion is re-verified.
+    blocks: list[str] | None = None
     steps: int = 3
     nproc: int = 2
     lr: float = 1e-2
@@ -94,6 +97,28 @@ def _subject(opts: DoctorOptions) -> tuple[nn.Module, Callable[[nn.Module, Any],
     return made
 
 
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
+def _subject_or_error(opts: DoctorOptions) -> tuple[Any, str | None]:
+    """The factory's ``(model, loss_fn, batch_fn)``, or the first line of what it raised on any rank (every
+    rank learns it, so none goes on alone into a collective)."""
+    import torch.distributed as dist
+
+    made, error = None, None
+    try:
+        made = _subject(opts)
+    except Exception as e:  # the user's factory: whatever it raises is a usage error, not a verdict
+        error = _first_line(e)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        errors: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        error = next((f"{err} (rank {r})" for r, err in enumerate(errors) if err), None)
+    return made, error
+
+
 def _label(opts: DoctorOptions) -> str:
     return opts.label or (opts.factory if isinstance(opts.factory, str) else getattr(opts.factory, "__name__", "?"))
 
@@ -133,10 +158,14 @@ def _diagnose(rank: int, world: int, opts: DoctorOptions) -> list[Finding]:
 
     findings: list[Finding] = []
     torch.manual_seed(0)
-    model, loss_fn, batch_fn = _subject(opts)
-    by_doctor = opts.policy is not None or not checkpointed(model)
+    made, error = _subject_or_error(opts)
+    if error is not None:
+        return [Finding("factory", False, error)]
+    model, loss_fn, batch_fn = made
+    by_doctor = opts.blocks is not None or opts.policy is not None or not checkpointed(model)
     if by_doctor:
-        distckpt.wrap(model, opts.policy or "full", reentrant=opts.reentrant,
+        unwrap(model)  # the settings tried replace the factory's own, whole
+        distckpt.wrap(model, opts.policy or "full", blocks=opts.blocks, reentrant=opts.reentrant,
                       preserve_rng_state=opts.preserve_rng_state)
     blocks = checkpointed(model)
     used = next((m._distckpt_options for m in model.modules() if hasattr(m, "_distckpt_options")), None)
@@ -159,7 +188,8 @@ def _diagnose(rank: int, world: int, opts: DoctorOptions) -> list[Finding]:
     else:
         first = report.mismatches[0]
         findings.append(Finding("recompute", False, f"{first.module or 'the step'} [{first.kind}]: {first.detail}",
-                                first.cause, data={"kind": first.kind, "module": first.module}))
+                                first.cause, data={"kind": first.kind, "module": first.module,
+                                                   "all": [(m.kind, m.module) for m in report.mismatches]}))
     try:  # on every rank: profile_blocks makes the ranks agree on their numbers (a collective)
         findings.append(Finding("estimate", True, "", data=_estimate(model, loss_fn, batch0)))
     except Exception as e:  # an estimate is a nicety: never fail the diagnosis on it
@@ -190,7 +220,8 @@ def _train_against_reference(pmodel: nn.Module, ref: nn.Module, loss_fn: Callabl
     for step in range(opts.steps):
         rng = torch.get_rng_state()
         try:
-            loss_fn(pmodel, batch_fn(step, rank, world)).backward()
+            loss = loss_fn(pmodel, batch_fn(step, rank, world))
+            loss.backward()
             rep = guard.check()
         except distckpt.GradDesyncError as e:
             findings.append(Finding("sync", False, f"step {step}: {e}".split(" Likely cause")[0],
@@ -209,6 +240,13 @@ def _train_against_reference(pmodel: nn.Module, ref: nn.Module, loss_fn: Callabl
         torch.set_rng_state(after)
         ref_grads = list(_grads(ref).values())
         ref_norm = float(torch.stack([g.double().norm() for g in ref_grads]).norm()) if ref_grads else 0.0
+        value = float(loss.detach())
+        if _any_rank(not all(math.isfinite(v) for v in (value, rep.grad_norm or 0.0, ref_norm))):
+            findings.append(Finding("finite", False, f"step {step}: loss {value:.4g}, global gradient norm "
+                                    f"{rep.grad_norm or 0.0:.4g}, without checkpointing on one process "
+                                    f"{ref_norm:.4g}", "a non-finite loss or gradient is never safe: fix the "
+                                    "model, loss, data or lr first (it is not a checkpointing setting)"))
+            return findings
         worst = max(worst, abs((rep.grad_norm or 0.0) - ref_norm) / max(ref_norm, 1e-12))
         no_grad = rep.no_grad
         opt.step()
@@ -228,6 +266,17 @@ def _train_against_reference(pmodel: nn.Module, ref: nn.Module, loss_fn: Callabl
                             "" if not no_grad else "use reentrant=False (a frozen input under reentrant "
                             "checkpointing), or set requires_grad=False on parameters meant to be frozen"))
     return findings
+
+
+def _any_rank(flag: bool) -> bool:
+    """``flag`` on any rank (a collective: every rank calls it at the same point)."""
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 # --- the parent: spawn, collect, print -----------------------------------------------------------
@@ -258,32 +307,98 @@ def _fmt_bytes(n: int) -> str:
     return str(n)
 
 
-def _settings(opts: DoctorOptions, used: dict[str, Any] | None, findings: list[Finding] | None = None) -> str:
-    """The wrap/parallelize call to use: the one tried, with the fixes the findings call for."""
-    reentrant = used["reentrant"] if used else opts.reentrant
-    preserve = used["preserve_rng_state"] if used else opts.preserve_rng_state
-    blocks = list(used["blocks"]) if used else []
-    exclude: list[str] = []
-    for f in findings or []:
-        kind = (f.data or {}).get("kind") if isinstance(f.data, dict) else None
-        if kind in ("rng", "rng_preserved"):
-            preserve = True
-        elif kind in ("control_flow", "state", "shape", "buffer", "batchnorm", "checkpoint_error", "gradient"):
-            exclude += [b for b in blocks if f.data["module"] == b or f.data["module"].startswith(b + ".")]
-        elif f.check in ("sync", "step", "gradients", "reference", "hang") and not f.ok:
+# Recompute mismatches that are the block's own (each block's recompute is compared with its own
+# forward, so one broken block does not make another look broken); gradient and loss differences are
+# consequences: every block upstream of a broken one gets other gradients.
+_OWN_BLOCK = ("control_flow", "state", "shape", "buffer", "batchnorm", "checkpoint_error")
+_RUN_LEVEL = ("sync", "step", "gradients", "reference", "hang")
+
+
+@dataclass(frozen=True)
+class _Settings:
+    """A wrap/parallelize setting: what was tried, or a fix of it."""
+
+    reentrant: bool
+    preserve_rng_state: bool
+    blocks: tuple[str, ...]  # the checkpointed blocks
+    named: bool  # say blocks=[...] in the call (a fix left some out, or the factory chose them)
+
+
+def _tried(opts: DoctorOptions, used: dict[str, Any] | None) -> _Settings:
+    blocks = tuple(used["blocks"]) if used else ()
+    named = bool(used and not used["by_doctor"] and opts.policy_label is None and len(blocks) <= 8)
+    return _Settings(used["reentrant"] if used else opts.reentrant,
+                     used["preserve_rng_state"] if used else opts.preserve_rng_state, blocks, named)
+
+
+def _fixed(tried: _Settings, failed: list[Finding]) -> _Settings:
+    """``tried`` with the fixes the failed findings call for (it may be ``tried`` itself: nothing to change)."""
+    reentrant, preserve, exclude = tried.reentrant, tried.preserve_rng_state, set()
+    for f in failed:
+        if f.check == "recompute" and isinstance(f.data, dict):
+            pairs = f.data.get("all") or [(f.data["kind"], f.data["module"])]
+            own = [(k, m) for k, m in pairs if k in (*_OWN_BLOCK, "rng")]
+            for kind, module in own or pairs[:1]:
+                if kind == "rng" and not tried.preserve_rng_state:
+                    preserve = True
+                elif kind in (*_OWN_BLOCK, "rng", "gradient"):  # rng with preserved state: a generator it misses
+                    exclude |= {b for b in tried.blocks if module == b or module.startswith(b + ".")}
+        elif f.check in _RUN_LEVEL and not f.ok:
             reentrant = False
+    keep = tuple(b for b in tried.blocks if b not in exclude)
+    return _Settings(reentrant, preserve, keep, tried.named or bool(exclude))
+
+
+def _call(opts: DoctorOptions, s: _Settings) -> str:
     policy = opts.policy or opts.policy_label or "full"
-    call = f'distckpt.wrap(model, "{policy}", reentrant={reentrant}, preserve_rng_state={preserve}'
-    keep = [b for b in blocks if b not in exclude]
-    # Blocks the factory chose itself are named, since no policy string says which they are.
-    if exclude or (used and not used["by_doctor"] and opts.policy_label is None and len(keep) <= 8):
-        call += f", blocks={keep!r}"
+    if s.named and policy not in ("full", "selective"):
+        policy = "full"  # the blocks are listed: a policy choosing among them would choose again
+    call = f'distckpt.wrap(model, "{policy}", reentrant={s.reentrant}, preserve_rng_state={s.preserve_rng_state}'
+    if s.named:
+        call += f", blocks={list(s.blocks)!r}"
     return call + f'); distckpt.parallelize(model, "{opts.strategy}", graph="{opts.graph}")'
 
 
-def render(opts: DoctorOptions, results: dict[int, list[Finding]]) -> tuple[bool, str]:
-    """The verdict text and whether it is safe."""
-    used = next((f.data for fs in results.values() for f in fs if f.check == "settings"), None)
+def _used(results: dict[int, list[Finding]]) -> dict[str, Any] | None:
+    return next((f.data for fs in results.values() for f in fs if f.check == "settings"), None)
+
+
+def _failed(results: dict[int, list[Finding]]) -> list[Finding]:
+    return [f for _, fs in sorted(results.items()) for f in fs if not f.ok]
+
+
+def verified_fix(opts: DoctorOptions, results: dict[int, list[Finding]], rounds: int = 3) -> str | None:
+    """Settings that fix the failures of ``results``, re-verified: doctor runs them and they pass.
+
+    Each round applies the fixes the last run's failures call for and runs doctor again with them
+    (a block whose recompute broke in backward can hide the breakage of blocks recomputed after it).
+
+    Returns:
+        The wrap/parallelize call of the first fix that passes, or None when a round finds nothing to
+        change (the failures are not checkpointing settings: a nan loss, a model that differs by rank) or
+        ``rounds`` runs did not find one.
+    """
+    first = _tried(opts, _used(results))
+    tried, failed, seen = first, _failed(results), {first}
+    for _ in range(rounds):
+        fix = _fixed(tried, failed)
+        if fix in seen or not fix.blocks:
+            return None
+        seen.add(fix)
+        policy = opts.policy or opts.policy_label or "full"
+        again = dataclasses.replace(opts, policy=policy if policy == "selective" else "full", blocks=list(fix.blocks),
+                                    reentrant=fix.reentrant, preserve_rng_state=fix.preserve_rng_state)
+        run = _run_ranks(again)
+        if not _failed(run):
+            return _call(opts, fix)
+        tried, failed = fix, _failed(run)
+    return None
+
+
+def render(opts: DoctorOptions, results: dict[int, list[Finding]], verified: str | None = None) -> tuple[bool, str]:
+    """The verdict text and whether it is safe; ``verified``: settings that doctor ran and that passed
+    (see :func:`verified_fix`), suggested when not safe."""
+    used = _used(results)
     reentrant = used["reentrant"] if used else opts.reentrant
     preserve = used["preserve_rng_state"] if used else opts.preserve_rng_state
     lines = [f"distckpt doctor: {_label(opts)}  "
@@ -293,7 +408,6 @@ def render(opts: DoctorOptions, results: dict[int, list[Finding]]) -> tuple[bool
     safe = True
     seen: dict[tuple[str, str], list[int]] = {}
     estimate = None
-    failed: list[Finding] = []
     for rank, findings in sorted(results.items()):
         for f in findings:
             if f.check == "estimate":
@@ -301,8 +415,6 @@ def render(opts: DoctorOptions, results: dict[int, list[Finding]]) -> tuple[bool
                 continue
             if f.check == "settings":
                 continue
-            if not f.ok:
-                failed.append(f)
             key = (f.check, f"{'ok' if f.ok else 'FAIL'}\t{f.detail}\t{f.fix}")
             seen.setdefault(key, []).append(rank)
             safe &= f.ok
@@ -318,22 +430,28 @@ def render(opts: DoctorOptions, results: dict[int, list[Finding]]) -> tuple[bool
             lines.append(f"    {fqn:<32} {_fmt_bytes(saved):>10}   {flops / 1e6:10.2f} MFLOP")
     elif estimate is not None:
         lines.append(f"  memory/recompute estimate {estimate.detail}")
+    tried = _call(opts, _tried(opts, used))
     if safe:
-        lines.append(f"verdict: SAFE. Settings to use: {_settings(opts, used)}")
+        lines.append(f"verdict: SAFE. Settings to use: {tried}")
     else:
-        lines.append(f"verdict: NOT SAFE (see the NOT OK lines). Settings tried: {_settings(opts, used)}")
-        lines.append(f"  settings to try: {_settings(opts, used, failed)}")
+        lines.append(f"verdict: NOT SAFE (see the NOT OK lines). Settings tried: {tried}")
+        lines.append(f"  settings to try: {verified}  (doctor ran them: SAFE)" if verified else
+                     "  no checkpointing setting that doctor tried passes: fix what the NOT OK lines name first")
     return safe, "\n".join(lines)
 
 
 def doctor(opts: DoctorOptions) -> int:
     """Run the diagnosis and print the verdict.
 
+    When a check fails, the fixes it calls for are run by doctor too, and only settings that pass
+    are suggested (:func:`verified_fix`).
+
     Returns:
         0 when every check passed on every rank, 1 otherwise.
 
     Raises:
-        ConfigError: no factory, or a factory spec that cannot be imported.
+        ConfigError: no factory, a factory spec that cannot be imported, or a factory that raised (on
+            any rank; its exception in one line).
     """
     opts = dataclasses.replace(opts)
     if isinstance(opts.factory, str):
@@ -346,6 +464,13 @@ def doctor(opts: DoctorOptions) -> int:
     opts.graph = opts.graph or "auto"
     if opts.strategy == "none":
         opts.nproc = 1  # without data parallelism ranks would not synchronize: one process
-    safe, text = render(opts, _run_ranks(opts))
+    results = _run_ranks(opts)
+    raised = next((f.detail for _, fs in sorted(results.items()) for f in fs if f.check == "factory"), None)
+    if raised is not None:
+        from distckpt.errors import ConfigError
+
+        raise ConfigError(f"the factory {_label(opts)} raised {raised}; doctor diagnoses a model it can build.")
+    fix = verified_fix(opts, results) if _failed(results) else None
+    safe, text = render(opts, results, fix)
     print(text, flush=True)
     return 0 if safe else 1

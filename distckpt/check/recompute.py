@@ -103,6 +103,9 @@ _CAUSES = {
                 "verify_recompute with the blocks checkpointed one at a time to find it.",
     "loss": "Likely cause: the forward itself differs when checkpointing is on (a module that behaves "
             "differently under checkpointing). Fix: leave the block out of checkpointing.",
+    "nonfinite": "The recompute cannot be verified on non-finite values (nan equals nothing, not even itself). "
+                 "Fix the model, loss or data first (run loss_fn without checkpointing: "
+                 "distckpt.apply.wrap.checkpointing_disabled), then verify again.",
     "checkpoint_error": "Likely cause: the recompute saved tensors of other shapes or dtypes than the forward "
                         "(state or data that changed between forward and backward). Fix: see the message; leave "
                         "this block out of checkpointing if it must read such state.",
@@ -240,8 +243,8 @@ def _values_differ(a: tuple[Any, ...], b: tuple[Any, ...], rtol: float) -> bool:
     (_, _, s1, q1), (_, _, s2, q2) = a, b
     if s1 is None or s2 is None:
         return False
-    if any(math.isnan(x) for x in (s1, q1, s2, q2)):
-        return not all(math.isnan(x) == math.isnan(y) for x, y in ((s1, s2), (q1, q2)))
+    if not all(math.isfinite(x) for x in (s1, q1, s2, q2)):  # the bounds below are inf > inf: never true
+        return not all((math.isnan(x) and math.isnan(y)) or x == y for x, y in ((s1, s2), (q1, q2)))
     # Outputs differing by d (L2) change the sum of squares by at most 2|x||d| and the sum by at
     # most sqrt(n)|d|: both bounds at |d| = rtol * |x|.
     norm = math.sqrt(max(q1, q2, 0.0))
@@ -364,6 +367,7 @@ def verify_recompute(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tens
                                    f"{float(without.loss):.8g} without", _CAUSES["loss"]))
     grad_mismatches, max_diff = _grad_mismatches(params, with_ckpt.grads, without.grads, rtol, atol)
     mismatches += grad_mismatches
+    mismatches += _nonfinite(with_ckpt, without)
     mismatches += _buffer_mismatches(inner, buffers, with_ckpt.buffers, without.buffers, rtol, atol)
     report = RecomputeReport(ok=not mismatches, blocks=[b for b, _ in blocks],
                              loss=(float(with_ckpt.loss), float(without.loss)), max_grad_diff=max_diff,
@@ -463,12 +467,25 @@ def _grad_mismatches(params: list[tuple[str, nn.Parameter]], grads_a: dict[str, 
                                            _CAUSES["gradient"]))
             continue
         diff = float((a.double() - b.double()).abs().max()) if a.shape == b.shape and a.numel() else 0.0
-        max_diff = max(max_diff, diff)
+        max_diff = diff if math.isnan(diff) else max(max_diff, diff)  # max(0.0, nan) is 0.0: keep the nan
         if not _close(a, b, rtol, atol):
             what = f"max abs diff {diff:.3g}" if a.shape == b.shape else f"shape {list(a.shape)} vs {list(b.shape)}"
             mismatches.append(Mismatch(name.rpartition(".")[0], "gradient", f"gradient of {name} differs ({what})",
                                        _CAUSES["gradient"]))
     return mismatches, max_diff
+
+
+def _nonfinite(with_ckpt: _Run, without: _Run) -> list[Mismatch]:
+    """A loss or gradient that is not finite in either run (equal nans would otherwise pass as exact):
+    the loss if it is the one, else the first such gradient."""
+    candidates = [("", "loss", with_ckpt.loss, without.loss)]
+    candidates += [(n.rpartition(".")[0], f"gradient of {n}", g, without.grads[n]) for n, g in with_ckpt.grads.items()]
+    for module, what, a, b in candidates:
+        bad = [run for run, t in (("with", a), ("without", b)) if t is not None and not bool(t.isfinite().all())]
+        if bad:
+            return [Mismatch(module, "nonfinite", f"the {what} is not finite {' and '.join(bad)} checkpointing",
+                             _CAUSES["nonfinite"])]
+    return []
 
 
 def _buffer_mismatches(inner: nn.Module, buffers: list[tuple[str, torch.Tensor]], bufs_a: list[torch.Tensor],

@@ -17,15 +17,12 @@ import torch.nn as nn
 
 from distckpt._dist import local_shard as _local
 from distckpt._dist import rank_world
+from distckpt._dist import shard_key as _shard_key
 from distckpt._dist import unwrap_ddp as _inner
 from distckpt.apply.wrap import _clean_fqn
-from distckpt.errors import ConfigError, GradDesyncError
+from distckpt.errors import ConfigError, GradDesyncError, NoGradientError
 
 __all__ = ["GradSyncGuard", "GuardReport", "NoGradientError"]
-
-
-class NoGradientError(GradDesyncError):
-    """Parameters that should train received no gradient on any rank for several checked steps."""
 
 
 
@@ -104,8 +101,10 @@ def _fingerprint(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 # --- GradSyncGuard -------------------------------------------------------------------------------
 
-_F_PRESENT, _F_NUMEL, _G_SUMSQ, _G_PROJ, _P_SUMSQ, _P_PROJ = range(6)
-_N_FIELDS = 6
+# _F_KEY: which part of the parameter the rank holds (distckpt._dist.shard_key; FSDP1 shards: 1 + rank).
+# Ranks with the same key hold the same values when in sync, and are compared with each other.
+_F_PRESENT, _F_NUMEL, _G_SUMSQ, _G_PROJ, _P_SUMSQ, _P_PROJ, _F_KEY = range(7)
+_N_FIELDS = 7
 
 
 @dataclass
@@ -132,18 +131,21 @@ class GradSyncGuard:
 
     Every ``every`` calls of :meth:`check`, each rank computes a fingerprint of each parameter's
     gradient (float32 sum of squares and a fixed random projection, which catches permutations
-    and sign flips) and the ranks exchange them in ONE ``all_gather`` of a ``(params, 6)`` float64
-    tensor: gradients themselves never travel. What is compared:
+    and sign flips) and the ranks exchange them in ONE ``all_gather`` of a ``(params, 7)`` float64
+    tensor: gradients themselves never travel. Each rank also says which part of each parameter it
+    holds, and the ranks that hold the same part are compared with each other. What is compared:
 
     * replicated parameters (plain, DDP, FSDP ``NO_SHARD``, DTensor with only ``Replicate``
       placements): the gradient fingerprints must agree on all ranks, and a gradient must be
       present on all ranks or on none. Every ``params_every`` calls the parameters themselves are
       compared the same way (they drift apart when gradients ever differed).
     * sharded parameters (FSDP with ``use_orig_params=True``, FSDP2 DTensors with a ``Shard``
-      placement): no other rank holds the same shard, so values cannot be compared. The guard
-      checks that every rank holding a non-empty shard has a gradient for it (the reduce-scatter
-      ran on all of them, or on none), and sums the shards' squares into the global gradient
-      norm that :class:`GuardReport` reports and the no-gradient check uses.
+      placement): every rank holding a non-empty shard must have a gradient for it (the
+      reduce-scatter ran on all of them, or on none). Ranks that hold the same shard, the
+      ``"replicate"`` dimension of an HSDP mesh (DTensor ``(Replicate, Shard)``), must agree on its
+      gradient and (every ``params_every`` checks) its values, as replicated parameters do; under
+      FSDP/FSDP2 on a 1-D mesh no two ranks hold the same shard. The squares of each distinct
+      shard add up to the global gradient norm that :class:`GuardReport` reports.
     * all parameters with ``requires_grad``: a parameter whose gradient is None or exactly zero on
       every rank for ``no_grad_steps`` consecutive checks is reported (a frozen input under
       reentrant checkpointing, a detached head): warned, raised (:class:`NoGradientError`) or
@@ -257,10 +259,8 @@ class GradSyncGuard:
         report.grads_checked, report.params_checked = True, with_params
         names = [n for n, _ in params]
         trains = [p.requires_grad for _, p in params]
-        self._compare(table, names, trains, numels, sharded, with_params, step)
-        # Sharded: the shards' squares add up; replicated: every rank holds the whole gradient.
-        sumsq = table[:, :, _G_SUMSQ].sum(0).where(torch.tensor(sharded, dtype=torch.bool), table[0, :, _G_SUMSQ])
-        report.grad_norm = float(sumsq.sum().sqrt())
+        self._compare(table, names, trains, sharded, with_params, step)
+        report.grad_norm = float(_distinct_sumsq(table).sum().sqrt())
         report.no_grad = self._track_no_grad(table, names, trains, step)
         return report
 
@@ -273,8 +273,11 @@ class GradSyncGuard:
         numels: list[int] = []
         sharded: list[bool] = []
         zeros: dict[torch.device, torch.Tensor] = {}
+        rank = self._world()[0]
+        keys: list[float] = []
         for _, p in params:
             data, is_sharded = _local(p)
+            keys.append(float(1 + rank if sharded_model else _shard_key(p)))
             is_sharded = is_sharded or sharded_model
             device = data.device
             if device not in zeros:
@@ -284,7 +287,8 @@ class GradSyncGuard:
             if grad is not None:
                 grad, _ = _local(grad)
             gs, gp = _fingerprint(grad) if grad is not None else (zero, zero)
-            ps, pp = _fingerprint(data) if with_params and not is_sharded else (zero, zero)
+            # Sharded ones too: the ranks holding the same shard (HSDP's replicas) are compared.
+            ps, pp = _fingerprint(data) if with_params else (zero, zero)
             meta.append([float(grad is not None or data.numel() == 0), float(data.numel())])
             values += [gs, gp, ps, pp]
             numels.append(data.numel())
@@ -294,11 +298,12 @@ class GradSyncGuard:
         if len(zeros) > 1:  # parameters on several devices (CPU offload): gather the scalars first
             values = [v.to(device) for v in values]
         vals = torch.stack(values).double().view(-1, 4).cpu()
-        fp = torch.cat([torch.tensor(meta, dtype=torch.float64), vals], dim=1)
+        key = torch.tensor(keys, dtype=torch.float64).unsqueeze(1)
+        fp = torch.cat([torch.tensor(meta, dtype=torch.float64), vals, key], dim=1)
         return fp, numels, sharded, device
 
-    def _compare(self, table: torch.Tensor, names: list[str], trains: list[bool], numels: list[int],
-                 sharded: list[bool], with_params: bool, step: int) -> None:
+    def _compare(self, table: torch.Tensor, names: list[str], trains: list[bool], sharded: list[bool],
+                 with_params: bool, step: int) -> None:
         world = table.shape[0]
         if world == 1 or not names:
             return
@@ -312,20 +317,17 @@ class GradSyncGuard:
             col = table[:, i]
             present = [bool(x) for x in col[:, _F_PRESENT].tolist()]
             holds = [x > 0 for x in col[:, _F_NUMEL].tolist()]
+            groups = _same_part(col)
             if trains[i]:
                 relevant = [r for r in range(world) if holds[r]] if sharded[i] else list(range(world))
                 have = [r for r in relevant if present[r]]
                 if have and len(have) < len(relevant):
                     miss = [r for r in relevant if not present[r]]
                     problems.append(f"{name}: gradient present on ranks {have} but None on ranks {miss}")
-                elif have and not sharded[i]:
-                    msg = _differs(col[:, _G_SUMSQ], col[:, _G_PROJ], numels[i], self.rtol)
-                    if msg:
-                        problems.append(f"{name} (gradient): {msg}")
-            if with_params and not sharded[i]:
-                msg = _differs(col[:, _P_SUMSQ], col[:, _P_PROJ], numels[i], self.rtol)
-                if msg:
-                    problems.append(f"{name} (parameter): {msg}")
+                elif have:
+                    problems += [f"{name} (gradient): {m}" for m in _group_differs(col, groups, _G_SUMSQ, self.rtol)]
+            if with_params:
+                problems += [f"{name} (parameter): {m}" for m in _group_differs(col, groups, _P_SUMSQ, self.rtol)]
         if problems:
             more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
             raise GradDesyncError(
@@ -368,8 +370,41 @@ class GradSyncGuard:
         return stuck
 
 
-def _differs(sumsq: torch.Tensor, proj: torch.Tensor, numel: int, rtol: float) -> str | None:
-    """A description of how ranks differ, or None when they agree within ``rtol``.
+def _same_part(col: torch.Tensor) -> list[list[int]]:
+    """The ranks of one parameter's column grouped by the part they hold (``_F_KEY``), groups of 2+."""
+    by_key: dict[float, list[int]] = {}
+    for r, k in enumerate(col[:, _F_KEY].tolist()):
+        by_key.setdefault(k, []).append(r)
+    return [g for g in by_key.values() if len(g) > 1]
+
+
+def _group_differs(col: torch.Tensor, groups: list[list[int]], sumsq_field: int, rtol: float) -> list[str]:
+    """How the ranks holding the same part differ in (``sumsq_field``, the projection after it)."""
+    out = []
+    for g in groups:
+        idx = torch.tensor(g)
+        numel = int(col[g[0], _F_NUMEL])
+        msg = _differs(col[idx, sumsq_field], col[idx, sumsq_field + 1], numel, rtol, ranks=g)
+        if msg:
+            out.append(msg)
+    return out
+
+
+def _distinct_sumsq(table: torch.Tensor) -> torch.Tensor:
+    """Per parameter, the sum of squares of its gradient over the distinct parts the ranks hold (a
+    replicated parameter once, each shard once: HSDP's replicas of a shard are not added twice)."""
+    keys = table[:, :, _F_KEY].long()
+    if not keys.numel():
+        return table.new_zeros(table.shape[1])
+    # Ranks with the same key hold the same part (compared before this): any one of them stands for it.
+    parts = table.new_zeros(int(keys.max()) + 1, table.shape[1])
+    return parts.scatter_(0, keys, table[:, :, _G_SUMSQ]).sum(0)
+
+
+def _differs(sumsq: torch.Tensor, proj: torch.Tensor, numel: int, rtol: float,
+             ranks: list[int] | None = None) -> str | None:
+    """A description of how ranks differ, or None when they agree within ``rtol`` (``ranks``: the
+    global ranks of the entries, default 0, 1, ...).
 
     Two tensors differing by ``d`` (L2) change the sum of squares by at most ``2|g||d|`` and the
     projection by at most ``|w||d|``: both differences are scaled back to ``|d| / |g|``.
@@ -398,6 +433,7 @@ def _differs(sumsq: torch.Tensor, proj: torch.Tensor, numel: int, rtol: float) -
     if not odd:
         return None
     worst = max(rel(ref, r) for r in odd)
-    norms = ", ".join(f"rank {r}: {math.sqrt(s[r]) if s[r] >= 0 else s[r]:.6g}" for r in range(world))
-    return (f"ranks {odd} differ from rank {ref} by about {worst:.3g} of its norm "
+    name = ranks or list(range(world))
+    norms = ", ".join(f"rank {name[r]}: {math.sqrt(s[r]) if s[r] >= 0 else s[r]:.6g}" for r in range(world))
+    return (f"ranks {[name[r] for r in odd]} differ from rank {name[ref]} by about {worst:.3g} of its norm "
             f"(L2 norms {norms}; tolerance {rtol:g})")

@@ -15,7 +15,8 @@ import torch.nn as nn
 from distckpt import _torch_compat as compat
 from distckpt.apply.wrap import _clean_fqn, is_checkpointed, parallel_kind, pending_plan
 from distckpt.errors import ConfigError
-from distckpt.options import accumulate_refusal, check_graph, check_strategy, reentrant_refusal
+from distckpt.options import SHARDED, accumulate_refusal, check_graph, check_strategy, reentrant_refusal
+from distckpt.parallel.mesh import mesh_group, resolve_mesh
 from distckpt.parallel.param_sync import SyncState, _Unit, param_owner
 from distckpt.select.blocks import conditional_reason
 
@@ -97,25 +98,35 @@ def parallelize(model: nn.Module, strategy: str = "ddp", *, graph: str = "auto",
 
     Args:
         model: the model, after ``distckpt.apply.wrap``.
-        strategy: ``"ddp"``, ``"fsdp"`` (FSDP1), ``"fsdp2"`` (``fully_shard``) or ``"none"``.
+        strategy: ``"ddp"``, ``"fsdp"`` (FSDP1), ``"fsdp2"`` (``fully_shard``), ``"hsdp"`` (``fully_shard``
+            over a 2-D ``("replicate", "shard")`` mesh: sharded within ``shard_size`` ranks, replicated
+            across those groups) or ``"none"``.
         graph: ``"auto"`` and ``"dynamic"``: any pattern (unused params joined with weight zero);
             ``"static"``: the same params every step and rank (DDP ``static_graph=True``, no join),
             checked each step.
-        device_mesh: a 1-D DeviceMesh for FSDP2/FSDP/DDP (default: the world).
+        device_mesh: a 1-D DeviceMesh for FSDP2/FSDP/DDP (default: the world), or a 2-D one named
+            ``("replicate", "shard")`` spanning every rank: FSDP2 (and ``"hsdp"``) then apply HSDP, DDP
+            replicates over all its ranks.
+        shard_size: ``"hsdp"`` only (a keyword in ``kwargs``): ranks per shard group, dividing the world
+            size (default: ``LOCAL_WORLD_SIZE``, the ranks of one node); distckpt builds the mesh.
         **kwargs: passed to DDP / FSDP / ``fully_shard`` (mixed precision, ``bucket_cap_mb``, ...).
 
     Returns:
         the parallel model (DDP or FSDP wrapper; for FSDP2 the model itself).
 
     Raises:
-        ConfigError: unknown strategy or graph, no process group, a model already wrapped, or a kwarg
-            that contradicts what correctness needs.
+        ConfigError: unknown strategy or graph, no process group, a model already wrapped, a mesh of
+            another shape (the message says how to build one), or a kwarg that contradicts what
+            correctness needs.
     """
     check_graph(graph)
     check_strategy(strategy)
     if strategy == "none":
         return model
+    shard_size = kwargs.pop("shard_size", None)
     _refuse_unready(model, strategy)
+    device_mesh = resolve_mesh(strategy, device_mesh, shard_size, _device().type)
+    strategy = "fsdp2" if strategy == "hsdp" else strategy  # HSDP is FSDP2 on the 2-D mesh
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     owners = [param_owner(model, n) for n in names]
     re_idx = _reentrant_params(model, names)
@@ -159,12 +170,12 @@ def _refuse_unready(model: nn.Module, strategy: str) -> None:
         raise ConfigError(
             f"distckpt.parallelize got a model already wrapped in {kind}. Pass the plain model (after "
             "distckpt.wrap); parallelize applies the wrapper itself.")
-    if strategy in ("fsdp", "fsdp2") and pending_plan(model):
+    if strategy in SHARDED and pending_plan(model):
         raise ConfigError(
             f"distckpt.wrap(model, budget) has not chosen its blocks yet (it waits for the first forward), but "
             f"{strategy} makes one unit per checkpointed block now. Pass example_inputs=(a batch) to distckpt.wrap.")
     preflight(model)
-    if strategy in ("fsdp", "fsdp2"):
+    if strategy in SHARDED:
         _refuse_conditional_units(model, strategy)
 
 
@@ -183,9 +194,10 @@ def _apply_ddp(model: nn.Module, names: list[str], owners: list[tuple[nn.Module,
 
     dev = _device()
     flags = _ddp_flags(kwargs, graph, reentrant)
-    if device_mesh is not None:
+    if device_mesh is not None and device_mesh.ndim == 1:
         flags["device_mesh"] = device_mesh
-    group = flags.get("process_group") or (device_mesh.get_group() if device_mesh is not None else None)
+    # A 2-D mesh spans the world (checked): DDP replicates over all of it, its default group.
+    group = flags.get("process_group") or mesh_group(device_mesh)
     unit = _Unit(model, [(i, *owners[i]) for i in range(len(names))])
     wrapped = DDP(model, device_ids=[dev] if dev.type == "cuda" else None, **flags)
     return wrapped, [(unit, False)], group
@@ -209,7 +221,7 @@ def _refuse_conditional_units(model: nn.Module, strategy: str) -> None:
 def _fsdp_group(device_mesh: Any, kwargs: dict[str, Any]) -> Any:
     if kwargs.get("process_group") is not None:
         return kwargs["process_group"]
-    return device_mesh.get_group() if device_mesh is not None else None
+    return mesh_group(device_mesh)
 
 
 def _units_by_block(model: nn.Module, names: list[str], owners: list[tuple[nn.Module, str]]
@@ -231,15 +243,17 @@ def _apply_fsdp2(model: nn.Module, names: list[str], owners: list[tuple[nn.Modul
     blocks, owned = _units_by_block(model, names, owners)
     if "mesh" in kwargs:
         raise ConfigError("pass the mesh as parallelize(..., device_mesh=mesh), not mesh=.")
-    # Checkpointing is inside each block's forward; fully_shard each checkpointed block, root last.
+    # Checkpointing is inside each block's forward; fully_shard each checkpointed block, root last. With a 2-D
+    # ("replicate", "shard") mesh fully_shard applies HSDP itself: reduce-scatter within "shard", then
+    # all-reduce across "replicate".
     for _, block in blocks:
         fully_shard(block, mesh=device_mesh, **kwargs)
     fully_shard(model, mesh=device_mesh, **kwargs)
     units = [(_Unit(b, [(i, *owners[i]) for i in owned[bn]], bn), True) for bn, b in blocks]
     # prepend=True: the join must run before FSDP2's post-forward hook reshards the parameters.
     units.append((_Unit(model, [(i, *owners[i]) for i in owned[""]]), True))
-    group = device_mesh.get_group() if device_mesh is not None else None
-    return model, units, group
+    # The used bits are all-reduced over every data-parallel rank: the world for HSDP's 2-D mesh.
+    return model, units, mesh_group(device_mesh)
 
 
 def _apply_fsdp(model: nn.Module, names: list[str], owners: list[tuple[nn.Module, str]], device_mesh: Any,
@@ -335,8 +349,10 @@ def accumulate(model: nn.Module) -> Iterator[None]:
 
     state: SyncState | None = getattr(model, _STATE, None)
     if getattr(model, "static_graph", False):
+        # What parallelize recorded (a user-built DDP with static_graph=True has no state: its graph is static).
         reentrant = state is not None and bool(state.reentrant)
-        raise ConfigError(accumulate_refusal("ddp", reentrant=reentrant, graph="auto" if reentrant else "static"))
+        graph = "static" if state is None or state.static_check else "auto"
+        raise ConfigError(accumulate_refusal("ddp", reentrant=reentrant, graph=graph))
     if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(False)
         ctx: Any = contextlib.nullcontext()

@@ -26,13 +26,14 @@ after block, every non-dominated (bytes held, recompute FLOPs) pair that meets t
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from distckpt.errors import ConfigError
-from distckpt.options import STRATEGIES
+from distckpt.options import SHARDED, STRATEGIES, check_shard_size
 from distckpt.select.profile import ModelProfile
 
 if TYPE_CHECKING:
@@ -55,29 +56,46 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.3f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
+def shards(strategy: str, world_size: int, shard_size: int | None = None) -> int:
+    """Into how many pieces ``strategy`` splits parameters, gradients and optimizer state: the world
+    under FSDP/FSDP2, the ``"shard"`` dimension only under HSDP (replicated across the other), 1 else.
+
+    Raises:
+        ConfigError: ``"hsdp"`` without a ``shard_size`` that divides ``world_size``.
+    """
+    if strategy == "hsdp":
+        if shard_size is None:
+            raise ConfigError("budget with strategy='hsdp' needs shard_size=N (the ranks that shard the parameters, "
+                              "usually one node's): Budget(size, strategy='hsdp', shard_size=N).")
+        check_shard_size(shard_size, max(1, world_size))
+        return shard_size
+    return max(1, world_size) if strategy in SHARDED else 1
+
+
 def static_bytes(mp: ModelProfile, *, strategy: str = "ddp", world_size: int = 1,
-                 optimizer: str = "adamw") -> tuple[int, int]:
+                 optimizer: str = "adamw", shard_size: int | None = None) -> tuple[int, int]:
     """Memory that does not depend on the checkpointing choice.
 
     DDP keeps full replicas of parameters, gradients and optimizer state, plus its gradient buckets
     (one more gradient-sized buffer when ``world_size > 1``). FSDP/FSDP2 keep a ``1/world_size``
-    shard of each, plus the unsharded parameters outside the blocks, two blocks' unsharded parameters
-    (the current one and the prefetched one) and one block's unsharded gradients.
+    shard of each (HSDP: ``1/shard_size``), plus the unsharded parameters outside the blocks, two
+    blocks' unsharded parameters (the current one and the prefetched one) and one block's unsharded
+    gradients.
 
     Returns:
         ``(during forward/backward, during optimizer.step)`` in bytes, batch included.
 
     Raises:
-        ConfigError: an unknown strategy or optimizer.
+        ConfigError: an unknown strategy or optimizer, or ``"hsdp"`` without a valid ``shard_size``.
     """
     if strategy not in STRATEGIES:
         raise ConfigError(f"budget strategy must be one of {STRATEGIES}, got {strategy!r}.")
     if optimizer not in OPTIMIZER_STATES:
         raise ConfigError(f"budget optimizer must be one of {sorted(OPTIMIZER_STATES)}, got {optimizer!r}.")
     k = OPTIMIZER_STATES[optimizer]
-    ws = max(1, world_size)
+    ws = shards(strategy, world_size, shard_size) if strategy in SHARDED else max(1, world_size)
     params, grads = mp.param_bytes, mp.trainable_bytes
-    if strategy in ("fsdp", "fsdp2"):
+    if strategy in SHARDED:
         outside = max(0, params - mp.block_param_bytes * len(mp.blocks))
         local = (params + grads + k * grads) // ws + outside + 3 * mp.block_param_bytes
         local_grads = grads // ws
@@ -111,7 +129,7 @@ class BudgetPlan:
 
 
 def _bounds(mp: ModelProfile, static: int, *, strategy: str = "ddp", world_size: int = 1,
-            grad_accumulation: bool = False) -> tuple[list[int], list[int], int]:
+            grad_accumulation: bool = False, shard_size: int | None = None) -> tuple[list[int], list[int], int]:
     """Per-block offsets with ``peak >= static + P_{i-1} + c_i`` when block i is kept (``plain``)
     and when it is checkpointed (``ckpt``), and the end offset (``peak >= static + P_{n-1} + end``).
 
@@ -120,7 +138,7 @@ def _bounds(mp: ModelProfile, static: int, *, strategy: str = "ddp", world_size:
     backward, the gradients of the blocks before it (and of the embeddings) do not exist yet: the
     profile measured which gradients exist at each block's backward peak and at the head's peak.
     """
-    div = max(1, world_size) if strategy in ("fsdp", "fsdp2") else 1
+    div = shards(strategy, world_size, shard_size)
 
     def absent(grads: int) -> int:
         return 0 if grad_accumulation else max(0, mp.trainable_bytes - grads) // div
@@ -163,28 +181,28 @@ def _bounds(mp: ModelProfile, static: int, *, strategy: str = "ddp", world_size:
 
 
 def _tail(mp: ModelProfile, static: int, step: int, *, strategy: str, world_size: int,
-          grad_accumulation: bool) -> int:
+          grad_accumulation: bool, shard_size: int | None = None) -> int:
     """``step`` raised to the measured peak after every block's backward (the embeddings'), if any."""
     if mp.tail_grads_bytes < 0:
         return step
-    div = max(1, world_size) if strategy in ("fsdp", "fsdp2") else 1
+    div = shards(strategy, world_size, shard_size)
     absent = 0 if grad_accumulation else max(0, mp.trainable_bytes - mp.tail_grads_bytes) // div
     return max(step, static - absent + mp.tail_peak_bytes)
 
 
 def predicted_peak(mp: ModelProfile, selected: list[int] | tuple[int, ...] | set[int] | range, *,
                    strategy: str = "ddp", world_size: int = 1, optimizer: str = "adamw",
-                   grad_accumulation: bool = False) -> int:
+                   grad_accumulation: bool = False, shard_size: int | None = None) -> int:
     """Peak training memory (bytes) that the memory model predicts when ``selected`` blocks are
-    checkpointed (see the module docstring).
+    checkpointed (see the module docstring); ``shard_size``: the ranks that shard under ``"hsdp"``.
 
     Returns:
         The predicted peak in bytes.
     """
-    static, step = static_bytes(mp, strategy=strategy, world_size=world_size, optimizer=optimizer)
-    plain, ckpt, end = _bounds(mp, static, strategy=strategy, world_size=world_size,
-                               grad_accumulation=grad_accumulation)
-    step = _tail(mp, static, step, strategy=strategy, world_size=world_size, grad_accumulation=grad_accumulation)
+    kw = dict(strategy=strategy, world_size=world_size, shard_size=shard_size)
+    static, step = static_bytes(mp, optimizer=optimizer, **kw)
+    plain, ckpt, end = _bounds(mp, static, grad_accumulation=grad_accumulation, **kw)
+    step = _tail(mp, static, step, grad_accumulation=grad_accumulation, **kw)
     chosen = set(selected)
     prefix, peak = 0, step
     for i, b in enumerate(mp.blocks):
@@ -223,7 +241,8 @@ def _min_peak(mp: ModelProfile, plain: list[int], ckpt: list[int], end: int, ste
 
 
 def plan_budget(mp: ModelProfile, budget: int, *, strategy: str = "ddp", world_size: int = 1,
-                optimizer: str = "adamw", grad_accumulation: bool = False) -> BudgetPlan:
+                optimizer: str = "adamw", grad_accumulation: bool = False, shard_size: int | None = None
+                ) -> BudgetPlan:
     """The choice of blocks with the least recompute FLOPs whose predicted peak is <= ``budget``.
 
     Exact (a Pareto dynamic program over (bytes held, FLOPs) per block prefix) up to the merging of
@@ -235,11 +254,11 @@ def plan_budget(mp: ModelProfile, budget: int, *, strategy: str = "ddp", world_s
     Raises:
         ConfigError: when no choice fits, naming the smallest budget that does.
     """
-    kw = dict(strategy=strategy, world_size=world_size, optimizer=optimizer)
+    where = dict(strategy=strategy, world_size=world_size, shard_size=shard_size)
+    kw = dict(optimizer=optimizer, **where)
     static, step = static_bytes(mp, **kw)
-    plain, ckpt, end = _bounds(mp, static, strategy=strategy, world_size=world_size,
-                               grad_accumulation=grad_accumulation)
-    step = _tail(mp, static, step, strategy=strategy, world_size=world_size, grad_accumulation=grad_accumulation)
+    plain, ckpt, end = _bounds(mp, static, grad_accumulation=grad_accumulation, **where)
+    step = _tail(mp, static, step, grad_accumulation=grad_accumulation, **where)
     blocks = mp.blocks
     min_budget = _min_peak(mp, plain, ckpt, end, step)
     if budget < min_budget:
@@ -314,17 +333,21 @@ def auto_budget(device_type: str) -> int:
 
 
 def select_for_budget(plan: Plan, budget_bytes: int | None, *, strategy: str = "ddp",
-                      optimizer: str = "adamw", grad_accumulation: bool = False) -> list[int]:
+                      optimizer: str = "adamw", grad_accumulation: bool = False,
+                      shard_size: int | None = None) -> list[int]:
     """The blocks to checkpoint for ``budget:SIZE`` (``None``: ``budget:auto``).
 
     Args:
         plan: the candidate blocks, the sample batch and the world size.
         budget_bytes: peak training memory not to exceed, in bytes; ``None`` for auto (CUDA).
         strategy: how parameters, gradients and optimizer state are placed: ``"ddp"`` (full
-            replicas), ``"fsdp"``/``"fsdp2"`` (sharded by world size) or ``"none"``.
+            replicas), ``"fsdp"``/``"fsdp2"`` (sharded by world size), ``"hsdp"`` (sharded by
+            ``shard_size``, replicated across the groups) or ``"none"``.
         optimizer: ``"adamw"`` (default), ``"adam"``, ``"sgd"``, ``"sgd_momentum"`` or ``"none"``.
         grad_accumulation: gradients persist across micro-batches (count them all from the first
             forward); by default they are created block by block in backward.
+        shard_size: ``"hsdp"``: the ranks that shard between them (default: ``LOCAL_WORLD_SIZE``, as
+            ``parallelize`` uses).
 
     Returns:
         Indices into ``plan.blocks``.
@@ -335,8 +358,10 @@ def select_for_budget(plan: Plan, budget_bytes: int | None, *, strategy: str = "
     mp = plan.model_profile()
     if budget_bytes is None:
         budget_bytes = auto_budget(mp.device)
+    if strategy == "hsdp" and shard_size is None and os.environ.get("LOCAL_WORLD_SIZE"):
+        shard_size = int(os.environ["LOCAL_WORLD_SIZE"])
     result = plan_budget(mp, budget_bytes, strategy=strategy, world_size=plan.world_size, optimizer=optimizer,
-                         grad_accumulation=grad_accumulation)
+                         grad_accumulation=grad_accumulation, shard_size=shard_size)
     logger.info(
         "distckpt budget %s: checkpointing %d of %d blocks, predicted peak %s, recompute %.3g GFLOP",
         _gib(budget_bytes), len(result.selected), len(mp.blocks), _gib(result.peak_bytes),

@@ -139,7 +139,8 @@ class Budget:
     """Checkpoint the fewest-recompute set of blocks whose peak training memory fits ``bytes``.
 
     ``bytes=None`` means "auto": the free memory of the current CUDA device. ``strategy``
-    (``"ddp"``, ``"fsdp"``, ``"fsdp2"``, ``"none"``) and ``optimizer`` (``"adamw"``, ``"sgd"``, ...)
+    (``"ddp"``, ``"fsdp"``, ``"fsdp2"``, ``"hsdp"`` with ``shard_size``, ``"none"``) and ``optimizer``
+    (``"adamw"``, ``"sgd"``, ...)
     say how parameters, gradients and optimizer state take memory; ``grad_accumulation=True`` counts
     gradients as present from the first forward (they persist across micro-batches). The selection
     itself lives in :mod:`distckpt.select.budget`.
@@ -149,6 +150,7 @@ class Budget:
     strategy: str = "ddp"
     optimizer: str = "adamw"
     grad_accumulation: bool = False
+    shard_size: int | None = None  # "hsdp": ranks per shard group (default: LOCAL_WORLD_SIZE)
 
     def __post_init__(self) -> None:
         if self.bytes is not None and (not isinstance(self.bytes, int) or self.bytes <= 0):
@@ -158,7 +160,7 @@ class Budget:
         from distckpt.select.budget import select_for_budget
 
         return select_for_budget(plan, self.bytes, strategy=self.strategy, optimizer=self.optimizer,
-                                 grad_accumulation=self.grad_accumulation)
+                                 grad_accumulation=self.grad_accumulation, shard_size=self.shard_size)
 
 
 @dataclass(frozen=True)

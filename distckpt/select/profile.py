@@ -304,237 +304,289 @@ def _checkpointed_peaks(model: nn.Module, blocks: list[tuple[str, nn.Module]], a
     return out
 
 
-def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inputs: Any) -> ModelProfile:
-    from torch.utils.flop_counter import FlopCounterMode
+def _at(snap: dict[Any, dict[str, int]], dev: torch.device) -> dict[str, int]:
+    """One device's entry of a MemTracker snapshot (the only device on a CPU-only step)."""
+    return snap.get(dev) or next(iter(snap.values()), {})
 
-    args, kwargs = _as_args(example_inputs)
-    batch = _tensors((args, kwargs))
-    params = list(model.parameters())
-    device = params[0].device if params else (batch[0].device if batch else torch.device("cpu"))
-    static_keys = {_storage_key(t) for t in [*params, *model.buffers()]}
-    batch_keys = {_storage_key(t) for t in batch}
 
-    n = len(blocks)
-    index = {id(m): i for i, (_, m) in enumerate(blocks)}
-    active: list[int] = []  # stack of candidate blocks running their forward
-    phase = {"done": 0}  # blocks whose forward has finished; == n means "after the last block"
-    first_saver: dict[tuple[str, int], tuple[int, int]] = {}  # storage -> (owner, bytes); owner -1 pre, n post
-    input_keys: list[dict[tuple[str, int], int]] = [{} for _ in range(n)]
-    # Storages are told apart by address, so block inputs stay referenced until the end: a freed
-    # input's address reused by a later saved tensor would otherwise be taken for that input.
-    keep: list[torch.Tensor] = []
-    flops = [0] * n
-    counter = FlopCounterMode(display=False)
-    flop_start: dict[int, int] = {}
+def _act(d: dict[str, int]) -> int:
+    return d.get("Activation", 0) + d.get("Temp", 0)
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
+
+class _StepRecorder:
+    """The hooks of the profiled sample step: which block saves each storage for backward, each
+    block's inputs and forward FLOPs, and MemTracker's peak of the head (after the last block's
+    forward, before its backward)."""
+
+    def __init__(self, model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> None:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        self.n = n = len(blocks)
+        self.blocks = blocks
+        self.static_keys = {_storage_key(t) for t in [*model.parameters(), *model.buffers()]}
+        self.index = {id(m): i for i, (_, m) in enumerate(blocks)}
+        self.active: list[int] = []  # stack of candidate blocks running their forward
+        self.done = 0  # blocks whose forward has finished; == n means "after the last block"
+        self.first_saver: dict[tuple[str, int], tuple[int, int]] = {}  # storage -> (owner, bytes); -1 pre, n post
+        self.input_keys: list[dict[tuple[str, int], int]] = [{} for _ in range(n)]
+        # Storages are told apart by address, so block inputs stay referenced until the end of forward:
+        # a freed input's address reused by a later saved tensor would otherwise be taken for that input.
+        self.keep: list[torch.Tensor] = []
+        self.flops = [0] * n
+        self.counter = FlopCounterMode(display=False)
+        self.flop_start: dict[int, int] = {}
+        self.tracker: Any = None
+        self.head: dict[str, Any] = {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
         key = _storage_key(t)
-        if key not in static_keys and key not in first_saver:
-            owner = active[-1] if active else (n if phase["done"] >= n else -1)
-            first_saver[key] = (owner, _storage_bytes(t))
+        if key not in self.static_keys and key not in self.first_saver:
+            owner = self.active[-1] if self.active else (self.n if self.done >= self.n else -1)
+            self.first_saver[key] = (owner, _storage_bytes(t))
         return t
 
-    def pre_hook(module: nn.Module, a: Any, kw: Any) -> None:
-        i = index[id(module)]
-        active.append(i)
+    def pre_hook(self, module: nn.Module, a: Any, kw: Any) -> None:
+        i = self.index[id(module)]
+        self.active.append(i)
         for t in _tensors((a, kw)):
             key = _storage_key(t)
-            if key not in static_keys:
-                input_keys[i][key] = _storage_bytes(t)
-                keep.append(t)
-        flop_start[i] = counter.get_total_flops()
+            if key not in self.static_keys:
+                self.input_keys[i][key] = _storage_bytes(t)
+                self.keep.append(t)
+        self.flop_start[i] = self.counter.get_total_flops()
 
-    def post_hook(module: nn.Module, a: Any, kw: Any, out: Any) -> None:
-        i = index[id(module)]
-        active.pop()
-        flops[i] += counter.get_total_flops() - flop_start.pop(i)
-        phase["done"] = max(phase["done"], i + 1)
-        if i == n - 1:
-            _head_window(out)
+    def post_hook(self, module: nn.Module, a: Any, kw: Any, out: Any) -> None:
+        i = self.index[id(module)]
+        self.active.pop()
+        self.flops[i] += self.counter.get_total_flops() - self.flop_start.pop(i)
+        self.done = max(self.done, i + 1)
+        if i == self.n - 1:
+            self._head_window(out)
 
-    # The peak of the head (after the last block's forward, before its backward): MemTracker's
-    # running peak is restarted when the last block returns and read when the gradient of its
-    # output arrives (private fields, verified on torch 2.13; absent, the head is not measured).
-    head: dict[str, Any] = {}
-
-    def _head_window(out: Any) -> None:
+    def _head_window(self, out: Any) -> None:
+        # MemTracker's running peak restarts when the last block returns and is read when the gradient
+        # of its output arrives; then the two windows are merged back (see _torch_compat).
         outs = [t for t in _tensors(out) if t.requires_grad]
-        if not outs or not hasattr(tracker, "_peak_mem") or not hasattr(tracker, "_peak_mem_snap"):
+        saved = compat.mem_tracker_restart_peak(self.tracker) if outs else None
+        if saved is None:
             return
-        head["saved"] = (tracker._peak_mem, tracker._peak_mem_snap)
-        tracker._peak_mem, tracker._peak_mem_snap = {}, {}
+        self.head["saved"] = saved
 
         def on_grad(_: torch.Tensor) -> None:
-            if "snap" in head or "saved" not in head:
+            if "snap" in self.head or "saved" not in self.head:
                 return
-            head["snap"] = copy.deepcopy(tracker._peak_mem_snap)
-            old_peak, old_snap = head.pop("saved")
-            for d, v in old_peak.items():
-                if v >= tracker._peak_mem.get(d, -1):
-                    tracker._peak_mem[d], tracker._peak_mem_snap[d] = v, old_snap[d]
+            self.head["snap"] = copy.deepcopy(compat.mem_tracker_peak_snapshot(self.tracker))
+            compat.mem_tracker_merge_peak(self.tracker, self.head.pop("saved"))
 
         for t in outs:
             t.register_hook(on_grad)
 
-    handles = []
-    for _, m in blocks:
-        handles.append(m.register_forward_pre_hook(pre_hook, with_kwargs=True))
-        handles.append(m.register_forward_hook(post_hook, with_kwargs=True))
-    tracker = memory_tracker(model, *batch)
-    cuda = device.type == "cuda"
-    try:
-        with _preserved_state(model, device):
-            if cuda:
-                torch.cuda.synchronize(device)
-                torch.cuda.reset_peak_memory_stats(device)
-                cuda_base = torch.cuda.memory_allocated(device)
-            with tracker:
-                with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    loss = scalar_loss(model(*args, **kwargs))
-                # The inputs were kept only to tell storages apart in forward; kept in backward they
-                # would inflate every backward snapshot by the later blocks' inputs.
-                keep.clear()
-                loss.backward()
-                del loss
-            cuda_peak = torch.cuda.max_memory_allocated(device) - cuda_base if cuda else 0
-    finally:
-        for h in handles:
-            h.remove()
-        keep.clear()
+    def run(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], batch: list[torch.Tensor],
+            device: torch.device) -> int:
+        """One forward+backward under the hooks and MemTracker; returns the CUDA peak (0 on CPU)."""
+        handles = []
+        for _, m in self.blocks:
+            handles.append(m.register_forward_pre_hook(self.pre_hook, with_kwargs=True))
+            handles.append(m.register_forward_hook(self.post_hook, with_kwargs=True))
+        self.tracker = memory_tracker(model, *batch)
+        cuda = device.type == "cuda"
+        try:
+            with _preserved_state(model, device):
+                if cuda:
+                    torch.cuda.synchronize(device)
+                    torch.cuda.reset_peak_memory_stats(device)
+                    cuda_base = torch.cuda.memory_allocated(device)
+                with self.tracker:
+                    with self.counter, torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
+                        loss = scalar_loss(model(*args, **kwargs))
+                    # The inputs were kept only to tell storages apart in forward; kept in backward they
+                    # would inflate every backward snapshot by the later blocks' inputs.
+                    self.keep.clear()
+                    loss.backward()
+                    del loss
+                return torch.cuda.max_memory_allocated(device) - cuda_base if cuda else 0
+        finally:
+            for h in handles:
+                h.remove()
+            self.keep.clear()
 
-    # Attribute each saved storage once. A storage that is some block's input belongs to that
-    # block's input (the consumer keeps it whether or not the producer is checkpointed).
+
+@dataclass
+class _Attribution:
+    """Saved bytes per block (each storage once) and the activations outside the blocks."""
+
+    inner: list[int]  # saved inside block i (its own activations)
+    saved_input: list[int]  # block i's inputs that some block saves (the consumer keeps them)
+    in_bytes: list[int]  # block i's inputs, batch excluded
+    pre: int  # saved before the first block
+    post: int  # saved after the last block (the head)
+
+    @property
+    def held(self) -> list[int]:
+        return [a + b for a, b in zip(self.inner, self.saved_input)]
+
+
+def _attribute(rec: _StepRecorder, batch_keys: set[tuple[str, int]]) -> _Attribution:
+    # A storage that is some block's input belongs to that block's input (the consumer keeps it
+    # whether or not the producer is checkpointed).
+    n = rec.n
     input_owner: dict[tuple[str, int], int] = {}
     for i in range(n):
-        for key in input_keys[i]:
+        for key in rec.input_keys[i]:
             input_owner.setdefault(key, i)
-    inner = [0] * n
-    saved_input = [0] * n
-    pre = post = 0
-    for key, (owner, nbytes) in first_saver.items():
+    att = _Attribution([0] * n, [0] * n, [0] * n, 0, 0)
+    for key, (owner, nbytes) in rec.first_saver.items():
         if key in batch_keys:
             continue  # counted in batch_bytes
         if key in input_owner:
-            saved_input[input_owner[key]] += nbytes
+            att.saved_input[input_owner[key]] += nbytes
         elif owner == -1:
-            pre += nbytes
+            att.pre += nbytes
         elif owner == n:
-            post += nbytes
+            att.post += nbytes
         else:
-            inner[owner] += nbytes
-    in_bytes = [sum(b for k, b in input_keys[i].items() if k not in batch_keys) for i in range(n)]
-    held = [inner[i] + saved_input[i] for i in range(n)]
+            att.inner[owner] += nbytes
+    att.in_bytes = [sum(b for k, b in rec.input_keys[i].items() if k not in batch_keys) for i in range(n)]
+    return att
 
-    # Overheads: how far the measured activation+temporary memory at each block's peak exceeds the
-    # model "held so far + this block's footprint". Makes the prediction exact on this sample step.
+
+def _block_overheads(rec: _StepRecorder, att: _Attribution, dev: torch.device) -> dict[str, list[int]]:
+    """How far the measured activation+temporary memory at each block's forward and backward peak
+    exceeds the model "held so far + this block's footprint": makes the prediction exact on this step."""
     peak_fw, peak_bw = compat.mem_tracker_states()
-    dev = device if device.type != "cuda" else torch.device("cuda", device.index or 0)
-
-    def act_at(snaps: list[dict[Any, dict[str, int]]]) -> int:
-        best = 0
-        for snap in snaps:
-            s = snap.get(dev) or next(iter(snap.values()), {})
-            best = max(best, s.get("Activation", 0) + s.get("Temp", 0))
-        return best
-
-    def grads_at_act_peak(snaps: list[dict[Any, dict[str, int]]]) -> int:
-        # Gradient bytes in the snapshot where activations and temporaries peak (the same instant).
-        best, grads = -1, 0
-        for snap in snaps:
-            s = snap.get(dev) or next(iter(snap.values()), {})
-            act = s.get("Activation", 0) + s.get("Temp", 0)
-            if act > best:
-                best, grads = act, s.get("Gradient", 0)
-        return grads
-
-    overhead = [0] * n
-    overhead_fw = [0] * n
-    overhead_bw = [0] * n
-    grads_peak = [-1] * n
+    n = rec.n
+    out: dict[str, list[int]] = {k: [0] * n for k in ("overhead", "overhead_fw", "overhead_bw")}
+    out["grads_peak"] = [-1] * n
+    out["measured_blocks"] = []
     prefix = 0
-    block_peaks = []
-    for i, (_, m) in enumerate(blocks):
-        stats = tracker.memory_tracking.get(m)
-        footprint = inner[i] + in_bytes[i]
+    held = att.held
+    for i, (_, m) in enumerate(rec.blocks):
+        stats = rec.tracker.memory_tracking.get(m)
+        base = att.pre + prefix + att.inner[i] + att.in_bytes[i]
         if stats is not None:
             fw_snaps, bw_snaps = stats.snapshots.get(peak_fw, []), stats.snapshots.get(peak_bw, [])
-            measured_fw, measured_bw = act_at(fw_snaps), act_at(bw_snaps)
-            measured = max(measured_fw, measured_bw)
-            block_peaks.append(measured)
-            overhead[i] = max(0, measured - (pre + prefix + footprint))
-            overhead_fw[i] = max(0, measured_fw - (pre + prefix + footprint))
-            overhead_bw[i] = measured_bw - (pre + prefix + footprint) if bw_snaps else 0
+            measured_fw = max((_act(_at(s, dev)) for s in fw_snaps), default=0)
+            measured_bw = max((_act(_at(s, dev)) for s in bw_snaps), default=0)
+            out["measured_blocks"].append(max(measured_fw, measured_bw))
+            out["overhead"][i] = max(0, max(measured_fw, measured_bw) - base)
+            out["overhead_fw"][i] = max(0, measured_fw - base)
             if bw_snaps:
-                grads_peak[i] = grads_at_act_peak(bw_snaps)
+                out["overhead_bw"][i] = measured_bw - base
+                # Gradient bytes in the snapshot where activations and temporaries peak (the same instant).
+                out["grads_peak"][i] = _at(max(bw_snaps, key=lambda s: _act(_at(s, dev))), dev).get("Gradient", 0)
         prefix += held[i]
-    peak_snap = tracker.get_tracker_snapshot("peak")
-    s = peak_snap.get(dev) or next(iter(peak_snap.values()), {})
-    global_act = s.get("Activation", 0) + s.get("Temp", 0)
+    return out
+
+
+def _head_and_tail(rec: _StepRecorder, model: nn.Module, att: _Attribution, measured_blocks: list[int],
+                   dev: torch.device) -> dict[str, int]:
+    """The head's overheads (after the last block), and the step's peak when it lies outside every
+    block and the head's window (the tail: e.g. the optimizer-free end of backward)."""
+    peak_fw, peak_bw = compat.mem_tracker_states()
+    tracker = rec.tracker
+    held_all = att.pre + sum(att.held) + att.post
+    s = _at(tracker.get_tracker_snapshot("peak"), dev)
+    global_act = _act(s)
     root = tracker.memory_tracking.get(model)
-    end_act = act_at(root.snapshots.get(peak_fw, [])) if root is not None else 0
-    if global_act > max(block_peaks, default=0):
+    end_act = max((_act(_at(snap, dev)) for snap in root.snapshots.get(peak_fw, [])), default=0) if root else 0
+    if global_act > max(measured_blocks, default=0):
         end_act = max(end_act, global_act)
-    head_overhead = max(0, end_act - (pre + prefix + post))
-    head_snap = head.get("snap") or {}
+    head_snap = rec.head.get("snap") or {}
     hs = head_snap.get(dev) or next(iter(head_snap.values()), None)
-    head_peak_overhead = hs.get("Activation", 0) + hs.get("Temp", 0) - (pre + prefix + post) if hs else 0
-    head_peak_grads = hs.get("Gradient", 0) if hs else -1
-    tail_peak, tail_grads = 0, -1
-
-    def total(snap: dict[Any, dict[str, int]]) -> int:
-        return (snap.get(dev) or next(iter(snap.values()), {})).get("Total", 0)
-
-    inside = [total(snap) for _, m in blocks if (st := tracker.memory_tracking.get(m)) is not None
+    inside = [_at(snap, dev).get("Total", 0) for _, m in rec.blocks
+              if (st := tracker.memory_tracking.get(m)) is not None
               for state in (peak_fw, peak_bw) for snap in st.snapshots.get(state, [])]
-    if hs and s.get("Total", 0) > max(max(inside, default=0), hs.get("Total", 0)):
-        tail_peak, tail_grads = global_act, s.get("Gradient", 0)
-    measured_peak = cuda_peak if cuda else s.get("Total", 0)
+    tail = bool(hs) and s.get("Total", 0) > max(max(inside, default=0), hs.get("Total", 0))
+    return dict(
+        head_overhead_bytes=max(0, end_act - held_all),
+        head_peak_overhead_bytes=_act(hs) - held_all if hs else 0,
+        head_peak_grads_bytes=hs.get("Gradient", 0) if hs else -1,
+        tail_peak_bytes=global_act if tail else 0,
+        tail_grads_bytes=s.get("Gradient", 0) if tail else -1,
+        measured_total=s.get("Total", 0),
+    )
+
+
+def _recompute_overheads(model: nn.Module, rec: _StepRecorder, att: _Attribution, args: tuple[Any, ...],
+                         kwargs: dict[str, Any], batch: list[torch.Tensor], batch_keys: set[tuple[str, int]],
+                         device: torch.device, dev: torch.device) -> tuple[list[int], list[int]]:
+    """Each block's backward peak with every block checkpointed, over what the prediction holds."""
+    n = rec.n
     recompute_ov, recompute_grads = [0] * n, [-1] * n
-    if n:
-        with _preserved_state(model, device):
-            peaks = _checkpointed_peaks(model, blocks, args, kwargs, batch, dev)
-        if peaks is not None:
-            # What the checkpointed blocks before i really hold: their inputs, each storage once and
-            # not block i's own (the mask and rotary tables are every block's input; input_bytes
-            # counts them per block, so the prediction stays above the measure when some are kept).
-            held_in: dict[tuple[str, int], int] = {}
-            for i, (act, grads) in enumerate(peaks):
-                before = sum(b for k, b in held_in.items() if k not in input_keys[i])  # own inputs: in in_bytes
-                recompute_ov[i] = act - (pre + before + inner[i] + in_bytes[i])
-                recompute_grads[i] = grads
-                held_in.update((k, b) for k, b in input_keys[i].items() if k not in batch_keys)
+    if not n:
+        return recompute_ov, recompute_grads
+    with _preserved_state(model, device):
+        peaks = _checkpointed_peaks(model, rec.blocks, args, kwargs, batch, dev)
+    if peaks is None:
+        return recompute_ov, recompute_grads
+    # What the checkpointed blocks before i really hold: their inputs, each storage once and not block
+    # i's own (the mask and rotary tables are every block's input; input_bytes counts them per block, so
+    # the prediction stays above the measure when some are kept).
+    held_in: dict[tuple[str, int], int] = {}
+    for i, (act, grads) in enumerate(peaks):
+        before = sum(b for k, b in held_in.items() if k not in rec.input_keys[i])  # own inputs: in in_bytes
+        recompute_ov[i] = act - (att.pre + before + att.inner[i] + att.in_bytes[i])
+        recompute_grads[i] = grads
+        held_in.update((k, b) for k, b in rec.input_keys[i].items() if k not in batch_keys)
+    return recompute_ov, recompute_grads
 
-    def distinct(ts: list[torch.Tensor]) -> int:
-        return _distinct_bytes(ts) if ts else 0
 
-    # Gradients present when each block's backward ends, and when the last block's begins (the
-    # head's backward is over by then): they grow monotonically during backward.
+def _grads_ready(rec: _StepRecorder, params: list[torch.Tensor], dev: torch.device) -> tuple[list[int], int]:
+    """Gradient bytes present when each block's backward ends, and when the last block's begins (the
+    head's backward is over by then): they grow monotonically during backward."""
     post_bw = compat.mem_tracker_states(post=True)
 
     def grads_at(stats: Any, state: Any) -> int:
         snaps = stats.snapshots.get(state, []) if stats is not None else []
         return max(((snap.get(dev) or {}).get("Gradient", 0) for snap in snaps), default=0)
 
-    all_grads = distinct([p for p in params if p.requires_grad])
-    stats_of = [tracker.memory_tracking.get(m) for _, m in blocks]
+    trainable = [p for p in params if p.requires_grad]
+    all_grads = _distinct_bytes(trainable) if trainable else 0
+    stats_of = [rec.tracker.memory_tracking.get(m) for _, m in rec.blocks]
     # Block i's backward is over once block i-1's begins; that snapshot also catches a parameter
     # gradient accumulated just after the hook at the end of block i's backward.
     ready = [
         max(grads_at(stats_of[i], post_bw[0]), grads_at(stats_of[i - 1], post_bw[1]) if i else 0) or all_grads
-        for i in range(n)
+        for i in range(rec.n)
     ]
-    head_grads = grads_at(tracker.memory_tracking.get(blocks[-1][1]), post_bw[1]) if blocks else all_grads
+    head = grads_at(stats_of[-1], post_bw[1]) if rec.blocks else all_grads
+    return ready, head
 
+
+def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inputs: Any) -> ModelProfile:
+    """One sample step in passes: record (hooks + MemTracker + FLOPs), attribute saved storages to blocks,
+    derive each block's and the head's overheads, measure recompute peaks in a checkpointed step."""
+    args, kwargs = _as_args(example_inputs)
+    batch = _tensors((args, kwargs))
+    params = list(model.parameters())
+    device = params[0].device if params else (batch[0].device if batch else torch.device("cpu"))
+    batch_keys = {_storage_key(t) for t in batch}
+    dev = device if device.type != "cuda" else torch.device("cuda", device.index or 0)
+
+    rec = _StepRecorder(model, blocks)
+    cuda_peak = rec.run(model, args, kwargs, batch, device)
+    att = _attribute(rec, batch_keys)
+    ov = _block_overheads(rec, att, dev)
+    head = _head_and_tail(rec, model, att, ov["measured_blocks"], dev)
+    recompute_ov, recompute_grads = _recompute_overheads(model, rec, att, args, kwargs, batch, batch_keys,
+                                                         device, dev)
+    ready, head_grads = _grads_ready(rec, params, dev)
+
+    def distinct(ts: list[torch.Tensor]) -> int:
+        return _distinct_bytes(ts) if ts else 0
+
+    held = att.held
     profiles = tuple(
         BlockProfile(
-            fqn=name, activation_bytes=held[i], forward_flops=int(flops[i]), input_bytes=in_bytes[i],
-            saved_input_bytes=saved_input[i], overhead_bytes=overhead[i],
-            grads_ready_bytes=ready[i], forward_overhead_bytes=overhead_fw[i],
-            backward_overhead_bytes=overhead_bw[i], grads_at_peak_bytes=grads_peak[i],
+            fqn=name, activation_bytes=held[i], forward_flops=int(rec.flops[i]), input_bytes=att.in_bytes[i],
+            saved_input_bytes=att.saved_input[i], overhead_bytes=ov["overhead"][i],
+            grads_ready_bytes=ready[i], forward_overhead_bytes=ov["overhead_fw"][i],
+            backward_overhead_bytes=ov["overhead_bw"][i], grads_at_peak_bytes=ov["grads_peak"][i],
             recompute_overhead_bytes=recompute_ov[i], recompute_grads_bytes=recompute_grads[i],
         )
         for i, (name, _) in enumerate(blocks)
     )
+    measured_total = head.pop("measured_total")
     return ModelProfile(
         blocks=profiles,
         param_bytes=distinct(params),
@@ -544,16 +596,12 @@ def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inpu
         block_param_bytes=max((distinct(list(m.parameters())) for _, m in blocks), default=0),
         max_param_bytes=max((_storage_bytes(p) for p in params), default=0),
         batch_bytes=distinct(batch),
-        pre_bytes=pre,
-        post_bytes=post,
-        head_overhead_bytes=head_overhead,
+        pre_bytes=att.pre,
+        post_bytes=att.post,
         head_grads_bytes=head_grads,
-        head_peak_overhead_bytes=head_peak_overhead,
-        head_peak_grads_bytes=head_peak_grads,
-        tail_peak_bytes=tail_peak,
-        tail_grads_bytes=tail_grads,
-        measured_peak_bytes=int(measured_peak),
+        measured_peak_bytes=int(cuda_peak if device.type == "cuda" else measured_total),
         device=device.type,
+        **head,
     )
 
 

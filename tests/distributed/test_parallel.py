@@ -403,3 +403,24 @@ def _names_and_eval(rank, world_size, strategy):
 def test_eval_and_state_dict_keys(dist_pool, strategy):
     """Under no_grad the model runs plainly; state_dict keys are the unwrapped model's."""
     assert dist_pool.run(_names_and_eval, strategy) == [(True, True)] * 2
+
+
+def _accumulate_refusal(rank, world_size, reentrant, graph):
+    model = build(PATTERNS["all_heads"])
+    distckpt.wrap(model, "full", blocks=default_blocks, reentrant=reentrant)
+    pm = distckpt.parallelize(model, "ddp", graph=graph)
+    try:
+        with distckpt.accumulate(pm):
+            pass
+    except distckpt.ConfigError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(("reentrant", "graph", "cause"), [(True, "auto", "reentrant checkpointing"),
+                                                            (False, "static", "graph='static'")])
+def test_accumulate_refusal_names_its_cause(dist_pool, reentrant, graph, cause):
+    # The cause comes from what parallelize recorded, not guessed from one of the two.
+    msgs = dist_pool.run(_accumulate_refusal, reentrant, graph)
+    assert all(m is not None and f"(set for {cause})" in m for m in msgs), msgs

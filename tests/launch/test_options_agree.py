@@ -13,10 +13,10 @@ from launchkit import compose
 from patterns import PATTERNS, Block, batch, build, shard
 
 import distckpt
-from distckpt.options import check_run
+from distckpt.options import STRATEGIES, check_run
 from launch.config import validate
 
-COMBOS = list(itertools.product(("none", "ddp", "fsdp", "fsdp2"), (False, True), ("auto", "static", "dynamic"),
+COMBOS = list(itertools.product(STRATEGIES, (False, True), ("auto", "static", "dynamic"),
                                 (False, True)))
 
 

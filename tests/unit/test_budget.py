@@ -123,6 +123,15 @@ def test_strategy_accounting():
     assert fsdp == 4 * p // 4 + max(0, p - 4 * mp.block_param_bytes) + 3 * mp.block_param_bytes + mp.batch_bytes
     with pytest.raises(ConfigError, match="strategy"):
         static_bytes(mp, strategy="zero3")
+    # HSDP shards over the "shard" dimension only: 4 ranks as 2 x 2 hold what FSDP2 over 2 ranks holds.
+    assert static_bytes(mp, strategy="hsdp", world_size=4, shard_size=2) == static_bytes(mp, strategy="fsdp2",
+                                                                                          world_size=2)
+    assert static_bytes(mp, strategy="hsdp", world_size=4, shard_size=2)[0] > static_bytes(
+        mp, strategy="fsdp2", world_size=4)[0]
+    with pytest.raises(ConfigError, match="shard_size=N"):
+        static_bytes(mp, strategy="hsdp", world_size=4)
+    with pytest.raises(ConfigError, match="does not divide"):
+        static_bytes(mp, strategy="hsdp", world_size=4, shard_size=3)
 
 
 def test_parse_and_auto():

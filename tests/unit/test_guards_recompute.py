@@ -169,3 +169,51 @@ def test_state_dependent_shape_is_caught_and_model_restored():
     assert kinds[0][0] == "1" and kinds[0][1] in ("control_flow", "shape")
     assert ("1", "checkpoint_error") in kinds  # torch's own metadata check fired too, and was turned into a report
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_nan_loss_is_not_verified():
+    """A loss that is nan with and without checkpointing: equal nans are no proof the recompute is exact."""
+    model = distckpt.wrap(Net(p=0.0), "full")
+    report = verify_recompute(model, lambda m: loss_fn(m) * float("nan"), raise_on_mismatch=False)
+    assert not report.ok
+    assert [(m.module, m.kind, m.detail) for m in report.mismatches] == [
+        ("", "nonfinite", "the loss is not finite with and without checkpointing")]
+    with pytest.raises(distckpt.RecomputeMismatchError, match="not finite"):
+        verify_recompute(model, lambda m: loss_fn(m) * float("nan"))
+
+
+class _NanGradInRecompute(nn.Module):
+    """Finite forward; the recompute (a second call) returns inf, so one gradient is nan only with checkpointing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        scale = torch.tensor(float("inf") if self.calls == 2 else 1.0)
+        return x + self.fc(x) * scale
+
+
+def test_nan_gradient_difference_fails_and_is_reported_as_nan():
+    net = Net(p=0.0)
+    net.blocks[1] = _NanGradInRecompute()
+    model = distckpt.wrap(net, "full", blocks=["blocks.1"])
+    report = verify_recompute(model, loss_fn, raise_on_mismatch=False)
+    assert not report.ok
+    assert any(m.kind == "nonfinite" and m.detail.endswith("not finite with checkpointing") for m in report.mismatches)
+    assert report.max_grad_diff != report.max_grad_diff  # nan, not the 0.0 that max(0.0, nan) gave
+
+
+def test_op_values_inf_against_finite_differ():
+    """An op output that is inf in the forward and finite in the recompute is a difference (the tolerance
+    bounds are inf there, and inf > inf is false)."""
+    from distckpt.check.recompute import _values_differ
+
+    f32 = torch.float32
+    inf = float("inf")
+    assert _values_differ(((4,), f32, inf, inf), ((4,), f32, 1.0, 1.0), 1e-5)
+    assert _values_differ(((4,), f32, float("nan"), inf), ((4,), f32, 1.0, 1.0), 1e-5)
+    assert not _values_differ(((4,), f32, inf, inf), ((4,), f32, inf, inf), 1e-5)
+    assert not _values_differ(((4,), f32, 1.0, 1.0), ((4,), f32, 1.0, 1.0), 1e-5)

@@ -52,7 +52,7 @@ def test_no_gradient_raises_after_k_steps():
     with pytest.raises(NoGradientError, match=r"aux\.weight, aux\.bias") as e:
         guard.check()
     assert "frozen" not in str(e.value).split("Likely cause")[0]  # requires_grad=False is not reported
-    assert isinstance(e.value, distckpt.GradDesyncError)
+    assert e.value.__class__ is distckpt.NoGradientError and not isinstance(e.value, distckpt.GradDesyncError)
 
 
 def test_no_gradient_warns_once_and_reports():

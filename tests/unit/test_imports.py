@@ -17,7 +17,7 @@ def test_library_imports_with_torch_only():
         "    def find_spec(self, name, path, target=None):\n"
         "        if name.split('.')[0] in blocked: raise ModuleNotFoundError('blocked: ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import distckpt, distckpt.apply.wrap, distckpt.parallel.strategies, distckpt.guards\n"
+        "import distckpt, distckpt.apply.wrap, distckpt.parallel.strategies, distckpt.check.sync_guard\n"
         "import distckpt.select.policies, distckpt.select.profile, distckpt.select.blocks\n"
         "import pkgutil, importlib\n"
         "for m in pkgutil.walk_packages(distckpt.__path__, 'distckpt.'):\n"

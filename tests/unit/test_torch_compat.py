@@ -109,3 +109,20 @@ def test_mem_tracker_skips_frozen_params_and_its_states():
 def test_op_overload_types():
     overload, packet = compat.op_overload_types()
     assert isinstance(torch.ops.aten.mm.default, overload) and isinstance(torch.ops.aten.mm, packet)
+
+
+def test_mem_tracker_peak_window_restart_and_merge():
+    model = nn.Linear(64, 64)
+    tracker = compat.mem_tracker([])
+    tracker.track_external(model)
+    with tracker:
+        big = torch.randn(512, 512)  # a peak in the first window
+        del big
+        saved = compat.mem_tracker_restart_peak(tracker)
+        assert saved is not None and compat.mem_tracker_peak_snapshot(tracker) == {}
+        model(torch.randn(2, 64)).sum().backward()  # a smaller second window
+        window = compat.mem_tracker_peak_snapshot(tracker)
+        assert window and max(s.get("Total", 0) for s in window.values()) < 512 * 512 * 4
+        compat.mem_tracker_merge_peak(tracker, saved)
+    overall = tracker.get_tracker_snapshot("peak")
+    assert max(s.get("Total", 0) for s in overall.values()) >= 512 * 512 * 4

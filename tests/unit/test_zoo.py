@@ -102,6 +102,13 @@ def _wrap(fam: zoo.Family, model: torch.nn.Module, policy: Any = "full", **kw: A
         return str(e)
 
 
+def _wrapped_copy(fam: zoo.Family, plain: torch.nn.Module, policy: Any = "full", **kw: Any) -> torch.nn.Module:
+    """A copy of the family's reference model with ``policy`` applied (the reference stays plain)."""
+    model = copy.deepcopy(plain)
+    _wrap(fam, model, policy, **kw)
+    return model
+
+
 def _zero(model: torch.nn.Module) -> None:
     for p in model.parameters():
         p.grad = None
@@ -128,8 +135,7 @@ def _cached_peak(name: str, policy: str) -> int:
         plain, batch, _ = _reference(name)
         model = plain
         if policy == "full":
-            model = copy.deepcopy(plain)
-            _wrap(fam, model)
+            model = _wrapped_copy(fam, plain)
         _PEAKS[(name, policy)] = _peak(fam, model, batch)
     return _PEAKS[(name, policy)]
 
@@ -192,8 +198,7 @@ def test_blocks_none_picks_the_layers(name):
 def test_full_gradients_bitwise_and_names_kept(name):
     fam = zoo.FAMILIES[name]
     plain, batch, ref = _reference(name)
-    model = copy.deepcopy(plain)
-    _wrap(fam, model)
+    model = _wrapped_copy(fam, plain)
     assert list(model.state_dict()) == list(plain.state_dict())
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in plain.named_parameters()]
     _assert_exact(ref, _step(fam, model, batch))
@@ -237,8 +242,7 @@ def test_peak_equals_hf_checkpointing(name):
 def test_selective_exact(name):
     fam = zoo.FAMILIES[name]
     plain, batch, ref = _reference(name)
-    model = copy.deepcopy(plain)
-    _wrap(fam, model, "selective")
+    model = _wrapped_copy(fam, plain, "selective")
     _assert_exact(ref, _step(fam, model, batch))
     RESULTS[name]["selective"] = True
 
@@ -249,13 +253,11 @@ def test_budget_respected_and_exact(name):
     plain, batch, ref = _reference(name)
     p_full, p_none = _cached_peak(name, "full"), _cached_peak(name, "none")
     budget = (p_full + p_none) // 2
-    model = copy.deepcopy(plain)
     # The layers the budget leaves unchecked would keep their KV cache, which moves T5's gradients by
     # 1 ulp against the reference (run without it): train without the cache, as users do.
-    if fam.kind in ("decoder", "moe", "seq2seq"):
-        batch = {**batch, "use_cache": False}
+    batch = _train_batch(fam, batch)
     # Forward/backward only (no optimizer step), as _peak measures.
-    _wrap(fam, model, Budget(budget, strategy="none", optimizer="none"), example_inputs=batch)
+    model = _wrapped_copy(fam, plain, Budget(budget, strategy="none", optimizer="none"), example_inputs=batch)
     p_budget = _peak(fam, model, batch)
     RESULTS[name].update(budget=budget, peak_budget=p_budget, budget_blocks=len(distckpt.checkpointed(model)))
     assert p_budget <= budget, (p_budget, budget)
@@ -274,8 +276,7 @@ def _prediction_vs_measure(name: str, choices: list[tuple[int, ...]]) -> None:
     fam = zoo.FAMILIES[name]
     plain, batch, _ = _reference(name)
     batch = _train_batch(fam, batch)
-    full = copy.deepcopy(plain)
-    _wrap(fam, full)
+    full = _wrapped_copy(fam, plain)
     fqns = distckpt.checkpointed(full)
     probe = copy.deepcopy(plain)
     mp = profile_model(probe, [(f, probe.get_submodule(f)) for f in fqns], batch)
