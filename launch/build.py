@@ -10,35 +10,96 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import Dataset, IterableDataset
 
 from distckpt.options import SHARDED
-from distckpt.train.data import DigitsData, StepData, SyntheticMLPData, SyntheticTokens
-from distckpt.train.models import MultiTaskGPT, MultiTaskMLP, build_hf_causal_lm
+from distckpt.train.data import (
+    DIGITS_FEATURES,
+    ShardedLoader,
+    TaskMixLoader,
+    TokenWindows,
+    digits,
+    synthetic_mlp,
+    synthetic_tokens,
+)
+from distckpt.train.models import MultiTaskGPT, MultiTaskMLP
+from launch.targets import instantiate_target
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def build_model(m: DictConfig, d: DictConfig) -> nn.Module:
-    """The model of ``model=...`` (its input size follows ``data=digits`` when chosen)."""
+    """The model of ``model=...`` (its input size follows ``data=digits`` when chosen).
+
+    Raises:
+        ConfigError: ``model=custom`` with a ``_target_`` that cannot be built (see ``launch/targets.py``).
+    """
+    if m.name == "custom":
+        return instantiate_target(m, "model", (nn.Module,), "an nn.Module whose forward(batch) returns a dict "
+                                  "of named scalar losses")
     if m.name == "gpt":
         return MultiTaskGPT(vocab_size=m.vocab_size, seq_len=m.seq_len, d_model=m.d_model, n_layer=m.n_layer,
                             n_head=m.n_head, n_classes=m.n_classes, dropout=m.dropout)
     if m.name == "mlp":
-        in_features = DigitsData.in_features if d.name == "digits" else m.in_features
+        in_features = DIGITS_FEATURES if d.name == "digits" else m.in_features
         return MultiTaskMLP(in_features=in_features, hidden=m.hidden, n_layer=m.n_layer,
                             n_classes_a=m.n_classes_a, dropout=m.dropout)
-    return build_hf_causal_lm(m.config_name, vocab_size=m.vocab_size, seq_len=m.seq_len, n_layer=m.n_layer,
-                              d_model=m.d_model, n_head=m.n_head, n_classes=m.n_classes, dropout=m.dropout)
+    from launch.hf import build_hf  # transformers/peft: the "hf" extra
+
+    return build_hf(m)
 
 
-def build_data(d: DictConfig, m: DictConfig) -> StepData:
-    """The step-indexed data of ``data=...``, shaped for ``model=...``."""
+def build_datasets(d: DictConfig, m: DictConfig) -> tuple[Any, Any]:
+    """The train and eval data sets of ``data=...`` (eval ``None`` when there is none), shaped for ``model=...``.
+
+    Raises:
+        ConfigError: ``data=custom`` with a ``_target_`` that cannot be built (see ``launch/targets.py``).
+    """
+    if d.name == "custom":
+        what = "a torch.utils.data.Dataset of dicts of tensors or an IterableDataset"
+        train_set = instantiate_target(d, "data", (Dataset, IterableDataset), what)
+        eval_over = OmegaConf.to_container(d.eval, resolve=True) if d.get("eval") else None
+        return train_set, instantiate_target(d, "data", (Dataset, IterableDataset), what, **eval_over) if eval_over \
+            else None
+    if d.name == "tokens":
+        vocab = m.get("vocab_size")
+
+        def windows(path: str) -> TokenWindows:
+            return TokenWindows(path, m.seq_len, d.dtype, vocab_size=vocab)
+
+        return windows(d.path), windows(d.eval_path) if d.eval_path else None
     if d.name == "digits":
-        return DigitsData(d.batch_size, seed=d.seed)
+        return digits("train", d.n_eval), digits("eval", d.n_eval) if d.n_eval else None
     if m.name == "mlp":
-        return SyntheticMLPData(d.batch_size, m.in_features, m.n_classes_a, seed=d.seed)
-    return SyntheticTokens(d.batch_size, m.seq_len, m.vocab_size, m.n_classes, seed=d.seed, noise=d.noise)
+        def make(n: int, seed: int) -> Any:
+            return synthetic_mlp(n, m.in_features, m.n_classes_a, seed=seed)
+    else:
+        def make(n: int, seed: int) -> Any:
+            return synthetic_tokens(n, m.seq_len, m.vocab_size, m.n_classes, seed=seed, noise=d.noise)
+    # The eval split: other samples of the same task (another seed).
+    return make(d.n, d.seed), make(d.n_eval, d.seed + 7919) if d.n_eval else None
+
+
+def task_data(node: DictConfig) -> DictConfig:
+    """A task's ``data`` node of ``data=multitask``, completed with its data group's defaults."""
+    from launch.config import DataConfig, TokensDataConfig
+
+    schema = {"tokens": TokensDataConfig, "custom": None}.get(node.name, DataConfig)
+    return node if schema is None else OmegaConf.merge(OmegaConf.structured(schema), node)
+
+
+def build_data(d: DictConfig, m: DictConfig, device: torch.device | None = None) -> ShardedLoader | TaskMixLoader:
+    """This rank's loader for ``data=...``: sharded over the ranks, shuffled per epoch, resumable."""
+    pin = bool(d.pin_memory) and device is not None and device.type == "cuda"
+    if d.name == "multitask":
+        datasets = {t: build_datasets(task_data(task.data), m) for t, task in d.tasks.items()}
+        return TaskMixLoader(datasets, {t: float(task.weight) for t, task in d.tasks.items()}, d.batch_size,
+                             shuffle=d.shuffle, seed=d.seed, num_workers=d.num_workers, pin_memory=pin,
+                             drop_last=d.drop_last)
+    train_set, eval_set = build_datasets(d, m)
+    return ShardedLoader(train_set, d.batch_size, shuffle=d.shuffle, seed=d.seed, num_workers=d.num_workers,
+                         pin_memory=pin, drop_last=d.drop_last, eval_dataset=eval_set)
 
 
 class WarmupDecay:

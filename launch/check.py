@@ -81,6 +81,7 @@ def compose(overrides: list[str]) -> DictConfig:
 def check_overrides(argv: list[str]) -> None:
     """Compose and validate; on an error print it (rank 0) and exit 2. With ``--check``, exit 0 when fine."""
     from launch.config import validate
+    from launch.targets import check_targets
 
     only_check = "--check" in argv
     if only_check:
@@ -92,6 +93,7 @@ def check_overrides(argv: list[str]) -> None:
         cfg = compose(argv)
         cfg_job = DictConfig({k: v for k, v in cfg.items() if k != "hydra"})
         validate(cfg_job, int(os.environ.get("WORLD_SIZE", "1")) if not only_check else _world_hint(argv))
+        check_targets(cfg_job)  # model=custom / data=custom: importable, and takes its arguments
     except Exception as e:  # every composition error becomes one short message
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"config error: {explain(e)}", file=sys.stderr)

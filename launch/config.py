@@ -49,9 +49,19 @@ class MLPModelConfig:
 
 
 @dataclass
+class LoRAConfig:
+    r: int = 0  # the adapters' rank; 0: no LoRA (the whole model trains)
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: Optional[list[str]] = None  # None: peft's default for the model type (gpt2: c_attn)
+
+
+@dataclass
 class HFModelConfig:
     name: str = "hf"
-    config_name: str = MISSING  # a transformers model type: gpt2, llama, ...
+    config_name: str = MISSING  # a transformers model type: gpt2, llama, ... (ignored with `pretrained`)
+    pretrained: Optional[str] = None  # a local directory written by save_pretrained (never a download)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     vocab_size: int = 64
     seq_len: int = 32
     d_model: int = 64
@@ -66,8 +76,22 @@ class HFModelConfig:
 class DataConfig:
     name: str = "synthetic"  # synthetic | digits
     batch_size: int = 32  # the global batch: split over ranks and micro-batches
-    seed: int = 0
+    seed: int = 0  # the data set (synthetic) and the per-epoch shuffling
+    shuffle: bool = True  # a new seeded permutation each epoch
+    drop_last: bool = True  # drop an incomplete last global batch of an epoch
+    num_workers: int = 0  # DataLoader worker processes per rank
+    pin_memory: bool = True  # on CUDA only
+    n: int = 4096  # synthetic: samples in the train split
+    n_eval: int = 256  # samples in the eval split (0: no eval split)
     noise: float = 0.05  # synthetic tokens only
+
+
+@dataclass
+class TokensDataConfig(DataConfig):
+    name: str = "tokens"
+    path: str = MISSING  # a flat binary of token ids (nanoGPT's train.bin; scripts/make_tokens.py writes one)
+    eval_path: Optional[str] = None  # the eval split's file (e.g. val.bin); None: no eval split
+    dtype: str = "uint16"  # uint16 | uint32
 
 
 # --- strategy, activation checkpointing (the `ac` group), precision --------------------------------------------------
@@ -132,6 +156,7 @@ class TrainerConfig:
     resume: bool = True
     on_nonfinite: str = "skip"  # skip | stop
     max_consecutive_skips: int = 10  # skip: stop the run after this many skipped steps in a row (0: no limit)
+    task_weights: dict[str, float] = field(default_factory=dict)  # loss = sum of weight * task loss (default 1)
     guard_every: int = 0  # distckpt.GradSyncGuard every N steps; 0 = off
     verify_recompute: bool = False  # distckpt.verify_recompute once at start
     progress: bool = True
@@ -143,8 +168,8 @@ class TrainerConfig:
 
 @dataclass
 class Config:
-    model: Any = MISSING
-    data: DataConfig = MISSING
+    model: Any = MISSING  # untyped: model=custom takes any keys (its target's arguments)
+    data: Any = MISSING  # likewise for data=custom; the built-in data sets use DataConfig
     strategy: StrategyConfig = MISSING
     ac: ACConfig = MISSING  # activation checkpointing; `ckpt` was its old name (refused in launch/check.py)
     precision: PrecisionConfig = MISSING
@@ -166,6 +191,7 @@ def _run_id() -> str:
 SCHEMAS: list[tuple[str, str, type]] = [
     ("model", "gpt_schema", GPTModelConfig), ("model", "mlp_schema", MLPModelConfig),
     ("model", "hf_schema", HFModelConfig), ("data", "data_schema", DataConfig),
+    ("data", "tokens_schema", TokensDataConfig),
     ("strategy", "strategy_schema", StrategyConfig), ("ac", "ac_schema", ACConfig),
     ("precision", "precision_schema", PrecisionConfig), ("optim", "optim_schema", OptimConfig),
     ("logger", "logger_schema", LoggerConfig), ("trainer", "trainer_schema", TrainerConfig),
@@ -185,7 +211,7 @@ def register() -> None:
 CHOICES = {
     "strategy.name": STRATEGIES,
     "strategy.graph": GRAPHS,
-    "data.name": ("synthetic", "digits"),
+    "data.name": ("synthetic", "digits", "custom", "tokens", "multitask"),
     "precision.dtype": ("fp32", "bf16", "fp16"),
     "optim.name": OPTIMIZERS,
     "optim.scheduler": ("constant", "cosine", "linear"),
@@ -237,8 +263,14 @@ RANGES: dict[str, Range] = {
     "model.hidden": SIZE,
     "model.n_classes_a": SIZE,
     "model.dropout": DROPOUT,
+    "model.lora.r": Range(0, why="the adapters' rank; 0: no LoRA"),
+    "model.lora.alpha": Range(0, lo_open=True),
+    "model.lora.dropout": DROPOUT,
     "data.batch_size": SIZE,
     "data.seed": Range(0),
+    "data.num_workers": Range(0, why="0 reads in the training process"),
+    "data.n": SIZE,
+    "data.n_eval": Range(0, why="0: no eval split"),
     "data.noise": PROBABILITY,
     "strategy.shard_size": Range(1, why="ranks per shard group; null: the ranks of one node"),
     "ac.n": SIZE,
@@ -259,15 +291,23 @@ RANGES: dict[str, Range] = {
     "trainer.seed": Range(0),
     "trainer.guard_every": OFF_OR_EVERY,
     "trainer.max_consecutive_skips": Range(0, why="0: no limit"),
+    "trainer.task_weights": Range(0, why="a task's weight in the loss; 0 leaves it out"),
 }
 LENGTHS = {"optim.betas": 2}  # list fields of a fixed length
 
 
 def _check_ranges(cfg: DictConfig) -> None:
+    from launch.targets import LAUNCHER_KEYS
+
     for key, allowed in RANGES.items():
         value = OmegaConf.select(cfg, key, default=None)
         if value is None:
             continue
+        group, _, leaf = key.partition(".")
+        if "_target_" in cfg.get(group, {}) and leaf not in LAUNCHER_KEYS.get(group, ()):
+            continue  # model=custom / data=custom: the user's own argument (+data.n=...), checked by its target
+        if isinstance(value, DictConfig):  # trainer.task_weights: each value
+            value = ListConfig(list(value.values()))
         values = list(value) if isinstance(value, ListConfig) else [value]
         shown = f"[{','.join(map(str, values))}]" if isinstance(value, ListConfig) else value
         kind = "an integer" if all(isinstance(v, int) for v in values) else "a number"
@@ -343,7 +383,28 @@ def _check_combinations(cfg: DictConfig, world_size: int) -> None:
     if d.batch_size % (world_size * t.grad_accum):
         raise ConfigError(f"data.batch_size={d.batch_size} must be a multiple of {world_size} ranks x "
                           f"trainer.grad_accum={t.grad_accum}; change data.batch_size or trainer.grad_accum.")
-    if d.name == "digits" and m.name != "mlp":
+    if m.name == "hf" and m.pretrained:
+        from launch.hf import check_pretrained
+
+        check_pretrained(m.pretrained)
+    if d.name == "multitask":
+        total = sum(task.weight for task in d.tasks.values())
+        for name, task in d.tasks.items():
+            share = d.batch_size * task.weight / total
+            if share != int(share) or share % (world_size * t.grad_accum):
+                raise ConfigError(f"data.tasks.{name}: weight {task.weight} gives {share:g} of data.batch_size="
+                                  f"{d.batch_size} samples, not a multiple of {world_size} ranks x trainer.grad_accum="
+                                  f"{t.grad_accum}; change data.batch_size or the task weights.")
+    if d.name == "tokens":
+        if d.dtype not in ("uint16", "uint32"):
+            raise ConfigError(f"data.dtype={d.dtype!r} is not one of uint16, uint32.")
+        for key in ("path", "eval_path"):
+            if d[key] is not None and not Path(d[key]).is_file():
+                raise ConfigError(f"data.{key}={d[key]} is not a file; write one with scripts/make_tokens.py.")
+        if "seq_len" not in m:
+            raise ConfigError(f"data=tokens cuts the file into model.seq_len windows: model={m.name} has no "
+                              "seq_len (add +model.seq_len=N).")
+    if d.name == "digits" and m.name not in ("mlp", "custom"):
         raise ConfigError(f"data=digits is image features: it needs model=mlp (got model={m.name}).")
     if cfg.precision.dtype == "fp16" and not cfg.precision.grad_scaler:
         raise ConfigError("precision.dtype=fp16 without a grad scaler underflows; use precision=fp16 "

@@ -41,16 +41,17 @@ def build_subject(overrides: tuple[str, ...], wrap: bool, nproc: int, preserve_r
     """The doctor's factory for a config: ``(model, loss_fn, batch_fn)`` of the launcher's job, wrapped
     as its ``ac`` group says when ``wrap`` (fp32: precision is not applied). Runs on every rank."""
     import distckpt
-    from distckpt.train.data import micro_batches
-    from launch.build import build_data, build_model
+    from distckpt.train.data import ShardedLoader
+    from launch.build import build_datasets, build_model
 
     cfg = _compose(list(overrides))
     torch.manual_seed(cfg.trainer.seed)
-    data = build_data(cfg.data, cfg.model)
+    train_set, _ = build_datasets(cfg.data, cfg.model)
+    d = cfg.data
     model = build_model(cfg.model, cfg.data)
     c = cfg.ac
     if wrap:
-        example = micro_batches(data.global_batch(0), 0, nproc, 1)[0]
+        example = ShardedLoader(train_set, cfg.data.batch_size, rank=0, world_size=nproc).example()
         distckpt.wrap(model, c.policy, blocks=list(c.blocks) if c.blocks else None, reentrant=c.reentrant,
                       preserve_rng_state=preserve_rng_state, example_inputs=(example,))
 
@@ -58,7 +59,11 @@ def build_subject(overrides: tuple[str, ...], wrap: bool, nproc: int, preserve_r
         return sum(m(batch).values())  # the launcher's loss: the sum of the task losses
 
     def batch_fn(step: int, rank: int, world: int) -> Any:
-        return micro_batches(data.global_batch(step), rank, world, 1)[0]
+        # The launcher's batch of this step for this rank: the loader placed at the step's (epoch, batch).
+        loader = ShardedLoader(train_set, d.batch_size, shuffle=d.shuffle, seed=d.seed, rank=rank, world_size=world)
+        per_epoch = max(1, len(train_set) // d.batch_size)
+        loader.load_state_dict({"epoch": step // per_epoch, "batch": step % per_epoch})
+        return loader.next_batch()
 
     return model, loss_fn, batch_fn
 

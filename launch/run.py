@@ -22,7 +22,7 @@ from distckpt._dist import rank_world
 from distckpt._spawn import free_port
 from distckpt.errors import ConfigError
 from distckpt.train import Callback, LoopOptions, LoopResult, MetricSink, TrainState, fit, format_summary
-from distckpt.train.data import micro_batches
+from distckpt.train.data import TaskBatches
 from launch.build import (
     autocast_factory,
     build_data,
@@ -33,6 +33,7 @@ from launch.build import (
     parallel_kwargs,
 )
 from launch.config import shard_size, validate
+from launch.hf import hf_inner, save_hf
 from launch.loggers import build_writers
 
 log = logging.getLogger("distckpt.launch")
@@ -103,6 +104,8 @@ def ac_policy(cfg: DictConfig, world: int) -> Any:
 
 def _wrap(model: torch.nn.Module, cfg: DictConfig, example: dict[str, torch.Tensor]) -> None:
     c = cfg.ac
+    if c.policy == "none":  # nothing to checkpoint: a model without repeated blocks (model=custom) is fine
+        return
     distckpt.wrap(model, ac_policy(cfg, rank_world()[1]), blocks=list(c.blocks) if c.blocks else None,
                   reentrant=c.reentrant, offload="cpu" if c.offload else None, example_inputs=(example,))
 
@@ -158,20 +161,23 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -> Loo
         Path(path).mkdir(parents=True, exist_ok=True)
 
     torch.manual_seed(t.seed)  # the same initial parameters on every rank
-    data = build_data(cfg.data, cfg.model)
+    data = build_data(cfg.data, cfg.model, device)
     model = build_model(cfg.model, cfg.data)
-    example = micro_batches(data.global_batch(0), 0, rank_world()[1], t.grad_accum)[0]
+    example = data.example(t.grad_accum)
+    if isinstance(example, TaskBatches):  # data=multitask: the model sees one task's batch per forward
+        example = next(iter(example.values()))
     _wrap(model, cfg, example)
     blocks = distckpt.checkpointed(model)  # before parallelize: the user's names, no wrapper prefixes
     verified = _optional_verify(model, example, t.verify_recompute)
     model.to(device)
+    inner = hf_inner(model)  # the HF model before parallelize, for RUN_DIR/hf/ at the end
     strategy = cfg.strategy.name
     shards = shard_size(cfg.strategy, world)  # hsdp only: the mesh is (world // shards, shards)
     extra = {"shard_size": shards} if shards else {}
     model = distckpt.parallelize(model, strategy, graph=cfg.strategy.graph, **extra,
                                  **parallel_kwargs(cfg.precision, strategy))
     optimizer, scheduler = build_optimizer(cfg.optim, model, t.max_steps)
-    state = TrainState(model, optimizer, scheduler, build_scaler(cfg.precision, strategy, device))
+    state = TrainState(model, optimizer, scheduler, build_scaler(cfg.precision, strategy, device), data=data)
     guard = _optional_guard(model, t.guard_every)
     torch.manual_seed(t.seed + 1 + rank)  # dropout: one stream per rank, restored on resume
 
@@ -181,7 +187,7 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -> Loo
         max_steps=t.max_steps, grad_accum=t.grad_accum, clip_grad_norm=t.clip_grad_norm, log_every=t.log_every,
         save_every=t.save_every, keep_last=t.keep_last, eval_every=t.eval_every, resume=t.resume,
         on_nonfinite=t.on_nonfinite, max_consecutive_skips=t.max_consecutive_skips, guard_every=t.guard_every,
-        progress=t.progress,
+        progress=t.progress, task_weights=dict(t.task_weights),
     )
     callbacks = [_WriteConfig(cfg, path, rank), *user_callbacks]
     try:
@@ -190,6 +196,8 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -> Loo
                      callbacks=callbacks)
     finally:
         sink.close()
+    if inner is not None and not result.stopped_by_signal and result.step == t.max_steps:
+        save_hf(model, inner, path)  # every rank: gathers the full state dict; rank 0 writes
     result.guard = _guard_report(guard, result.guard_checks, verified)
     result.checkpointed = blocks
     if rank == 0:
@@ -267,6 +275,7 @@ def _summary(cfg: DictConfig, r: LoopResult, path: str, model: torch.nn.Module) 
         ("checkpoints", f"{len(r.checkpoints)} written, latest {Path(r.checkpoints[-1]).name}" if r.checkpoints
                         else "none"),
         ("metrics", str(Path(path) / "metrics.jsonl")),
+        *([("hf weights", str(Path(path) / "hf"))] if (Path(path) / "hf").is_dir() else []),
     ]
     return format_summary(rows)
 

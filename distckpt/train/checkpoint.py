@@ -1,7 +1,7 @@
 """Resumable training checkpoints with ``torch.distributed.checkpoint`` (DCP), written atomically.
 
 Layout: ``RUN_DIR/checkpoints/step_N/`` holds one DCP checkpoint (model, optimizer, scheduler,
-grad scaler, step, data position, every rank's RNG state). All ranks write into
+grad scaler, step, every rank's data position and RNG state). All ranks write into
 ``.tmp_step_N``; once DCP has written its ``.metadata`` (after every rank finished), rank 0
 writes a manifest (every file's size and CRC32, :mod:`distckpt.train.integrity`) and renames the
 folder. A folder named ``step_N`` is therefore complete when written; a crash mid-save leaves only a
@@ -72,13 +72,16 @@ class TrainState(Stateful):
 
     The model and optimizer go through ``torch.distributed.checkpoint.state_dict`` so that DDP,
     FSDP and FSDP2 models all save sharded-aware, FQN-keyed state. The RNG state is per rank, under
-    a per-rank key (a resume on another world size keeps the fresh RNG of the missing ranks).
+    a per-rank key (a resume on another world size keeps the fresh RNG of the missing ranks); so is
+    the data loader's position (``data``: any object with ``state_dict``/``load_state_dict``, such as
+    ``distckpt.train.data.ShardedLoader``, whose position counts global batches).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None,
-                 scaler: Any = None) -> None:
+                 scaler: Any = None, data: Any = None) -> None:
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
-        self.step = 0  # optimizer steps done; the data position is the same number (see data.py)
+        self.data = data
+        self.step = 0  # optimizer steps done
 
     def state_dict(self) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
@@ -86,7 +89,7 @@ class TrainState(Stateful):
             "model": model_sd,
             "optim": optim_sd,
             "step": self.step,
-            "data": {"position": self.step},
+            "data": {f"rank{_rank()}": self.data.state_dict() if self.data is not None else {}},
             "rng": {f"rank{_rank()}": rng_state()},
         }
         if self.scheduler is not None:
@@ -110,6 +113,9 @@ class TrainState(Stateful):
             _load_schedule_position(self.scheduler, sd["scheduler"])
         if self.scaler is not None and "scaler" in sd:
             self.scaler.load_state_dict(sd["scaler"])
+        position = sd.get("data", {}).get(f"rank{_rank()}")
+        if self.data is not None and position:
+            self.data.load_state_dict(position)
         mine = sd["rng"].get(f"rank{_rank()}")
         if isinstance(mine, dict) and isinstance(mine.get("torch"), torch.Tensor):
             set_rng_state(mine)

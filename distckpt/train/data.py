@@ -1,50 +1,70 @@
-"""Multi-task training data that is a pure function of (seed, step): resumable and rank-consistent.
+"""Data loading for the training loop: one ``DataLoader`` per rank, sharded, shuffled per epoch, resumable.
 
-Each step has one *global* batch, made from a generator seeded with ``(seed, step)``; rank ``r`` of
-``W`` takes rows ``[r*B/W, (r+1)*B/W)`` and splits them into micro-batches. So a run on W ranks sees
-exactly the data of a single-process run with the same global batch, and the data position after
-a resume is just the step number (no iterator state to save).
+A data set is either map-style (``len`` and ``ds[i]``, items are dicts of tensors) or an
+``IterableDataset``. :class:`ShardedLoader` cuts it into *global* batches of ``batch_size`` samples
+(the same global batch on any number of ranks: epoch ``e``'s permutation, seeded with ``seed + e``,
+taken ``batch_size`` at a time) and gives rank ``r`` of ``W`` rows ``[r*B/W, (r+1)*B/W)`` of each.
+So a run on W ranks reads exactly the samples of a single-process run with the same global batch,
+and each rank reads only its own samples (map-style; an iterable stream is read by every rank and
+worker, which keep their part).
+
+Its position is two integers, ``(epoch, batch)``: the global batches consumed in the current epoch.
+``TrainState`` saves it per rank in the DCP checkpoint, and a resume restarts the sampler at that
+batch. Why not torchdata's ``StatefulDataLoader`` (0.11 works with torch 2.13, checked): this loop
+must run with torch alone (tests/launch/test_train_torch_only.py), its
+``StatefulDistributedSampler`` neither saves the epoch nor lays the ranks out as slices of one global
+batch, and for a sampler that is a function of ``(seed, epoch)`` the two integers restart it exactly,
+with no replay of the consumed batches.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_worker_info
+from torch.utils.data._utils.collate import default_collate
 
+from distckpt._dist import rank_world
 from distckpt.errors import ConfigError
 
-__all__ = ["DigitsData", "StepData", "SyntheticMLPData", "SyntheticTokens", "micro_batches"]
+__all__ = [
+    "DictDataset",
+    "GlobalBatchSampler",
+    "ShardedLoader",
+    "TaskBatches",
+    "TaskMixLoader",
+    "TokenWindows",
+    "digits",
+    "micro_batches",
+    "synthetic_mlp",
+    "synthetic_tokens",
+]
 
 Batch = dict[str, torch.Tensor]
 
 
-class StepData(Protocol):
-    """What the loop needs from a data source."""
-
-    batch_size: int
-
-    def global_batch(self, step: int) -> Batch: ...
-
-    def eval_batch(self) -> Batch: ...
-
-
-def _gen(seed: int, step: int) -> torch.Generator:
-    # Distinct, reproducible streams per step; 1_000_003 is prime so (seed, step) pairs do not collide
-    # for any realistic run length.
-    return torch.Generator().manual_seed(seed * 1_000_003 + step)
+class TaskBatches(dict):
+    """One batch per task (``{task: batch}``): the loop runs one forward per task batch, then one backward."""
 
 
 def micro_batches(batch: Batch, rank: int, world_size: int, n_micro: int) -> list[Batch]:
-    """This rank's share of a global batch, as ``n_micro`` equal micro-batches.
+    """Rank ``rank``'s share of ``batch`` as ``n_micro`` equal micro-batches (``world_size=1``: all of it).
+    A :class:`TaskBatches` splits task by task.
 
     Raises:
-        ConfigError: the global batch does not split evenly.
+        ConfigError: the batch does not split evenly.
     """
+    if isinstance(batch, TaskBatches):
+        per_task = {t: micro_batches(b, rank, world_size, n_micro) for t, b in batch.items()}
+        return [TaskBatches({t: parts[i] for t, parts in per_task.items()}) for i in range(n_micro)]
     n = next(iter(batch.values())).shape[0]
     if n % (world_size * n_micro):
         raise ConfigError(
-            f"data.batch_size={n} does not split into {world_size} ranks x {n_micro} micro-batches; "
+            f"a batch of {n} does not split into {world_size} ranks x {n_micro} micro-batches; "
             f"set data.batch_size to a multiple of {world_size * n_micro}."
         )
     per_rank = n // world_size
@@ -53,79 +73,308 @@ def micro_batches(batch: Batch, rank: int, world_size: int, n_micro: int) -> lis
     return [{k: v[i * size:(i + 1) * size] for k, v in mine.items()} for i in range(n_micro)]
 
 
-class SyntheticTokens:
-    """Token sequences ``x_t = (x_0 + a*t) mod V`` with a little noise; the class is the stride ``a``.
+class DictDataset(Dataset):
+    """A map-style data set over tensors of equal length: item ``i`` is ``{k: v[i]}``."""
 
-    Task ``lm`` learns the progression, task ``cls`` learns its stride: both are learnable, so the
-    loss visibly drops within a few hundred steps of a tiny model.
+    def __init__(self, tensors: Batch) -> None:
+        lengths = {v.shape[0] for v in tensors.values()}
+        if len(lengths) != 1:
+            raise ConfigError(f"DictDataset tensors have different lengths {sorted(lengths)}; give equal lengths.")
+        self.tensors = tensors
+
+    def __len__(self) -> int:
+        return next(iter(self.tensors.values())).shape[0]
+
+    def __getitem__(self, i: int) -> Batch:
+        return {k: v[i] for k, v in self.tensors.items()}
+
+
+class GlobalBatchSampler(Sampler[list[int]]):
+    """This rank's indices of each global batch of a map-style data set, for one epoch, from batch ``start``.
+
+    Epoch ``e`` orders the ``n`` samples by ``randperm(n)`` seeded with ``seed + e`` (or in order without
+    shuffling); global batch ``k`` is positions ``[k*B, (k+1)*B)`` of that order and this rank takes its
+    contiguous slice. ``drop_last`` drops a last incomplete global batch; otherwise it is filled from the
+    start of the order (as ``DistributedSampler`` pads), so every rank has the same number of batches.
     """
 
-    def __init__(self, batch_size: int, seq_len: int, vocab_size: int, n_classes: int, seed: int = 0,
-                 noise: float = 0.05) -> None:
-        self.batch_size, self.seq_len, self.vocab_size, self.n_classes = batch_size, seq_len, vocab_size, n_classes
-        self.seed, self.noise = seed, noise
+    def __init__(self, n: int, batch_size: int, *, rank: int, world_size: int, shuffle: bool, seed: int,
+                 drop_last: bool, epoch: int = 0, start: int = 0) -> None:
+        if batch_size % world_size:
+            raise ConfigError(f"data.batch_size={batch_size} must be a multiple of the {world_size} ranks.")
+        self.n, self.batch_size, self.rank, self.world_size = n, batch_size, rank, world_size
+        self.shuffle, self.seed, self.drop_last, self.epoch, self.start = shuffle, seed, drop_last, epoch, start
 
-    def _make(self, g: torch.Generator, n: int) -> Batch:
-        x0 = torch.randint(self.vocab_size, (n, 1), generator=g)
-        label = torch.randint(self.n_classes, (n,), generator=g)
-        t = torch.arange(self.seq_len)
-        tokens = (x0 + (label[:, None] + 1) * t) % self.vocab_size
-        noisy = torch.rand(n, self.seq_len, generator=g) < self.noise
-        tokens = torch.where(noisy, torch.randint(self.vocab_size, (n, self.seq_len), generator=g), tokens)
-        return {"tokens": tokens, "label": label}
+    def __len__(self) -> int:
+        full, rest = divmod(self.n, self.batch_size)
+        return full + (bool(rest) and not self.drop_last) - self.start
 
-    def global_batch(self, step: int) -> Batch:
-        return self._make(_gen(self.seed, step), self.batch_size)
+    def order(self) -> torch.Tensor:
+        """The epoch's sample order, padded to whole global batches."""
+        if self.shuffle:
+            order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        else:
+            order = torch.arange(self.n)
+        want = (len(self) + self.start) * self.batch_size
+        return order.repeat(-(-want // self.n))[:want] if want > self.n else order[:want]
 
-    def eval_batch(self) -> Batch:
-        return self._make(_gen(self.seed + 7919, 0), self.batch_size)
-
-
-class SyntheticMLPData:
-    """Gaussian features; task ``a`` is the argmax of a fixed random projection, task ``b`` a sign pattern."""
-
-    def __init__(self, batch_size: int, in_features: int, n_classes_a: int, seed: int = 0) -> None:
-        self.batch_size, self.in_features, self.seed = batch_size, in_features, seed
-        self.proj = torch.randn(in_features, n_classes_a, generator=torch.Generator().manual_seed(seed + 1))
-
-    def _make(self, g: torch.Generator, n: int) -> Batch:
-        x = torch.randn(n, self.in_features, generator=g)
-        return {"x": x, "y_a": (x @ self.proj).argmax(dim=1), "y_b": (x[:, 0] * x[:, 1] > 0).long()}
-
-    def global_batch(self, step: int) -> Batch:
-        return self._make(_gen(self.seed, step), self.batch_size)
-
-    def eval_batch(self) -> Batch:
-        return self._make(_gen(self.seed + 7919, 0), self.batch_size)
+    def __iter__(self) -> Iterator[list[int]]:
+        order, b = self.order(), self.batch_size // self.world_size
+        for k in range(self.start, self.start + len(self)):
+            yield order[k * self.batch_size + self.rank * b:k * self.batch_size + (self.rank + 1) * b].tolist()
 
 
-class DigitsData:
-    """scikit-learn's bundled 8x8 digits (no download) as two tasks: ``a`` the digit, ``b`` its parity.
+class _RankShard(IterableDataset):
+    """An iterable stream's items for this rank and DataLoader worker: complete global batches only.
 
-    The last ``n_eval`` images are held out for evaluation; each step samples its batch (with
-    replacement) from the rest with the step's generator.
+    Every rank and worker reads the whole stream (a stream cannot seek); of global batch ``k`` (items
+    ``[k*B, (k+1)*B)``) rank ``r`` keeps its slice, and worker ``k % num_workers`` yields it, which is the
+    order in which the DataLoader takes batches from its workers.
     """
 
-    in_features = 64
-    n_classes_a = 10
+    def __init__(self, source: IterableDataset, batch_size: int, rank: int, world_size: int, skip: int) -> None:
+        self.source, self.batch_size, self.rank, self.world_size, self.skip = source, batch_size, rank, world_size, skip
 
-    def __init__(self, batch_size: int, seed: int = 0, n_eval: int = 297) -> None:
-        from sklearn.datasets import load_digits  # optional dependency (extra "launch")
+    def __iter__(self) -> Iterator[Batch]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        b = self.batch_size // self.world_size
+        stream = iter(self.source)
+        for _ in range(self.skip * self.batch_size):  # the batches a resumed run has consumed already
+            next(stream, None)
+        for k in itertools.count():
+            items = list(itertools.islice(stream, self.batch_size))
+            if len(items) < self.batch_size:
+                return
+            if k % workers == worker:
+                yield from items[self.rank * b:(self.rank + 1) * b]
 
-        d = load_digits()
-        x = torch.tensor(d.data, dtype=torch.float32) / 16.0
-        y = torch.tensor(d.target, dtype=torch.long)
-        self.x, self.y = x[:-n_eval], y[:-n_eval]
-        self.x_eval, self.y_eval = x[-n_eval:], y[-n_eval:]
-        self.batch_size, self.seed = batch_size, seed
 
-    @staticmethod
-    def _pack(x: torch.Tensor, y: torch.Tensor) -> Batch:
-        return {"x": x, "y_a": y, "y_b": y % 2}
+class ShardedLoader:
+    """One rank's endless loader over a data set: epochs one after another, resumable at ``(epoch, batch)``.
 
-    def global_batch(self, step: int) -> Batch:
-        idx = torch.randint(self.x.shape[0], (self.batch_size,), generator=_gen(self.seed, step))
-        return self._pack(self.x[idx], self.y[idx])
+    Args:
+        dataset: a map-style data set of dicts of tensors, or an ``IterableDataset`` (if it has
+            ``set_epoch(e)``, it is called at each epoch start).
+        batch_size: the global batch (all ranks together); each rank gets ``batch_size / world``.
+        shuffle: a new seeded permutation per epoch (map-style only).
+        seed: the shuffling seed (and the DataLoader workers' base seed).
+        num_workers, pin_memory: as ``torch.utils.data.DataLoader``.
+        drop_last: drop an incomplete last global batch (iterable streams always do).
+        eval_dataset: the eval split, read in order, sharded the same way; ``None``: no evaluation.
+        rank, world_size: default: this process's rank and the group's size.
 
-    def eval_batch(self) -> Batch:
-        return self._pack(self.x_eval, self.y_eval)
+    Raises:
+        ConfigError: the batch does not split over the ranks, or an epoch has no complete batch.
+    """
+
+    def __init__(self, dataset: Dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0,
+                 num_workers: int = 0, pin_memory: bool = False, drop_last: bool = True,
+                 eval_dataset: Dataset | None = None, rank: int | None = None, world_size: int | None = None) -> None:
+        r, w = rank_world()
+        self.rank, self.world_size = r if rank is None else rank, w if world_size is None else world_size
+        if batch_size % self.world_size:
+            raise ConfigError(f"data.batch_size={batch_size} must be a multiple of the {self.world_size} ranks.")
+        self.dataset, self.eval_dataset, self.batch_size = dataset, eval_dataset, batch_size
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.num_workers, self.pin_memory = num_workers, pin_memory
+        self.epoch, self.batch = 0, 0  # the position: global batches consumed in this epoch
+        self._it: Iterator[Batch] | None = None
+
+    def _loader(self, dataset: Dataset, *, epoch: int, start: int, shuffle: bool, drop_last: bool) -> DataLoader:
+        # A generator of our own: without one, each new iterator draws its workers' base seed from the
+        # global torch RNG, so a resumed run's dropout stream would differ from an uninterrupted one.
+        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) * 1009 + self.rank)
+        common = dict(num_workers=self.num_workers, pin_memory=self.pin_memory, generator=gen)
+        if isinstance(dataset, IterableDataset):
+            if hasattr(dataset, "set_epoch"):
+                dataset.set_epoch(epoch)
+            shard = _RankShard(dataset, self.batch_size, self.rank, self.world_size, skip=start)
+            return DataLoader(shard, batch_size=self.batch_size // self.world_size, **common)
+        sampler = GlobalBatchSampler(len(dataset), self.batch_size, rank=self.rank, world_size=self.world_size,
+                                     shuffle=shuffle, seed=self.seed, drop_last=drop_last, epoch=epoch, start=start)
+        return DataLoader(dataset, batch_sampler=sampler, **common)
+
+    def next_batch(self) -> Batch:
+        """This rank's part of the next global batch (a new epoch starts when one ends)."""
+        for _ in range(2):
+            if self._it is None:
+                self._it = iter(self._loader(self.dataset, epoch=self.epoch, start=self.batch,
+                                             shuffle=self.shuffle, drop_last=self.drop_last))
+            batch = next(self._it, None)
+            if batch is not None:
+                self.batch += 1
+                return batch
+            self.epoch, self.batch, self._it = self.epoch + 1, 0, None
+        raise ConfigError(f"the data set has no complete global batch of data.batch_size={self.batch_size}; "
+                          "lower data.batch_size or give more samples.")
+
+    def eval_batches(self) -> Iterator[Batch]:
+        """This rank's part of every global batch of the eval split, in order (the last one padded)."""
+        if self.eval_dataset is None:
+            return iter(())
+        return iter(self._loader(self.eval_dataset, epoch=0, start=0, shuffle=False, drop_last=False))
+
+    def example(self, n_micro: int = 1) -> Batch:
+        """One micro-batch of this rank's size from the data set's first samples, without moving the position."""
+        size = self.batch_size // self.world_size // n_micro
+        if isinstance(self.dataset, IterableDataset):
+            return default_collate(list(itertools.islice(iter(self.dataset), size)))
+        return default_collate([self.dataset[i] for i in range(size)])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "batch": self.batch}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.epoch, self.batch, self._it = int(sd["epoch"]), int(sd["batch"]), None
+
+
+class TaskMixLoader:
+    """Per-task loaders mixed by sampling weight: each global batch has ``batch_size * w_t / sum(w)`` samples
+    of task ``t``, as a :class:`TaskBatches`. Each task's loader is sharded, shuffled and resumed on its own
+    (a task's epoch ends when its data set is used up, independently of the others).
+
+    Args:
+        datasets: ``{task: (train_set, eval_set or None)}``.
+        weights: ``{task: sampling weight}``, the same keys.
+        batch_size: the global batch of all tasks together.
+        kwargs: the :class:`ShardedLoader` options (``seed`` is offset per task, so tasks shuffle apart).
+
+    Raises:
+        ConfigError: a task's share is not a whole multiple of the ranks, or the weights are not positive.
+    """
+
+    def __init__(self, datasets: dict[str, tuple[Dataset, Dataset | None]], weights: dict[str, float],
+                 batch_size: int, *, seed: int = 0, **kwargs: Any) -> None:
+        if set(weights) != set(datasets) or any(w <= 0 for w in weights.values()):
+            raise ConfigError(f"data.tasks needs a positive weight for each task; got {weights}.")
+        total = sum(weights.values())
+        self.batch_size, self.loaders = batch_size, {}
+        for i, (task, (train_set, eval_set)) in enumerate(sorted(datasets.items())):
+            share = batch_size * weights[task] / total
+            if share != int(share) or share < 1:
+                raise ConfigError(f"data.tasks.{task}.weight={weights[task]} gives {share:g} of data.batch_size="
+                                  f"{batch_size} samples; choose weights that split the batch into whole parts.")
+            self.loaders[task] = ShardedLoader(train_set, int(share), seed=seed + 1009 * i, eval_dataset=eval_set,
+                                               **kwargs)
+
+    def next_batch(self) -> TaskBatches:
+        return TaskBatches({t: ld.next_batch() for t, ld in self.loaders.items()})
+
+    def eval_batches(self) -> Iterator[TaskBatches]:
+        """Each task's eval batches, zipped (stops at the shortest split; tasks without one are left out)."""
+        with_eval = {t: ld.eval_batches() for t, ld in self.loaders.items() if ld.eval_dataset is not None}
+        if not with_eval:
+            return iter(())
+        return (TaskBatches(zip(with_eval, group)) for group in zip(*with_eval.values()))
+
+    def example(self, n_micro: int = 1) -> TaskBatches:
+        return TaskBatches({t: ld.example(n_micro) for t, ld in self.loaders.items()})
+
+    def state_dict(self) -> dict[str, Any]:
+        return {t: ld.state_dict() for t, ld in self.loaders.items()}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        for t, ld in self.loaders.items():
+            ld.load_state_dict(sd[t])
+
+
+# --- built-in data sets -------------------------------------------------------------------------------
+TOKEN_DTYPES = ("uint16", "uint32")
+
+
+class TokenWindows(Dataset):
+    """A flat binary file of token ids (nanoGPT's ``train.bin``) as consecutive windows of ``seq_len`` tokens.
+
+    The file is opened with ``numpy.memmap`` in each process that reads it (DataLoader workers
+    included) and never loaded whole; item ``i`` is ``{"tokens": ids[i*seq_len:(i+1)*seq_len]}`` as int64.
+
+    Args:
+        path: the file; its size must be a multiple of the dtype's size.
+        seq_len: tokens per window (the model's ``seq_len``); a last partial window is dropped.
+        dtype: ``"uint16"`` (nanoGPT's default, vocabularies up to 65536) or ``"uint32"``.
+        vocab_size: if given, every id must be below it (checked once, with one pass over the file).
+
+    Raises:
+        ConfigError: a missing or ill-sized file, a bad dtype, no complete window, or an id out of range.
+    """
+
+    def __init__(self, path: str, seq_len: int, dtype: str = "uint16", vocab_size: int | None = None) -> None:
+        import numpy as np  # torch's optional numpy; needed for memory-mapped token files only
+
+        if dtype not in TOKEN_DTYPES:
+            raise ConfigError(f"data.dtype={dtype!r} is not one of {', '.join(TOKEN_DTYPES)}.")
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError(f"token file {path} does not exist; write one with scripts/make_tokens.py.")
+        size, itemsize = file.stat().st_size, np.dtype(dtype).itemsize
+        if size % itemsize:
+            raise ConfigError(f"token file {path} has {size} bytes, not a multiple of {itemsize} ({dtype}); "
+                              f"is data.dtype right?")
+        self.path, self.seq_len, self.dtype = str(file), seq_len, dtype
+        self.n_tokens = size // itemsize
+        if self.n_tokens < seq_len:
+            raise ConfigError(f"token file {path} has {self.n_tokens} tokens, fewer than one window of "
+                              f"model.seq_len={seq_len}.")
+        self._ids: Any = None
+        if vocab_size is not None and (top := int(self._memmap().max())) >= vocab_size:
+            raise ConfigError(f"token file {path} has token id {top} >= model.vocab_size={vocab_size}; "
+                              f"set model.vocab_size={top + 1} or more (or check data.dtype).")
+
+    def _memmap(self) -> Any:
+        import numpy as np
+
+        if self._ids is None:
+            self._ids = np.memmap(self.path, dtype=self.dtype, mode="r", shape=(self.n_tokens,))
+        return self._ids
+
+    def __getstate__(self) -> dict[str, Any]:  # to DataLoader workers: each opens the file itself
+        return {**self.__dict__, "_ids": None}
+
+    def __len__(self) -> int:
+        return self.n_tokens // self.seq_len
+
+    def __getitem__(self, i: int) -> Batch:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        window = self._memmap()[i * self.seq_len:(i + 1) * self.seq_len]
+        return {"tokens": torch.from_numpy(window.astype("int64"))}
+
+
+def synthetic_tokens(n: int, seq_len: int, vocab_size: int, n_classes: int, seed: int = 0,
+                     noise: float = 0.05) -> DictDataset:
+    """``n`` token sequences ``x_t = (x_0 + a*t) mod V`` with a little noise; the class is the stride ``a``.
+
+    Task ``lm`` learns the progression, task ``cls`` its stride: both learnable by a tiny model.
+    """
+    g = torch.Generator().manual_seed(seed)
+    x0 = torch.randint(vocab_size, (n, 1), generator=g)
+    label = torch.randint(n_classes, (n,), generator=g)
+    tokens = (x0 + (label[:, None] + 1) * torch.arange(seq_len)) % vocab_size
+    noisy = torch.rand(n, seq_len, generator=g) < noise
+    tokens = torch.where(noisy, torch.randint(vocab_size, (n, seq_len), generator=g), tokens)
+    return DictDataset({"tokens": tokens, "label": label})
+
+
+def synthetic_mlp(n: int, in_features: int, n_classes_a: int, seed: int = 0) -> DictDataset:
+    """Gaussian features; task ``a`` is the argmax of a fixed random projection (of ``seed``), ``b`` a sign pattern."""
+    proj = torch.randn(in_features, n_classes_a, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(n, in_features, generator=torch.Generator().manual_seed(seed))
+    return DictDataset({"x": x, "y_a": (x @ proj).argmax(dim=1), "y_b": (x[:, 0] * x[:, 1] > 0).long()})
+
+
+DIGITS_FEATURES = 64
+
+
+def digits(split: str = "train", n_eval: int = 297) -> DictDataset:
+    """scikit-learn's bundled 8x8 digits (no download): task ``a`` the digit, ``b`` its parity.
+
+    The last ``n_eval`` images are the ``"eval"`` split, the rest ``"train"``.
+    """
+    from sklearn.datasets import load_digits  # optional dependency (extra "launch")
+
+    d = load_digits()
+    x = torch.tensor(d.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(d.target, dtype=torch.long)
+    part = slice(-n_eval, None) if split == "eval" else slice(None, -n_eval)
+    return DictDataset({"x": x[part], "y_a": y[part], "y_b": y[part] % 2})

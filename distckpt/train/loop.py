@@ -24,10 +24,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distckpt._dist import local_tensor, rank_world
+from distckpt.errors import ConfigError
 from distckpt.parallel.strategies import accumulate
 from distckpt.train.callbacks import Callback
 from distckpt.train.checkpoint import TrainState, resume_latest, save_checkpoint
-from distckpt.train.data import StepData, micro_batches
+from distckpt.train.data import ShardedLoader, TaskBatches, micro_batches
 from distckpt.train.metrics import MetricSink, Stopwatch, peak_memory_mib
 
 __all__ = ["Callback", "LoopOptions", "NonFiniteLossError", "fit"]
@@ -119,7 +120,7 @@ def _params_finite(model: nn.Module) -> bool:
 def fit(
     model: nn.Module,
     state: TrainState,
-    data: StepData,
+    data: ShardedLoader,
     *,
     opts: LoopOptions,
     run_dir: str | os.PathLike[str],
@@ -135,7 +136,7 @@ def fit(
     Args:
         model: the (wrapped, parallelized) model; ``model(batch)`` returns a dict of per-task losses.
         state: optimizer, scheduler, grad scaler and step, as saved in checkpoints.
-        data: the step-indexed data source.
+        data: this rank's loader (its position is saved in ``state`` and restored on resume).
         opts: loop options.
         run_dir: the run folder; checkpoints go to ``run_dir/checkpoints``.
         sink: where metrics go (a no-op on ranks other than 0).
@@ -156,6 +157,8 @@ def fit(
     rank, world = rank_world()
     ckpt_dir = Path(run_dir) / "checkpoints"
     result = LoopResult()
+    if state.data is None:
+        state.data = data  # the loader's position goes into every checkpoint
     if opts.resume:
         result.resumed_from = _resume(state, ckpt_dir, rank)
     result.start_step = state.step
@@ -172,7 +175,7 @@ def fit(
         model.train()
         while state.step < opts.max_steps:
             step = state.step + 1  # the step being computed, 1-based
-            micro = micro_batches(data.global_batch(step), rank, world, opts.grad_accum)
+            micro = micro_batches(data.next_batch(), 0, 1, opts.grad_accum)  # this rank's part, already
             total, sums = _forward_backward(model, micro, step, opts, device, autocast, scaler)
             tasks = sorted(sums)
             for cb in callbacks:
@@ -199,7 +202,7 @@ def fit(
             for cb in callbacks:
                 cb.on_step_end(step, result)
             if opts.eval_every and step % opts.eval_every == 0:
-                result.eval_loss = _evaluate(model, data, device, autocast, opts.task_weights)
+                result.eval_loss = _evaluate(model, data, device, autocast, opts.task_weights, world)
             if step % max(opts.log_every, 1) == 0 or step == opts.max_steps or stop_now:
                 _log(sink, bar, step, result, optimizer, norm, watch.lap(), peak_memory_mib(device), bad,
                      with_eval=bool(opts.eval_every and step % opts.eval_every == 0))
@@ -251,16 +254,56 @@ def _forward_backward(model: nn.Module, micro: list[dict[str, torch.Tensor]], st
     sums: dict[str, torch.Tensor] = {}
     total = torch.zeros((), device=device)
     for i, mb in enumerate(micro):
-        mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
         sync = i == len(micro) - 1
         with (contextlib.nullcontext() if sync else accumulate(model)), autocast():
-            losses = model(mb)
+            losses = _step_losses(model, mb, device, opts.task_weights)
             loss = sum(opts.task_weights.get(k, 1.0) * v for k, v in losses.items()) / len(micro)
         (scaler.scale(loss) if scaler is not None else loss).backward()
         total += loss.detach().float()
         for k, v in losses.items():
             sums[k] = sums.get(k, 0) + v.detach().float() / len(micro)
     return total, sums
+
+
+def _to(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def _step_losses(model: nn.Module, batch: dict[str, Any], device: torch.device,
+                 weights: dict[str, float]) -> dict[str, torch.Tensor]:
+    """The task losses of one (micro-)batch; a :class:`TaskBatches` runs one forward per task batch.
+
+    Of the forward on task ``t``'s batch, loss ``t`` counts; the other losses join with weight zero, so
+    that every head takes part in every forward (DDP without unused-parameter search, FSDP2).
+
+    Raises:
+        ConfigError: as :func:`_task_losses`, or a task named after no loss the model returns.
+    """
+    if not isinstance(batch, TaskBatches):
+        return _task_losses(model(_to(batch, device)), weights)
+    losses = {}
+    for task, part in batch.items():
+        out = _task_losses(model(_to(part, device)), {})
+        if task not in out:
+            raise ConfigError(f"data.tasks.{task}: the model's forward on this task's batch returns {sorted(out)}; "
+                              "name each task after the loss it trains.")
+        losses[task] = out[task] + sum(0.0 * v for k, v in out.items() if k != task)
+    return _task_losses(losses, weights)
+
+
+def _task_losses(out: Any, weights: dict[str, float]) -> dict[str, torch.Tensor]:
+    """``out`` if it follows the model protocol: a dict of named scalar losses that has every weighted task.
+
+    Raises:
+        ConfigError: it is not such a dict, or ``weights`` names a task it lacks.
+    """
+    if not isinstance(out, dict) or not all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in out.values()):
+        raise ConfigError(f"the model's forward(batch) returned {type(out).__name__}; it must return a dict of "
+                          "named scalar losses, one per task, e.g. {'lm': loss_lm, 'cls': loss_cls}.")
+    if unknown := sorted(set(weights) - set(out)):
+        raise ConfigError(f"trainer.task_weights names {unknown}, which the model does not return; "
+                          f"its tasks are {sorted(out)}.")
+    return out
 
 
 def _optimizer_step(state: TrainState, step: int, bad: bool, opts: LoopOptions, result: LoopResult,
@@ -333,15 +376,19 @@ def _save(model: nn.Module, state: TrainState, ckpt_dir: Path, opts: LoopOptions
     result.checkpoints.append(str(save_checkpoint(state, ckpt_dir, keep_last=opts.keep_last)))
 
 
-def _evaluate(model: nn.Module, data: StepData, device: torch.device, autocast: Callable[[], Any],
-              weights: dict[str, float]) -> float:
-    # Every rank evaluates the whole eval batch: FSDP needs every rank in the forward anyway, and the
-    # result is then the same number everywhere without a collective.
+def _evaluate(model: nn.Module, data: ShardedLoader, device: torch.device, autocast: Callable[[], Any],
+              weights: dict[str, float], world: int) -> float | None:
+    """The weighted loss over the eval split, averaged over its global batches (every rank has as many)."""
     model.eval()
+    total, n = torch.zeros(()), 0
     try:
         with torch.no_grad(), autocast():
-            batch = {k: v.to(device) for k, v in data.eval_batch().items()}
-            losses = model(batch)
-            return float(sum(weights.get(k, 1.0) * v.float() for k, v in losses.items()))
+            for batch in data.eval_batches():
+                losses = _step_losses(model, batch, device, {})
+                total += sum(weights.get(k, 1.0) * v.float() for k, v in losses.items()).cpu()
+                n += 1
     finally:
         model.train()
+    if n == 0:
+        return None
+    return _all_sum(total).item() / (n * world)

@@ -70,8 +70,7 @@ class MultiTaskGPT(nn.Module):
         h = self.ln_f(x)
         logits = self.lm_head(h[:, :-1])
         lm = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
-        cls = F.cross_entropy(self.cls_head(h.mean(dim=1)).float(), batch["label"])
-        return {"lm": lm, "cls": cls}
+        return _with_cls(lm, self.cls_head(h.mean(dim=1)), batch)
 
 
 class MLPBlock(nn.Module):
@@ -119,8 +118,7 @@ class MultiTaskHF(nn.Module):
 
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = self.lm(input_ids=batch["tokens"], labels=batch["tokens"], output_hidden_states=True)
-        cls = F.cross_entropy(self.cls_head(out.hidden_states[-1].mean(dim=1)).float(), batch["label"])
-        return {"lm": out.loss, "cls": cls}
+        return _with_cls(out.loss, self.cls_head(out.hidden_states[-1].mean(dim=1)), batch)
 
 
 def build_hf_causal_lm(config_name: str, *, vocab_size: int, seq_len: int, n_layer: int, d_model: int,
@@ -149,6 +147,15 @@ def build_hf_causal_lm(config_name: str, *, vocab_size: int, seq_len: int, n_lay
     config.update({k: v for k, v in sizes.items() if hasattr(config, k)})
     config.use_cache = False
     return MultiTaskHF(AutoModelForCausalLM.from_config(config), n_classes)
+
+
+def _with_cls(lm: torch.Tensor, cls_logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The task losses: ``lm``, and ``cls`` when the batch has labels. Without labels (token files) the
+    classification head joins the loss with weight zero, so that every trainable parameter still takes
+    part in the step (DDP with ``find_unused_parameters=False``, FSDP2's root forward)."""
+    if "label" not in batch:
+        return {"lm": lm + 0.0 * cls_logits.sum()}
+    return {"lm": lm, "cls": F.cross_entropy(cls_logits.float(), batch["label"])}
 
 
 def _init_weights(m: nn.Module) -> None:

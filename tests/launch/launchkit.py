@@ -98,3 +98,30 @@ def assert_params_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
             assert torch.equal(a[k], b[k]), f"{k} differs: max |diff| {(a[k] - b[k]).abs().max().item():.3g}"
         else:
             torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+
+
+class TensorLossNet(torch.nn.Module):
+    """Breaks the model protocol on purpose: its forward returns one tensor, not a dict of named losses."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(dim, 1)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.fc(batch["x"]).mean()
+
+
+def write_tiny_gpt2(path: Path) -> Path:
+    """A tiny GPT-2 written with ``save_pretrained`` from a config (no download): a "pretrained" directory.
+
+    No dropout: each rank has its own dropout stream, so 2 ranks would not match one process (GPT-2's
+    config defaults to 0.1).
+    """
+    import transformers
+
+    torch.manual_seed(123)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
+                                     bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(path)
+    return path

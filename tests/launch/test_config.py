@@ -19,7 +19,11 @@ from launch.config import validate
 CONF = ROOT / "conf"
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
 # Options that need another group to make sense (validate() refuses them alone, on purpose).
-NEEDS = {("data", "digits"): ["model=mlp"], ("precision", "bf16_sharded"): ["strategy=fsdp2"]}
+CUSTOM = ["model=custom", "model._target_=examples.custom.TwoTaskNet", "data=custom",
+          "data._target_=examples.custom.make_dataset"]
+NEEDS = {("data", "digits"): ["model=mlp"], ("precision", "bf16_sharded"): ["strategy=fsdp2"],
+         ("model", "custom"): CUSTOM, ("data", "custom"): CUSTOM,
+         ("data", "tokens"): [f"data.path={ROOT / 'pyproject.toml'}"]}  # any existing file: composition only
 if not torch.cuda.is_available():  # budget:auto is the free CUDA memory
     NEEDS[("ac", "budget")] = ["ac.size=1GiB"]
 
@@ -34,7 +38,7 @@ def test_every_config_file_composes(group, option):
     validate(cfg, world_size=2 if cfg.strategy.name != "none" else 1)
     resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     written = yaml.safe_load((CONF / group / f"{option}.yaml").read_text())
-    written.pop("defaults")
+    written.pop("defaults", None)  # model=custom, data=custom: no schema (any keys)
     assert written, f"conf/{group}/{option}.yaml sets nothing"
     needed = {o.split("=")[0] for o in NEEDS.get((group, option), [])}
     for key, value in written.items():  # every value in the file reached the composed config, typed

@@ -30,9 +30,10 @@ from launch.run import train
 
 pytestmark = pytest.mark.launch
 
-# Resume tests: more steps, checkpoints every 4. (Dropout's RNG restore is tested in process, where
-# the single-process reference can use it too.)
-LONG = [*TINY, "trainer.max_steps=30", "trainer.save_every=4", "trainer.keep_last=0"]
+# Resume tests: more steps, checkpoints every 4, a shuffled data set of 40 samples (5 global batches of 8
+# per epoch: 30 steps are 6 epochs). (Dropout's RNG restore is tested in process, where the
+# single-process reference can use it too.)
+LONG = [*TINY, "trainer.max_steps=30", "trainer.save_every=4", "trainer.keep_last=0", "data.n=40"]
 
 
 @pytest.fixture(scope="module")
@@ -83,15 +84,19 @@ def test_strategy_matches_single_process(strategy, single_process, tmp_path):
     assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml", "metrics.jsonl"]
 
 
-def test_kill_9_and_torchrun_restart_resume_bitwise(uninterrupted, tmp_path):
+@pytest.mark.parametrize(("kill", "workers"), [(10, 0), (14, 1)])
+def test_kill_9_and_torchrun_restart_resume_bitwise(kill, workers, uninterrupted, tmp_path):
     run = tmp_path / "killed"
-    # Rank 1 SIGKILLs itself after step 10 (first attempt only); torchrun restarts both workers, which
-    # resume from step_8, the latest complete checkpoint.
-    kill = "trainer.callbacks=[{_target_:tests.faults.KillAt,step:10,rank:1}]"  # tests/faults.py
-    proc = torchrun([*LONG, "strategy=ddp", kill], run, extra=["--standalone", "--max-restarts=1"])
-    assert "resumed from step_8" in proc.stdout
+    # Rank 1 SIGKILLs itself after step `kill` (first attempt only); torchrun restarts both workers, which
+    # resume from the latest complete checkpoint, 2 steps earlier. Kill at 10: step_8 is batch 3 of epoch 1
+    # and the replayed steps cross into epoch 2. Kill at 14: step_12 is mid-epoch 2, read by a DataLoader
+    # worker process per rank (the reference has none: the data must not depend on it).
+    fault = f"trainer.callbacks=[{{_target_:tests.faults.KillAt,step:{kill},rank:1}}]"  # tests/faults.py
+    proc = torchrun([*LONG, "strategy=ddp", fault, f"data.num_workers={workers}"],
+                    run, extra=["--standalone", "--max-restarts=1"])
+    assert f"resumed from step_{kill - 2}" in proc.stdout
     steps = [r["step"] for r in _metrics(run)]
-    assert steps.count(9) == 2 and steps[-1] == 30  # steps 9-10 ran twice: before the kill and after
+    assert steps.count(kill - 1) == 2 and steps[-1] == 30  # two steps ran twice: before the kill and after
     assert_params_equal(final_params(run, LONG), final_params(uninterrupted[0], LONG), exact=True)
 
 

@@ -19,7 +19,7 @@ SCRIPT = textwrap.dedent("""
     import torch
     import distckpt
     from distckpt.train import LoopOptions, MetricSink, TrainState, fit
-    from distckpt.train.data import SyntheticTokens
+    from distckpt.train.data import ShardedLoader, synthetic_tokens
     from distckpt.train.models import MultiTaskGPT
 
     torch.manual_seed(0)
@@ -28,7 +28,8 @@ SCRIPT = textwrap.dedent("""
     state = TrainState(model, opt)
     run = sys.argv[1]
     sink = MetricSink(run)
-    res = fit(model, state, SyntheticTokens(8, 16, 64, 4), opts=LoopOptions(max_steps=3, log_every=1, progress=True),
+    data = ShardedLoader(synthetic_tokens(64, 16, 64, 4), 8)
+    res = fit(model, state, data, opts=LoopOptions(max_steps=3, log_every=1, progress=True),
               run_dir=run, sink=sink, device=torch.device("cpu"))
     sink.close()
     assert res.step == 3 and res.checkpoints[-1].endswith("step_3"), res
