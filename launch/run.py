@@ -166,10 +166,13 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -> Loo
     example = data.example(t.grad_accum)
     if isinstance(example, TaskBatches):  # data=multitask: the model sees one task's batch per forward
         example = next(iter(example.values()))
+    # On the device before wrap: a budget measures its sample step where training runs (budget:auto
+    # reads the CUDA device's memory), and the example batch goes with it.
+    model.to(device)
+    example = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in example.items()}
     _wrap(model, cfg, example)
     blocks = distckpt.checkpointed(model)  # before parallelize: the user's names, no wrapper prefixes
     verified = _optional_verify(model, example, t.verify_recompute)
-    model.to(device)
     inner = hf_inner(model)  # the HF model before parallelize, for RUN_DIR/hf/ at the end
     strategy = cfg.strategy.name
     shards = shard_size(cfg.strategy, world)  # hsdp only: the mesh is (world // shards, shards)

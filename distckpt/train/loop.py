@@ -180,17 +180,8 @@ def fit(
             tasks = sorted(sums)
             for cb in callbacks:
                 cb.on_after_backward(step, model)
-            if guard is not None:  # a collective: every rank checks at every step (the guard skips by `every`)
-                report = guard.check()
-                result.guard_checks += bool(getattr(report, "grads_checked", True))
-            if scaler is not None:
-                scaler.unscale_(optimizer)
-            norm = clip(opts.clip_grad_norm if opts.clip_grad_norm > 0 else math.inf)
-            local_bad = not torch.isfinite(total) or (scaler is None and not torch.isfinite(norm))
-            packed = torch.stack([torch.tensor(float(local_bad)), torch.tensor(float(stop.requested)),
-                                  total.cpu(), *(sums[k].cpu() for k in tasks)])
-            packed = _all_sum(packed)
-            bad, stop_now = packed[0].item() > 0, packed[1].item() > 0
+            bad, stop_now, norm, packed = _check_and_reduce(total, sums, tasks, stop.requested, guard, scaler,
+                                                            optimizer, clip, opts, result)
             _optimizer_step(state, step, bad, opts, result, rank)
             if scheduler is not None:
                 scheduler.step()
@@ -201,21 +192,15 @@ def fit(
             result.losses = {"loss": packed[2].item() / world, **global_losses}
             for cb in callbacks:
                 cb.on_step_end(step, result)
-            if opts.eval_every and step % opts.eval_every == 0:
+            evaluated = bool(opts.eval_every and step % opts.eval_every == 0)
+            if evaluated:
                 result.eval_loss = _evaluate(model, data, device, autocast, opts.task_weights, world)
             if step % max(opts.log_every, 1) == 0 or step == opts.max_steps or stop_now:
                 _log(sink, bar, step, result, optimizer, norm, watch.lap(), peak_memory_mib(device), bad,
-                     with_eval=bool(opts.eval_every and step % opts.eval_every == 0))
+                     with_eval=evaluated)
             if bar is not None:
                 bar.update(1)
-            last = step == opts.max_steps
-            if last or stop_now:
-                _refuse_all_skipped(result, step)
-            if stop_now or last or (opts.save_every and step % opts.save_every == 0):
-                _save(model, state, ckpt_dir, opts, result)
-            if stop_now:
-                result.stopped_by_signal = True
-                log.warning("stop requested (SIGTERM/SIGINT): saved step %d on every rank", step)
+            if _save_or_stop(model, state, ckpt_dir, opts, result, step, stop_now):
                 break
     if bar is not None:
         bar.close()
@@ -224,6 +209,38 @@ def fit(
     result.samples_per_s = samples_done / max(result.seconds, 1e-9)
     result.peak_memory_mib = peak_memory_mib(device)
     return result
+
+
+def _save_or_stop(model: nn.Module, state: TrainState, ckpt_dir: Path, opts: LoopOptions, result: LoopResult,
+                  step: int, stop_now: bool) -> bool:
+    """Checkpoint when due (and at the last step or on a stop request); True when the loop must stop."""
+    last = step == opts.max_steps
+    if last or stop_now:
+        _refuse_all_skipped(result, step)
+    if stop_now or last or (opts.save_every and step % opts.save_every == 0):
+        _save(model, state, ckpt_dir, opts, result)
+    if stop_now:
+        result.stopped_by_signal = True
+        log.warning("stop requested (SIGTERM/SIGINT): saved step %d on every rank", step)
+    return stop_now
+
+
+def _check_and_reduce(total: torch.Tensor, sums: dict[str, torch.Tensor], tasks: list[str], stop_requested: bool,
+                      guard: Any, scaler: Any, optimizer: torch.optim.Optimizer,
+                      clip: Callable[[float], torch.Tensor], opts: LoopOptions, result: LoopResult
+                      ) -> tuple[bool, bool, torch.Tensor, torch.Tensor]:
+    """Guard, unscale and clip, then one all-reduce of (non-finite, stop requested, losses), so every rank
+    decides the same. Returns ``(bad, stop_now, grad_norm, summed values)``."""
+    if guard is not None:  # a collective: every rank checks at every step (the guard skips by `every`)
+        report = guard.check()
+        result.guard_checks += bool(getattr(report, "grads_checked", True))
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    norm = clip(opts.clip_grad_norm if opts.clip_grad_norm > 0 else math.inf)
+    local_bad = not torch.isfinite(total) or (scaler is None and not torch.isfinite(norm))
+    packed = _all_sum(torch.stack([torch.tensor(float(local_bad)), torch.tensor(float(stop_requested)),
+                                   total.cpu(), *(sums[k].cpu() for k in tasks)]))
+    return packed[0].item() > 0, packed[1].item() > 0, norm, packed
 
 
 def _resume(state: TrainState, ckpt_dir: Path, rank: int) -> str | None:
