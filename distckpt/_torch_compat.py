@@ -184,6 +184,15 @@ def fake_mode() -> Any:
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
+def outside_fake_mode() -> Any:
+    """A context in which tensors are real again while a :func:`fake_mode` is active (the private
+    ``unset_fake_temporarily``): ``distckpt plan`` draws the factory's sample batch there, since a data
+    loader reads values (a seeded shuffle) that fake tensors do not have. torch 2.13."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
 def storage_id(t: torch.Tensor) -> int:
     """An identity of ``t``'s storage that also tells fake storages apart: the address of its
     ``StorageImpl`` (the private ``_cdata``); ``data_ptr()`` is 0 for every fake tensor. torch 2.13."""

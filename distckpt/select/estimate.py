@@ -285,7 +285,11 @@ def _subject(factory: Any, example_inputs: Any) -> tuple[nn.Module, nn.Module, s
         return made, made, "", example_inputs
     model, loss_fn, batch_fn = made
     # The factory's batch (rank 0 of 1) is one rank's micro-batch; --micro-batch/--seq-len resize it.
-    batch = batch_fn(0, 0, 1) if example_inputs is None else example_inputs
+    if example_inputs is None:
+        with compat.outside_fake_mode():  # a loader reads values (its shuffle); the fake model takes real inputs
+            batch = batch_fn(0, 0, 1)
+    else:
+        batch = example_inputs
     return model, _LossModule(model, loss_fn), "m.", _profile.Call((batch,), {})
 
 

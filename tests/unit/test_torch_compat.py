@@ -136,3 +136,11 @@ def test_fake_mode_and_storage_id():
     assert compat.storage_id(a) == compat.storage_id(b) != compat.storage_id(c)
     x = torch.zeros(3)
     assert compat.storage_id(x) == compat.storage_id(x.view(3, 1)) != compat.storage_id(torch.zeros(3))
+
+
+def test_outside_fake_mode_makes_real_tensors():
+    with compat.fake_mode():
+        assert type(torch.ones(1)).__name__ == "FakeTensor"
+        with compat.outside_fake_mode():
+            real = torch.randperm(4, generator=torch.Generator().manual_seed(0))
+            assert type(real) is torch.Tensor and sorted(real.tolist()) == [0, 1, 2, 3]
