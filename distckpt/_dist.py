@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["local_shard", "local_tensor", "rank_world", "shard_key", "unwrap_ddp"]
+__all__ = ["broadcast_object", "local_shard", "local_tensor", "rank_world", "shard_key", "unwrap_ddp"]
 
 
 def rank_world(group: Any = None) -> tuple[int, int]:
@@ -15,6 +15,15 @@ def rank_world(group: Any = None) -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(group), dist.get_world_size(group)
     return 0, 1
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (``obj`` itself without a process group): one decision for all."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

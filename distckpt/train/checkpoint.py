@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-from distckpt._dist import rank_world
+from distckpt._dist import broadcast_object, rank_world
 from distckpt.errors import ResumeError
 from distckpt.train.integrity import has_manifest, verify_checkpoint, write_manifest
 
@@ -264,7 +264,7 @@ def resume_latest(state: TrainState, ckpt_dir: str | os.PathLike[str]) -> Path |
     root = Path(ckpt_dir)
     found = sorted(((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name))),
                    reverse=True) if _rank() == 0 and root.is_dir() else []
-    candidates = [Path(p) for p in _broadcast([str(p) for _, p in found])]
+    candidates = [Path(p) for p in broadcast_object([str(p) for _, p in found])]
     skipped: list[str] = []
     for path in candidates:
         problems = verify_checkpoint(path) or _metadata_problem(path)
@@ -290,14 +290,6 @@ def _metadata_problem(path: Path) -> list[str]:
     except Exception as e:  # truncated pickle, missing file: anything DCP cannot read is damage here
         return [f".metadata is unreadable ({type(e).__name__})"]
     return []
-
-
-def _broadcast(obj: Any) -> Any:
-    if not dist.is_initialized():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 @contextlib.contextmanager

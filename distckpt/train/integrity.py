@@ -17,7 +17,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from distckpt._dist import rank_world
+from distckpt._dist import broadcast_object, rank_world
 
 __all__ = ["MANIFEST", "has_manifest", "verify_checkpoint", "write_manifest"]
 
@@ -32,14 +32,6 @@ def _crc32(path: Path) -> int:
         while n := f.readinto(buf):
             crc = zlib.crc32(buf[:n], crc)
     return crc
-
-
-def _broadcast(obj: Any) -> Any:
-    if not dist.is_initialized():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _gather(mine: dict[str, Any]) -> dict[str, Any]:
@@ -59,7 +51,7 @@ def write_manifest(folder: str | os.PathLike[str]) -> None:
     """
     folder = Path(folder)
     rank, world = rank_world()
-    names = _broadcast(sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != MANIFEST)
+    names = broadcast_object(sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != MANIFEST)
                        if rank == 0 else None)
     mine = {n: {"size": (folder / n).stat().st_size, "crc32": _crc32(folder / n)} for n in names[rank::world]}
     files = _gather(mine)
@@ -104,7 +96,7 @@ def verify_checkpoint(folder: str | os.PathLike[str]) -> list[str]:
             files = json.loads((folder / MANIFEST).read_text())["files"]
         except (ValueError, KeyError, OSError) as e:
             files = f"{MANIFEST} is unreadable ({type(e).__name__})"
-    files = _broadcast(files)
+    files = broadcast_object(files)
     if files is None:
         return []
     if isinstance(files, str):
