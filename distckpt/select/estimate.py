@@ -25,7 +25,7 @@ from distckpt import _torch_compat as compat
 from distckpt.errors import ConfigError
 from distckpt.select import profile as _profile
 from distckpt.select.budget import OPTIMIZER_STATES, plan_budget, predicted_peak, shards, static_bytes
-from distckpt.select.profile import ModelProfile
+from distckpt.select.profile import ModelProfile, adam_step_temp_bytes
 
 __all__ = ["PlanReport", "PolicyEstimate", "plan_at_scale", "render"]
 
@@ -167,7 +167,8 @@ def _whole(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> dict[str, i
                 trainable_tensors=len({compat.storage_id(p) for p in trainable}),
                 buffer_bytes=distinct(list(model.buffers())),
                 block_param_bytes=max((distinct(list(m.parameters())) for _, m in blocks), default=0),
-                max_param_bytes=max((p.untyped_storage().nbytes() for p in params), default=0))
+                max_param_bytes=max((p.untyped_storage().nbytes() for p in params), default=0),
+                step_temp_bytes=adam_step_temp_bytes(trainable))
 
 
 def _policy_step(model: nn.Module, blocks: list[tuple[str, nn.Module]], call: Any, context_fn: Any
