@@ -45,7 +45,8 @@ def build_hf(m: DictConfig) -> MultiTaskHF:
         model = MultiTaskHF(lm, m.n_classes)
     else:
         model = build_hf_causal_lm(m.config_name, vocab_size=m.vocab_size, seq_len=m.seq_len, n_layer=m.n_layer,
-                                   d_model=m.d_model, n_head=m.n_head, n_classes=m.n_classes, dropout=m.dropout)
+                                   d_model=m.d_model, n_head=m.n_head, n_classes=m.n_classes, dropout=m.dropout,
+                                   intermediate_size=m.intermediate_size, kv_heads=m.kv_heads)
     if m.lora.r > 0:
         model.lm = _add_lora(model.lm, m.lora)
     return model
