@@ -39,7 +39,7 @@ from distckpt.select.profile import ModelProfile
 if TYPE_CHECKING:
     from distckpt.select.policies import Candidates
 
-__all__ = ["BudgetPlan", "OPTIMIZER_STATES", "plan_budget", "predicted_peak", "select_for_budget"]
+__all__ = ["BudgetPlan", "OPTIMIZER_STATES", "budget_profile", "plan_budget", "predicted_peak", "select_for_budget"]
 
 logger = logging.getLogger("distckpt")
 
@@ -332,6 +332,41 @@ def auto_budget(device_type: str) -> int:
     return int(free + torch.cuda.memory_allocated())
 
 
+def _device_type(candidates: Candidates) -> str:
+    """Where the sample step runs: the first parameter's device (the batch's when there is none)."""
+    from distckpt.select.profile import _as_args, _tensors
+
+    first = next(iter(candidates.model.parameters()), None)
+    if first is None:
+        first = next(iter(_tensors(_as_args(candidates.example_inputs))), None)
+    return first.device.type if first is not None else "cpu"
+
+
+def budget_profile(candidates: Candidates, device_type: str, budget_bytes: int | None, *,
+                   estimate: bool = False) -> tuple[ModelProfile, int]:
+    """The profile a budget plans on, and the budget in bytes.
+
+    ``budget:SIZE`` plans on a real sample step (:meth:`Candidates.model_profile`: exact on this
+    step). ``budget:auto`` (``budget_bytes=None``) is for CUDA: the budget is the device's free memory plus
+    what this process already holds there (:func:`auto_budget`), and the profile is the estimator of
+    ``distckpt plan`` (:func:`distckpt.select.estimate.estimate_profile`, fake tensors): a real step of a
+    model near the device's size could run out of the very memory being planned. ``estimate=True``
+    takes that path with an explicit budget (on any device).
+
+    Raises:
+        ConfigError: ``budget:auto`` off CUDA, or (estimator) a model that cannot run on fake tensors.
+    """
+    if budget_bytes is None:
+        budget_bytes, estimate = auto_budget(device_type), True
+    if not estimate:
+        return candidates.model_profile(), budget_bytes
+    from distckpt.select.estimate import estimate_profile  # estimate imports this module
+
+    if candidates.example_inputs is None:
+        candidates.model_profile()  # raises: the policy needs a sample batch
+    return estimate_profile(candidates.model, candidates.blocks, candidates.example_inputs), budget_bytes
+
+
 def select_for_budget(candidates: Candidates, budget_bytes: int | None, *, strategy: str = "ddp",
                       optimizer: str = "adamw", grad_accumulation: bool = False,
                       shard_size: int | None = None) -> list[int]:
@@ -355,9 +390,7 @@ def select_for_budget(candidates: Candidates, budget_bytes: int | None, *, strat
     Raises:
         ConfigError: no sample batch, no placement fits, or ``budget:auto`` off CUDA.
     """
-    mp = candidates.model_profile()
-    if budget_bytes is None:
-        budget_bytes = auto_budget(mp.device)
+    mp, budget_bytes = budget_profile(candidates, _device_type(candidates), budget_bytes)
     if strategy == "hsdp" and shard_size is None and os.environ.get("LOCAL_WORLD_SIZE"):
         shard_size = int(os.environ["LOCAL_WORLD_SIZE"])
     result = plan_budget(mp, budget_bytes, strategy=strategy, world_size=candidates.world_size, optimizer=optimizer,
