@@ -106,3 +106,17 @@ def test_check_refuses_bad_mlp_width_and_kv_heads(override, expect, capsys, monk
         check_overrides(argv)
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and expect in err[0], err
+
+
+def test_launcher_plan_of_a_gqa_llama_counts_its_real_parameters(capsys):
+    """`distckpt plan model=hf ...` (the README's 70B example, tiny): the sizes reach the planned model."""
+    from launch.build import build_model
+    from launch.plan import main as launch_plan
+
+    over = ["model=hf", "model.config_name=llama", "model.n_layer=4", "model.d_model=64", "model.n_head=8",
+            "model.kv_heads=2", "model.intermediate_size=96", "data.batch_size=2", "data.n=8"]
+    cfg = compose(over)
+    real = sum(p.numel() for p in build_model(cfg.model, cfg.data).parameters())
+    assert launch_plan([*over, "--strategy", "fsdp2", "--world-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert f"{real / 1e6:.2f}M parameters, 4 blocks (lm.model.layers.0, ...; 3 traced), fsdp2, 4 ranks" in out, out
