@@ -18,7 +18,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 import distckpt
-from distckpt._dist import rank_world
+from distckpt._dist import broadcast_object, rank_world
 from distckpt._spawn import free_port
 from distckpt.errors import ConfigError
 from distckpt.train import Callback, LoopOptions, LoopResult, MetricSink, TrainState, fit, format_summary
@@ -81,12 +81,7 @@ def _run_dir(run_dir: str | os.PathLike[str] | None) -> str:
         if not HydraConfig.initialized():
             raise ConfigError("train(cfg) outside @hydra.main needs run_dir=...; pass the folder for this run.")
         run_dir = HydraConfig.get().runtime.output_dir
-    path = str(Path(run_dir).resolve())
-    if dist.is_initialized():  # every rank uses rank 0's folder, whatever its own resolved to
-        box = [path]
-        dist.broadcast_object_list(box, src=0)
-        path = box[0]
-    return path
+    return broadcast_object(str(Path(run_dir).resolve()))  # every rank uses rank 0's folder, whatever its own is
 
 
 def ac_policy(cfg: DictConfig, world: int) -> Any:
