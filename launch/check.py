@@ -9,6 +9,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from launch.config import CONF_DIR
+from launch.torchrun import EXIT_CONFIG
 
 
 def _first_line(e: BaseException) -> str:
@@ -97,7 +98,7 @@ def check_overrides(argv: list[str]) -> None:
     except Exception as e:  # every composition error becomes one short message
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"config error: {explain(e)}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(EXIT_CONFIG)
     if only_check:
         sys.exit(0)
 
