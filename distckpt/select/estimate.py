@@ -157,20 +157,6 @@ def _stretch(mp: ModelProfile, blocks: list[tuple[str, nn.Module]], kept: list[i
     return dataclasses.replace(mp, blocks=tuple(out), tail_grads_bytes=tail, **whole)
 
 
-def _whole(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> dict[str, int]:
-    """The parameter counts of the whole model (before the cut), as :class:`ModelProfile` fields."""
-    def distinct(ts: list[torch.Tensor]) -> int:
-        return sum({compat.storage_id(t): t.untyped_storage().nbytes() for t in ts}.values())
-
-    params = list(model.parameters())
-    trainable = [p for p in params if p.requires_grad]
-    return dict(param_bytes=distinct(params), trainable_bytes=distinct(trainable),
-                trainable_tensors=len({compat.storage_id(p) for p in trainable}),
-                buffer_bytes=distinct(list(model.buffers())),
-                block_param_bytes=max((distinct(list(m.parameters())) for _, m in blocks), default=0),
-                max_param_bytes=max((p.untyped_storage().nbytes() for p in params), default=0))
-
-
 def _policy_step(model: nn.Module, blocks: list[tuple[str, nn.Module]], call: Any, context_fn: Any
                  ) -> tuple[list[int], int]:
     """One fake training step with every block checkpointed (``context_fn``: selective; ``False``: no
@@ -317,7 +303,7 @@ def _trace(root: nn.Module, model: nn.Module, found: list[tuple[str, nn.Module]]
     """
     from distckpt.apply.wrap import checkpointing_disabled
 
-    whole = _whole(root, found)
+    whole = _profile.parameter_fields(root, found)  # of the whole model, before the cut
     kept, source = _kept(found)
     undo = _cut(model, found, kept)
     cut = [(prefix + found[j][0], found[j][1]) for j in kept]
