@@ -34,7 +34,7 @@ import torch
 
 from distckpt.errors import ConfigError
 from distckpt.options import SHARDED, STRATEGIES, check_shard_size
-from distckpt.select.profile import ModelProfile
+from distckpt.select.profile import ModelProfile, _as_args, _tensors, step_device
 
 if TYPE_CHECKING:
     from distckpt.select.policies import Candidates
@@ -332,16 +332,6 @@ def auto_budget(device_type: str) -> int:
     return int(free + torch.cuda.memory_allocated())
 
 
-def _device_type(candidates: Candidates) -> str:
-    """Where the sample step runs: the first parameter's device (the batch's when there is none)."""
-    from distckpt.select.profile import _as_args, _tensors
-
-    first = next(iter(candidates.model.parameters()), None)
-    if first is None:
-        first = next(iter(_tensors(_as_args(candidates.example_inputs))), None)
-    return first.device.type if first is not None else "cpu"
-
-
 def budget_profile(candidates: Candidates, device_type: str, budget_bytes: int | None, *,
                    estimate: bool = False) -> tuple[ModelProfile, int]:
     """The profile a budget plans on, and the budget in bytes.
@@ -390,7 +380,8 @@ def select_for_budget(candidates: Candidates, budget_bytes: int | None, *, strat
     Raises:
         ConfigError: no sample batch, no placement fits, or ``budget:auto`` off CUDA.
     """
-    mp, budget_bytes = budget_profile(candidates, _device_type(candidates), budget_bytes)
+    batch = _tensors(_as_args(candidates.example_inputs)) if candidates.example_inputs is not None else []
+    mp, budget_bytes = budget_profile(candidates, step_device(candidates.model, batch).type, budget_bytes)
     if strategy == "hsdp" and shard_size is None and os.environ.get("LOCAL_WORLD_SIZE"):
         shard_size = int(os.environ["LOCAL_WORLD_SIZE"])
     result = plan_budget(mp, budget_bytes, strategy=strategy, world_size=candidates.world_size, optimizer=optimizer,
