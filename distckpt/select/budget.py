@@ -72,6 +72,18 @@ def shards(strategy: str, world_size: int, shard_size: int | None = None) -> int
     return max(1, world_size) if strategy in SHARDED else 1
 
 
+def optimizer_terms(mp: ModelProfile, optimizer: str) -> tuple[int, int]:
+    """``(states per trainable byte, bytes of per-parameter step scalars)`` that ``optimizer`` keeps.
+
+    Raises:
+        ConfigError: an optimizer not in :data:`OPTIMIZER_STATES`.
+    """
+    if optimizer not in OPTIMIZER_STATES:
+        raise ConfigError(f"budget optimizer must be one of {sorted(OPTIMIZER_STATES)}, got {optimizer!r}.")
+    # Adam/AdamW also keep one float32 ``step`` scalar per parameter (on CPU unless fused/capturable).
+    return OPTIMIZER_STATES[optimizer], 4 * mp.trainable_tensors if optimizer in ("adam", "adamw") else 0
+
+
 def static_bytes(mp: ModelProfile, *, strategy: str = "ddp", world_size: int = 1,
                  optimizer: str = "adamw", shard_size: int | None = None) -> tuple[int, int]:
     """Memory that does not depend on the checkpointing choice.
@@ -90,9 +102,7 @@ def static_bytes(mp: ModelProfile, *, strategy: str = "ddp", world_size: int = 1
     """
     if strategy not in STRATEGIES:
         raise ConfigError(f"budget strategy must be one of {STRATEGIES}, got {strategy!r}.")
-    if optimizer not in OPTIMIZER_STATES:
-        raise ConfigError(f"budget optimizer must be one of {sorted(OPTIMIZER_STATES)}, got {optimizer!r}.")
-    k = OPTIMIZER_STATES[optimizer]
+    k, steps = optimizer_terms(mp, optimizer)
     ws = shards(strategy, world_size, shard_size) if strategy in SHARDED else max(1, world_size)
     params, grads = mp.param_bytes, mp.trainable_bytes
     if strategy in SHARDED:
@@ -102,8 +112,6 @@ def static_bytes(mp: ModelProfile, *, strategy: str = "ddp", world_size: int = 1
     else:
         local = params + grads + k * grads + (grads if strategy == "ddp" and ws > 1 else 0)
         local_grads = grads
-    # Adam/AdamW also keep one float32 ``step`` scalar per parameter (on CPU unless fused/capturable).
-    steps = 4 * mp.trainable_tensors if optimizer in ("adam", "adamw") else 0
     base = local + steps + mp.buffer_bytes + mp.batch_bytes
     # Optimizer step temporaries: foreach kernels on CUDA make a copy of the state list (sqrt of
     # exp_avg_sq); the per-tensor CPU path makes two of the largest parameter's size.

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_map
 from distckpt import _torch_compat as compat
 from distckpt.errors import ConfigError
 from distckpt.select import profile as _profile
-from distckpt.select.budget import OPTIMIZER_STATES, plan_budget, predicted_peak, shards, static_bytes
+from distckpt.select.budget import optimizer_terms, plan_budget, predicted_peak, shards, static_bytes
 from distckpt.select.profile import ModelProfile
 
 __all__ = ["PlanReport", "PolicyEstimate", "estimate_profile", "plan_at_scale", "render"]
@@ -284,11 +284,8 @@ def _per_rank(mp: ModelProfile, strategy: str, world_size: int, shard_size: int 
               optimizer: str) -> tuple[int, int, int]:
     """Parameters, gradients and optimizer state per rank: the sharding of budget.static_bytes
     (shards of ``1/shards()``), without its working set of unsharded blocks (that is in the peak)."""
-    if optimizer not in OPTIMIZER_STATES:
-        raise ConfigError(f"optimizer must be one of {sorted(OPTIMIZER_STATES)}, got {optimizer!r}.")
+    k, steps = optimizer_terms(mp, optimizer)
     div = shards(strategy, world_size, shard_size)
-    k = OPTIMIZER_STATES[optimizer]
-    steps = 4 * mp.trainable_tensors if optimizer in ("adam", "adamw") else 0
     return mp.param_bytes // div, mp.trainable_bytes // div, k * mp.trainable_bytes // div + steps
 
 
