@@ -25,6 +25,7 @@ from distckpt.train import Callback, LoopOptions, LoopResult, MetricSink, TrainS
 from distckpt.train.data import TaskBatches
 from launch.build import (
     autocast_factory,
+    budget_facts,
     build_data,
     build_model,
     build_optimizer,
@@ -90,11 +91,7 @@ def ac_policy(cfg: DictConfig, world: int) -> Any:
     policy = distckpt.parse_policy(cfg.ac.policy)
     if not isinstance(policy, distckpt.Budget):
         return policy
-    o = cfg.optim
-    optimizer = o.name if o.name != "sgd" else ("sgd_momentum" if o.momentum else "sgd")
-    return dataclasses.replace(policy, strategy=cfg.strategy.name, optimizer=optimizer,
-                               grad_accumulation=cfg.trainer.grad_accum > 1,
-                               shard_size=shard_size(cfg.strategy, world))
+    return dataclasses.replace(policy, **budget_facts(cfg, world))
 
 
 def _wrap(model: torch.nn.Module, cfg: DictConfig, example: dict[str, torch.Tensor]) -> None:
