@@ -13,7 +13,7 @@ import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 
 from distckpt._dist import rank_world
-from distckpt.errors import ConfigError
+from distckpt.errors import ConfigError, first_lines
 from distckpt.train.models import MultiTaskHF, build_hf_causal_lm
 
 
@@ -60,7 +60,7 @@ def _add_lora(lm: nn.Module, c: DictConfig) -> nn.Module:
         return get_peft_model(lm, LoraConfig(r=c.r, lora_alpha=c.alpha, lora_dropout=c.dropout,
                                              target_modules=targets, task_type="CAUSAL_LM"))
     except ValueError as e:  # peft: unknown default targets for this model type, or targets not found
-        raise ConfigError(f"model.lora: {str(e).splitlines()[0]} Set model.lora.target_modules=[...] to module "
+        raise ConfigError(f"model.lora: {first_lines(e)} Set model.lora.target_modules=[...] to module "
                           "names of this model (e.g. [c_attn] for gpt2, [q_proj,v_proj] for llama).") from None
 
 

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 import distckpt
 from distckpt._dist import broadcast_object, rank_world
 from distckpt._spawn import free_port
-from distckpt.errors import ConfigError
+from distckpt.errors import ConfigError, first_lines
 from distckpt.train import Callback, LoopOptions, LoopResult, MetricSink, TrainState, fit, format_summary
 from distckpt.train.data import TaskBatches
 from launch.build import (
@@ -222,7 +222,7 @@ def _callbacks(entries: Any) -> list[Callback]:
         try:
             cb = instantiate(e)
         except Exception as err:  # hydra's InstantiationException wraps the import or constructor error
-            raise ConfigError(f"trainer.callbacks: cannot make {target}: {str(err).strip().splitlines()[0]}") from None
+            raise ConfigError(f"trainer.callbacks: cannot make {target}: {first_lines(err)}") from None
         if not isinstance(cb, Callback):
             raise ConfigError(f"trainer.callbacks: {target} made a {type(cb).__name__}, not a "
                               "distckpt.train.Callback; subclass it.")
