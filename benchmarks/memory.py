@@ -410,19 +410,25 @@ def _plot(results: dict[str, list[Config]], flops_ref: dict[str, int], path: Pat
         if frontier:
             ax.plot(*zip(*map(xy, frontier)), "-", color="tab:blue", alpha=0.5, marker=".",
                     label="distckpt budget:SIZE")
-        for k, c in enumerate(c for c in ok if c.kind != "budget"):
-            marker, color = style[c.kind]
-            x, y = xy(c)
+        # Configurations with the same placement sit on the same point: one marker, one joined label.
+        points: dict[tuple[float, float], list[Config]] = {}
+        for c in ok:
+            if c.kind != "budget":
+                x, y = xy(c)
+                points.setdefault((round(x, 2), round(y, 2)), []).append(c)
+        for k, ((x, y), same) in enumerate(sorted(points.items())):
+            marker, color = style[same[0].kind]
             ax.scatter([x], [y], marker=marker, s=36, color=color, zorder=3)
-            # Staggered labels: configurations with the same placement sit on the same point.
-            ax.annotate(c.name, (x, y), textcoords="offset points", xytext=(5, 8 * (k % 3) - 8), fontsize=6.5)
+            ax.annotate(" = ".join(c.name for c in same), (x, y), textcoords="offset points",
+                        xytext=(5, 7 * (k % 2) - 7), fontsize=6.5)
+        ax.margins(x=0.2)
         ax.set_xlabel("recompute FLOPs (% of forward+backward)")
         ax.set_ylabel("peak training memory (% of no checkpointing)")
         ax.set_title(label, fontsize=8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="upper right")
-    fig.suptitle(f"distckpt (blue circles, budget line) vs PyTorch / Hugging Face (red squares) and "
-                 f"torch.compile activation_memory_budget (green triangles), {device}", fontsize=9)
+    fig.suptitle(f"distckpt (circles; line: budget:SIZE), PyTorch / HF (squares), torch.compile "
+                 f"activation_memory_budget (triangles), {device}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
