@@ -3,8 +3,9 @@
 For each model and a few choices of checkpointed blocks (none, every other, all), the predicted peak
 (:func:`distckpt.select.budget.predicted_peak`, AdamW, one process) is compared with the MemTracker
 peak of a real training step in steady state (forward, backward, ``optimizer.step``,
-``zero_grad(set_to_none=True)``, after a first step created the optimizer state). Writes
-``benchmarks/results/budget_accuracy.md``.
+``zero_grad(set_to_none=True)``, after a first step created the optimizer state). Then the same on 2
+gloo ranks under ``distckpt.parallelize`` (DDP, FSDP, FSDP2), each rank's peak against its prediction.
+Writes ``benchmarks/results/budget_accuracy.md``.
 """
 
 from __future__ import annotations
@@ -78,8 +79,12 @@ def _models() -> dict[str, tuple[Callable[[], nn.Module], Callable[[], Any], Any
         fam = FAMILIES[name]
         return (lambda: fam.build(), lambda: Call((), fam.batch(0)), None)
 
+    from benchmarks.models import GPT, SIZES, Block, batch
+
     g = torch.Generator().manual_seed(0)
     return {
+        # benchmarks/memory.py's "GPT small" (seq 128, vocab 512, 8 layers), batch 2 as there.
+        "GPT small (memory benchmark)": (lambda: GPT(SIZES["small"]), lambda: batch(SIZES["small"], 2), Block),
         "MultiTaskGPT": (lambda: MultiTaskGPT(), lambda: ({"tokens": torch.randint(0, 64, (4, 32), generator=g),
                                                           "label": torch.randint(0, 4, (4,), generator=g)},), None),
         "MultiTaskMLP": (lambda: MultiTaskMLP(), lambda: ({"x": torch.randn(64, 32, generator=g),
@@ -127,6 +132,103 @@ def measure(name: str, make: Callable[[], nn.Module], inputs: Any, blocks: Any) 
     return rows
 
 
+NOTES = [
+    "Notes:",
+    "- DDP: the reducer's flat gradient bucket (allocated in C++, rebuilt in the second step's forward, kept "
+    "after) is tracked as an external tensor from the step's start; MemTracker alone sees it only from the "
+    "first gradient copied into it in backward. The prediction counts it as one more gradient-sized buffer.",
+    "- FSDP/FSDP2 with blocks kept: parallelize makes a unit of each checkpointed block only, so a kept "
+    "block's parameters stay in the root unit, unsharded for the whole step (and its gradients unsharded "
+    "until the root's reduce-scatter). The memory model counts every block as its own unit: it "
+    "underestimates those rows (not fixed yet). With every block checkpointed FSDP2 is within 3%.",
+    "- FSDP1: with every block checkpointed the prediction is 8-11% above the measure (not investigated; "
+    "FSDP1 unshards by resizing flat-parameter storages in place, which MemTracker may not follow: unverified).",
+]
+STRATEGIES = ("ddp", "fsdp", "fsdp2")
+DIST_MODELS = ("MultiTaskGPT", "MultiTaskMLP", "gpt2 (HF)")
+
+
+def _ddp_buckets(step: Callable[[], None]) -> list[torch.Tensor]:
+    """Run ``step`` and return the flat gradient buckets DDP's reducer all-reduced in it. The reducer
+    allocates them in C++ (rebuilt in the second step's forward) and keeps them for the rest of training;
+    MemTracker only sees a bucket once an op in backward writes into it (the gradient copy-in), so a
+    peak in forward or before the first gradient would miss it: they are tracked as external tensors."""
+    from distckpt import _torch_compat as compat
+
+    seen: dict[int, torch.Tensor] = {}
+
+    class _Buckets(compat.torch_dispatch_mode()):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "allreduce" in str(func):
+                for t in _tensors(args):
+                    seen.setdefault(id(t.untyped_storage()), t)
+            return func(*args, **(kwargs or {}))
+
+    with _Buckets():
+        step()
+    return list(seen.values())
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    from torch.utils._pytree import tree_flatten
+
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+def dist_steady_peak(model: nn.Module, strategy: str, inputs: Any) -> int:
+    """This rank's MemTracker peak of a steady-state AdamW step under ``distckpt.parallelize(strategy)``
+    (DDP's buckets counted from the step's start, see :func:`_ddp_buckets`)."""
+    args, kwargs = _as_args(inputs)
+    pm = distckpt.parallelize(model, strategy)
+    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-4)
+
+    def step() -> None:
+        scalar_loss(pm(*args, **kwargs)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    buckets = _ddp_buckets(step)  # the second step: DDP rebuilds its buckets in its forward
+    mt = memory_tracker(pm, opt, *buckets)
+    with mt:
+        step()
+    return mt.get_tracker_snapshot("peak")[CPU]["Total"]
+
+
+def _dist_rank(rank: int, world: int, names: tuple[str, ...], strategies: tuple[str, ...]) -> list[tuple]:
+    rows = []
+    models = _models()
+    for name in names:
+        make, inputs, blocks = models[name]
+        inp = inputs()
+        torch.manual_seed(0)
+        base = make()
+        base.train()
+        candidates = find_blocks(base, blocks)
+        mp = profile_model(base, candidates, inp)
+        n = len(candidates)
+        for strategy in strategies:
+            for label, chosen in (("none", []), ("every other", list(range(0, n, 2))), ("all", list(range(n)))):
+                model = copy.deepcopy(base)
+                distckpt.wrap(model, Subset(chosen), blocks=blocks)
+                pred = predicted_peak(mp, chosen, strategy=strategy, world_size=world, optimizer="adamw")
+                rows.append((f"{name}, {strategy}, 2 ranks", label, pred, dist_steady_peak(model, strategy, inp)))
+    return rows
+
+
+def measure_dist(names: tuple[str, ...] = DIST_MODELS, strategies: tuple[str, ...] = STRATEGIES
+                 ) -> list[tuple[str, str, int, int]]:
+    """``[(model and strategy, checkpointed, predicted, measured)]`` on 2 gloo ranks: the largest
+    error over the ranks is kept (each rank predicts and measures its own peak)."""
+    from benchmarks.ranks import run_ranks
+
+    per_rank = run_ranks(_dist_rank, 2, tuple(names), tuple(strategies))
+    worst = []
+    for rows in zip(*per_rank.values()):
+        worst.append(max(rows, key=lambda r: abs(r[2] - r[3]) / r[3]))
+    return worst
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "budget_accuracy.md"))
@@ -144,7 +246,13 @@ def main() -> None:
             worst = max(worst, abs(err))
             lines.append(f"| {name} | {label} | {pred / 2**20:.3f} MiB | {meas / 2**20:.3f} MiB | {100 * err:+.2f}% |")
             print(lines[-1], flush=True)
-    lines += ["", f"Largest error: {100 * worst:.2f}%."]
+    if not a.only or "dist" in a.only:
+        for name, label, pred, meas in measure_dist():
+            err = (pred - meas) / meas
+            worst = max(worst, abs(err))
+            lines.append(f"| {name} | {label} | {pred / 2**20:.3f} MiB | {meas / 2**20:.3f} MiB | {100 * err:+.2f}% |")
+            print(lines[-1], flush=True)
+    lines += ["", f"Largest error: {100 * worst:.2f}%.", "", *NOTES]
     Path(a.out).write_text("\n".join(lines) + "\n")
 
 

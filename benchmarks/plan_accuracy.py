@@ -112,6 +112,67 @@ def compare(factory: Callable[[], tuple], budget_frac: float = 0.5) -> dict[str,
     return out
 
 
+FACTORIES = {"gpt": gpt_factory, "mlp": mlp_factory, "hf": hf_factory}  # picklable names for spawned ranks
+
+
+def _rank_peaks(rank: int, world: int, kind: str, arg: Any, strategy: str,
+                runs: list[tuple[str, list[str] | None]]) -> list[int]:
+    """This rank's MemTracker peak of a steady-state AdamW step under ``parallelize(strategy)`` per
+    ``(policy, blocks)`` (DDP's C++ buckets tracked from the step's start: budget_accuracy._ddp_buckets)."""
+
+    peaks = []
+    for policy, blocks in runs:
+        torch.manual_seed(0)
+        model, loss_fn, batch_fn = FACTORIES[kind](arg)()
+        model.train()
+        if policy != "none":
+            distckpt.wrap(model, "full" if policy == "budget" else policy, blocks=blocks)
+        batch = batch_fn(0, rank, world)
+        peaks.append(_dist_steady_peak(distckpt.parallelize(model, strategy), loss_fn, batch))
+    return peaks
+
+
+def _dist_steady_peak(pm: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: dict[str, Any]) -> int:
+    from benchmarks.budget_accuracy import _ddp_buckets
+
+    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-3)
+
+    def step() -> None:
+        loss_fn(pm, batch).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    buckets = _ddp_buckets(step)  # the second step: DDP rebuilds its buckets in its forward
+    tracker = memory_tracker(pm, opt, *buckets, *[t for t in batch.values() if isinstance(t, torch.Tensor)])
+    with tracker:
+        step()
+    return max(d.get("Total", 0) for d in tracker.get_tracker_snapshot("peak").values())
+
+
+def compare_dist(kind: str, arg: Any, strategy: str, world: int = 2, budget_frac: float = 0.5
+                 ) -> dict[str, tuple[int, int]]:
+    """``{policy: (predicted, measured)}`` per rank on ``world`` spawned gloo ranks (the largest rank's
+    measure), for a factory of :data:`FACTORIES` named ``kind`` with argument ``arg``."""
+    from benchmarks.ranks import run_ranks
+
+    torch.manual_seed(0)
+    factory = FACTORIES[kind](arg)
+    r = plan_at_scale(factory, strategy=strategy, world_size=world)
+    none, full = r.policy("none").peak_bytes, r.policy("full").peak_bytes
+    r = r.with_budget(int(full + budget_frac * (none - full)))
+    runs = [(p.policy, [r.blocks[i] for i in p.checkpointed] if p.policy == "budget" else None) for p in r.policies]
+    runs = [("none", None) if policy == "budget" and not blocks else (policy, blocks) for policy, blocks in runs]
+    measured = run_ranks(_rank_peaks, world, kind, arg, strategy, runs)
+    return {p.policy: (p.peak_bytes, max(m[i] for m in measured.values())) for i, p in enumerate(r.policies)}
+
+
+DIST_NOTE = ("FSDP2 `none` (and a `budget` plan that keeps blocks): parallelize makes a unit of each checkpointed "
+             "block only, so kept blocks' parameters stay unsharded in the root unit all step; the memory model "
+             "counts every block as its own unit and underestimates these rows (not fixed yet).")
+DIST = [("MultiTaskGPT", "gpt", 4), ("MultiTaskMLP", "mlp", 4), ("gpt2", "hf", "gpt2")]
+
+
 make_gpt = gpt_factory(4)  # `distckpt plan --factory benchmarks.plan_accuracy:make_gpt`
 
 
@@ -151,6 +212,15 @@ def main() -> None:
             lines.append(f"| {name} | {policy} | {pred / 2**20:.2f} | {meas / 2**20:.2f} | "
                          f"{100 * (pred / meas - 1):+.1f}% |")
             print(lines[-1], flush=True)
+    lines += ["", "## 2 gloo ranks (per rank; DDP's gradient bucket counted)", "",
+              "| model | strategy | policy | predicted MiB | measured MiB | error |", "|---|---|---|---|---|---|"]
+    for name, kind, arg in DIST:
+        for strategy in ("ddp", "fsdp2"):
+            for policy, (pred, meas) in compare_dist(kind, arg, strategy).items():
+                lines.append(f"| {name} | {strategy} | {policy} | {pred / 2**20:.2f} | {meas / 2**20:.2f} | "
+                             f"{100 * (pred / meas - 1):+.1f}% |")
+                print(lines[-1], flush=True)
+    lines += ["", DIST_NOTE]
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text("\n".join(lines) + "\n")
 

@@ -123,15 +123,34 @@ class _NoHook:
 def mem_tracker(frozen: Iterable[torch.Tensor]) -> Any:
     """A ``MemTracker`` (``torch.distributed._tools.mem_tracker``: the only tracker that splits a
     step's memory into params, grads, activations and temporaries on CPU) that skips the gradient
-    hooks of ``frozen`` parameters: MemTracker's ``register_hook`` raises on a tensor that does not
-    require grad (LoRA). A present entry in its private ``_param_to_grad_hook_handles`` map skips the
-    registration. torch 2.13."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    tracker = MemTracker()
+    hooks of ``frozen`` parameters and of non-leaf ones: MemTracker's ``register_hook`` raises on a
+    tensor that does not require grad (LoRA), and ``register_post_accumulate_grad_hook`` on a non-leaf
+    one (FSDP1 with ``use_orig_params=True`` shows each parameter as a view of its flat parameter in
+    forward; the flat parameter's own gradient is still tracked). A present entry in its private
+    ``_param_to_grad_hook_handles`` map skips the registration; a subclass adds the non-leaf ones
+    as its private ``_track_module_params_and_buffers`` meets them. torch 2.13."""
+    tracker = _leaf_only_tracker_class()()
     for p in frozen:
         tracker._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
     return tracker
+
+
+_TRACKER_CLASS: list[type] = []
+
+
+def _leaf_only_tracker_class() -> type:
+    if not _TRACKER_CLASS:
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        class _LeafOnlyMemTracker(MemTracker):
+            def _track_module_params_and_buffers(self, module: Any, install_grad_hooks: bool = True) -> Any:
+                for p in module.parameters():
+                    if not p.is_leaf and self._param_to_grad_hook_handles.get(p) is None:
+                        self._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
+                return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+        _TRACKER_CLASS.append(_LeafOnlyMemTracker)
+    return _TRACKER_CLASS[0]
 
 
 def mem_tracker_states(post: bool = False) -> tuple[Any, Any]:

@@ -114,8 +114,12 @@ def static_bytes(mp: ModelProfile, *, strategy: str = "ddp", world_size: int = 1
         local_grads = grads
     base = local + steps + mp.buffer_bytes + mp.batch_bytes
     # Optimizer step temporaries: foreach kernels on CUDA make a copy of the state list (sqrt of
-    # exp_avg_sq); the per-tensor CPU path makes two of the largest parameter's size.
-    step_tmp = (local_grads if mp.device == "cuda" else 2 * mp.max_param_bytes) if k else 0
+    # exp_avg_sq); the per-tensor CPU path makes two of a parameter's size while the previous
+    # parameter's denominator is still alive (profile.adam_step_temp_bytes).
+    per_tensor = 2 * mp.max_param_bytes
+    if optimizer in ("adam", "adamw") and mp.step_temp_bytes >= 0:
+        per_tensor = mp.step_temp_bytes
+    step_tmp = (local_grads if mp.device == "cuda" else per_tensor) if k else 0
     return base, base + step_tmp
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.plan_accuracy import compare, gpt_factory, hf_factory, make_llama_70b
+from benchmarks.plan_accuracy import compare, compare_dist, gpt_factory, hf_factory, make_llama_70b
 from distckpt.cli import main
 from distckpt.errors import ConfigError
 from distckpt.select.estimate import plan_at_scale
@@ -20,6 +20,16 @@ def test_predicted_peaks_within_5_percent_of_measured(name, factory):
     for policy, (pred, meas) in results.items():
         assert abs(pred / meas - 1) < 0.05, (name, policy, pred, meas)
     assert results["full"][1] < results["none"][1]
+
+
+@pytest.mark.dist
+def test_per_rank_peaks_within_5_percent_on_two_ddp_ranks():
+    # One spawned run of 2 gloo ranks: each rank's steady-state step per policy, DDP's C++ gradient bucket
+    # counted from the step's start (the plan counts it as one more gradient-sized buffer).
+    results = compare_dist("gpt", 4, "ddp")
+    assert set(results) == {"none", "full", "selective", "budget"}
+    for policy, (pred, meas) in results.items():
+        assert abs(pred / meas - 1) < 0.05, (policy, pred, meas)
 
 
 def test_llama_70b_shaped_on_64_ranks_fsdp2():

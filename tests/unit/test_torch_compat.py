@@ -3,6 +3,7 @@ fails here, by name, before it fails dozens of other tests."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 from torch.autograd.graph import get_gradient_edge
@@ -104,6 +105,36 @@ def test_mem_tracker_skips_frozen_params_and_its_states():
     fw, bw = compat.mem_tracker_states()
     post, pre = compat.mem_tracker_states(post=True)
     assert len({fw, bw, post, pre}) == 4
+
+
+class _ViewParams(nn.Module):
+    """FSDP1-like (use_orig_params=True): in forward the inner module's weight is a view of a flat parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flat = nn.Parameter(torch.randn(8))
+        self.inner = nn.Linear(4, 2, bias=False)
+        del self.inner.weight
+
+    def forward(self, x):
+        self.inner._parameters["weight"] = self.flat.view(2, 4)  # non-leaf, as FSDP1 registers it
+        return self.inner(x)
+
+
+def test_mem_tracker_skips_non_leaf_params_and_tracks_the_flat_gradient():
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    model = _ViewParams()
+    plain = MemTracker()
+    plain.track_external(model)
+    with pytest.raises(RuntimeError, match="non-leaf"), plain:
+        model(torch.randn(3, 4)).sum().backward()
+    model.flat.grad = None
+    tracker = compat.mem_tracker([])
+    tracker.track_external(model)
+    with tracker:
+        model(torch.randn(3, 4)).sum().backward()
+    assert tracker.get_tracker_snapshot()[torch.device("cpu")]["Gradient"] == 8 * 4  # the flat one
 
 
 def test_op_overload_types():
