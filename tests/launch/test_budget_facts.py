@@ -49,3 +49,11 @@ def test_sgd_plans_less_optimizer_state_than_adamw():
         distckpt.wrap(model, dataclasses.replace(pol, bytes=size), example_inputs=inputs)
         chosen[name] = distckpt.checkpointed(model)
     assert len(chosen["sgd"]) < len(chosen["adamw"])
+
+
+def test_summary_says_each_blocks_mode():
+    from launch.run import _checkpointed_by_mode
+
+    modes = {"h.0": "full", "h.1": "selective", "h.2": "full", **{f"g.{i}": "selective" for i in range(5)}}
+    assert _checkpointed_by_mode(modes) == "full: h.0, h.2; selective: h.1, g.0, g.1, g.2, ... (6 blocks)"
+    assert _checkpointed_by_mode({}) == ""
