@@ -7,9 +7,11 @@ peak fits it at less recompute than full (FLOPs counted in a separate pass)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn as nn
 from torch.distributed._tools.mem_tracker import MemTracker
@@ -19,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, f
 
 import distckpt  # noqa: E402
 from benchmarks.models import GPT, GPTConfig, batch  # noqa: E402
-from distckpt import Budget  # noqa: E402
+from distckpt import Budget, ConfigError  # noqa: E402
 from distckpt.select.blocks import find_blocks  # noqa: E402
 from distckpt.select.budget import plan_budget, predicted_peak  # noqa: E402
 from distckpt.select.policies import Placement  # noqa: E402
@@ -116,3 +118,26 @@ def test_budget_between_selective_and_full_mixes_modes():
     assert flops - no_recompute == plan.recompute_flops  # the profile counted each block's recompute
     # Without selective the same budget costs more recompute (the frontier gains points).
     assert plan_budget(mp, budget, selective=False, **kw).recompute_flops > plan.recompute_flops
+
+
+def test_reentrant_budget_and_bad_placements():
+    torch.manual_seed(0)
+    base, x = Stack(), torch.randn(256, 32)
+    mp = profile_model(base, find_blocks(base, _is_block), (x,))
+    kw = dict(strategy="none", optimizer="none")
+    budget = (predicted_peak(mp, ("selective",) * 4, **kw) + predicted_peak(mp, range(4), **kw)) // 2
+    # Reentrant checkpoint takes no op-level policy: the same budget is planned with none and full only.
+    model = distckpt.wrap(copy.deepcopy(base), Budget(budget, **kw), blocks=_is_block, example_inputs=(x,),
+                          reentrant=True)
+    assert set(distckpt.checkpointed(model, modes=True).values()) == {"full"}
+    with pytest.raises(ConfigError, match="'none', 'selective' or 'full'"):
+        Placement(("none", "partial"))
+    with pytest.raises(ConfigError, match="3 modes for 4 candidate blocks"):
+        distckpt.wrap(copy.deepcopy(base), Placement(("full",) * 3), blocks=_is_block)
+    with pytest.raises(ConfigError, match="needs reentrant=False"):
+        distckpt.wrap(copy.deepcopy(base), Placement(("selective",) * 4), blocks=_is_block, reentrant=True)
+    no_sel = dataclasses.replace(mp, blocks=(dataclasses.replace(mp.blocks[0], selective_held_bytes=-1),
+                                             *mp.blocks[1:]))
+    with pytest.raises(ConfigError, match="no selective measurement"):
+        predicted_peak(no_sel, ("selective",) * 4, **kw)
+    assert "selective" not in plan_budget(no_sel, budget, **kw).modes[:1]  # not offered where not measured
