@@ -17,6 +17,7 @@ import torch.nn as nn
 
 import distckpt
 from distckpt.select.estimate import plan_at_scale
+from distckpt.select.policies import Placement
 from distckpt.select.profile import memory_tracker
 
 RESULTS = Path(__file__).parent / "results" / "plan_accuracy.md"
@@ -74,13 +75,13 @@ def hf_factory(family: str) -> Callable[[], tuple]:
     return make
 
 
-def measured_peak(factory: Callable[[], tuple], policy: str, blocks: list[str] | None = None) -> int:
+def measured_peak(factory: Callable[[], tuple], policy: Any, blocks: list[str] | None = None) -> int:
     """MemTracker's peak of a steady-state AdamW step (the first step creates the optimizer state)."""
     torch.manual_seed(0)
     model, loss_fn, batch_fn = factory()
     model.train()
     if policy != "none":
-        distckpt.wrap(model, "full" if policy == "budget" else policy, blocks=blocks)
+        distckpt.wrap(model, policy, blocks=blocks)
     batch = batch_fn(0, 0, 1)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
 
@@ -108,7 +109,11 @@ def compare(factory: Callable[[], tuple], budget_frac: float = 0.5) -> dict[str,
         if p.policy == "budget" and not blocks:
             out[p.policy] = (p.peak_bytes, measured_peak(factory, "none"))
             continue
-        out[p.policy] = (p.peak_bytes, measured_peak(factory, p.policy, blocks if p.policy == "budget" else None))
+        if p.policy == "budget":  # the plan's own mode per block (none, selective or full)
+            placement = Placement({r.blocks[i]: p.modes[i] for i in p.checkpointed})
+            out[p.policy] = (p.peak_bytes, measured_peak(factory, placement, blocks))
+            continue
+        out[p.policy] = (p.peak_bytes, measured_peak(factory, p.policy))
     return out
 
 

@@ -246,9 +246,19 @@ def _guard_report(guard: Any, checks: int, verified: str) -> str:
     return f"grad sync: {sync}; recompute check: {verified}"
 
 
+def _checkpointed_by_mode(modes: dict[str, str]) -> str:
+    """``full: h.0, h.1; selective: h.2, ... (9 blocks)``: what each checkpointed block got (a budget mixes)."""
+    parts = []
+    for mode in ("full", "selective"):
+        blocks = [b for b, m in modes.items() if m == mode]
+        if blocks:
+            more = f", ... ({len(blocks)} blocks)" if len(blocks) > 4 else ""
+            parts.append(f"{mode}: " + ", ".join(blocks[:4]) + more)
+    return "; ".join(parts)
+
+
 def _summary(cfg: DictConfig, r: LoopResult, path: str, model: torch.nn.Module) -> str:
-    blocks = r.checkpointed
-    shown = ", ".join(blocks[:4]) + (f", ... ({len(blocks)} blocks)" if len(blocks) > 4 else "")
+    shown = _checkpointed_by_mode(distckpt.checkpointed(model, modes=True) or dict.fromkeys(r.checkpointed, "full"))
     world = rank_world()[1]
     losses = ", ".join(f"{k} {v:.4f}" for k, v in r.losses.items())
     mem_kind = "CUDA allocated" if torch.cuda.is_available() else "peak RSS"

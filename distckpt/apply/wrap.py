@@ -33,7 +33,7 @@ from distckpt.errors import ConfigError
 from distckpt.select.blocks import BlockSpec, find_blocks
 from distckpt.select.policies import Budget, Candidates, Policy, parse_policy, select_blocks
 
-__all__ = ["checkpointed", "checkpointing_disabled", "is_checkpointed", "unwrap", "wrap"]
+__all__ = ["checkpoint_mode", "checkpointed", "checkpointing_disabled", "is_checkpointed", "unwrap", "wrap"]
 
 logger = logging.getLogger("distckpt")
 
@@ -105,12 +105,26 @@ def _clean_fqn(name: str) -> str:
     return ".".join(parts)
 
 
-def checkpointed(model: nn.Module) -> list[str]:
+def checkpoint_mode(module: nn.Module) -> str:
+    """``"full"``, ``"selective"`` (op-level) or ``"none"``: how distckpt checkpoints ``module``."""
+    if not is_checkpointed(module):
+        return "none"
+    return module.__dict__.get("_distckpt_mode") or ("selective" if module._distckpt_options.context_fn else "full")
+
+
+def checkpointed(model: nn.Module, *, modes: bool = False) -> list[str] | dict[str, str]:
     """FQNs of the modules distckpt checkpoints, in registration order.
 
     Names are those of the unwrapped model: DDP's ``module.`` and FSDP's
     ``_fsdp_wrapped_module.`` prefixes are removed.
+
+    Args:
+        model: the model (possibly inside DDP/FSDP).
+        modes: return ``{fqn: "full" | "selective"}`` instead: how each block is checkpointed (a
+            ``budget`` plan mixes them).
     """
+    if modes:
+        return {_clean_fqn(n): checkpoint_mode(m) for n, m in model.named_modules() if is_checkpointed(m)}
     return [_clean_fqn(n) for n, m in model.named_modules() if is_checkpointed(m)]
 
 
@@ -210,6 +224,7 @@ def unwrap(model: nn.Module, modules: list[nn.Module] | None = None) -> int:
             m.__class__ = orig
             del m._distckpt_options, m._distckpt_norms
             m.__dict__.pop("_distckpt_cache_slots", None)
+            m.__dict__.pop("_distckpt_mode", None)
             count += 1
     return count
 
@@ -260,6 +275,8 @@ def wrap(
     context_fn = context_fn() if context_fn is not None else None
     if reentrant and context_fn is not None:
         raise ConfigError("selective (op-level) checkpointing needs reentrant=False.")
+    if reentrant and isinstance(pol, Budget) and pol.selective:
+        pol = dataclasses.replace(pol, selective=False)  # reentrant checkpoint takes no op-level policy
     _refuse_parallel(model)
     _foreign_checkpointing(model)
 
@@ -326,18 +343,50 @@ def _apply_plan(model: nn.Module, pol: Policy, candidates: list[tuple[str, nn.Mo
     if record is not None and record.handed_over is not None:
         strategy, world, shard_size = record.handed_over
         pol = dataclasses.replace(record.policy, strategy=strategy, shard_size=shard_size)
-    chosen = select_blocks(pol, Candidates(model, candidates, example_inputs, world))
+    modes = _block_modes(pol, Candidates(model, candidates, example_inputs, world), opts)
     if record is not None and isinstance(pol, Budget):
         record.planned_for = (pol.strategy_for(world), world, pol.shard_size)
-    for i in chosen:
+    selective = None
+    for i, mode in sorted(modes.items()):
         block = candidates[i][1]
         block.__class__ = _checkpointed_class(type(block))
-        block._distckpt_options = opts
+        if mode == "selective" and opts.context_fn is None:
+            if selective is None:
+                from distckpt.select.selective import selective_context_fn
+
+                selective = selective_context_fn()
+            block._distckpt_options = dataclasses.replace(opts, context_fn=selective)
+        else:
+            block._distckpt_options = opts if mode == "selective" else dataclasses.replace(opts, context_fn=None)
+        block._distckpt_mode = mode
         block._distckpt_norms = stateful_norms(block)  # found once, not on every forward
         block._distckpt_cache_slots = cache_positions(type(block)._distckpt_orig_class)
         if block._distckpt_norms:
             prepare_eager_run()
-    logger.info("distckpt.apply.wrap: policy %s checkpoints %d of %d blocks", pol, len(chosen), len(candidates))
+    counts = ", ".join(f"{sum(m == k for m in modes.values())} {k}" for k in ("full", "selective")
+                       if k in modes.values()) or "none"
+    logger.info("distckpt.apply.wrap: policy %s checkpoints %d of %d blocks (%s)", pol, len(modes), len(candidates),
+                counts)
+
+
+def _block_modes(pol: Policy, candidates: Candidates, opts: CheckpointOptions) -> dict[int, str]:
+    """``{index: "full" | "selective"}`` for the blocks ``pol`` checkpoints: its ``modes`` when it has
+    them (a budget plan), else its selection, all in the policy's own mode.
+
+    Raises:
+        ConfigError: a mode other than full or selective, or selective with reentrant checkpointing.
+    """
+    if not callable(getattr(pol, "modes", None)):
+        return dict.fromkeys(select_blocks(pol, candidates), "selective" if opts.context_fn else "full")
+    modes = dict(pol.modes(candidates))
+    assert all(0 <= i < len(candidates.blocks) for i in modes), modes  # internal invariant
+    bad = {m for m in modes.values() if m not in ("full", "selective")}
+    if bad:
+        raise ConfigError(f"policy {pol} returned checkpoint modes {sorted(bad)}; each must be 'full' or 'selective' "
+                          "(leave a block out to keep it unchecked).")
+    if opts.reentrant and "selective" in modes.values():
+        raise ConfigError("selective (op-level) checkpointing needs reentrant=False.")
+    return modes
 
 
 def replan_budget(model: nn.Module, strategy: str, world_size: int, shard_size: int | None) -> None:

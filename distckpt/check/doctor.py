@@ -173,8 +173,10 @@ def _diagnose(rank: int, world: int, opts: DoctorOptions) -> list[Finding]:
         findings.append(Finding("settings", True, "", data={
             "reentrant": used.reentrant, "preserve_rng_state": used.preserve_rng_state, "blocks": blocks,
             "by_doctor": by_doctor}))
+    modes = checkpointed(model, modes=True)
+    shown = [f"{b} (selective)" if modes.get(b) == "selective" else b for b in blocks[:4]]  # else full
     findings.append(Finding("blocks", bool(blocks), f"{len(blocks)} checkpointed block(s)"
-                            + (f": {', '.join(blocks[:4])}{' ...' if len(blocks) > 4 else ''}" if blocks else ""),
+                            + (f": {', '.join(shown)}{' ...' if len(blocks) > 4 else ''}" if blocks else ""),
                             "" if blocks else "nothing is checkpointed: pass --policy, or wrap blocks in the factory"))
     ref = copy.deepcopy(model)
     unwrap(ref)  # the reference: same weights, no checkpointing, one process, the global batch

@@ -5,7 +5,8 @@ The memory model (all terms measured by :mod:`distckpt.select.profile` or counte
 
     static   = params + grads + optimizer state (as the strategy places them) + buffers + batch
                (minus the gradients backward has not produced yet at that point)
-    held_i   = input_bytes_i if block i is checkpointed else activation_bytes_i
+    held_i   = activation_bytes_i (none), selective_held_bytes_i (selective: its input plus the op
+               outputs it keeps) or input_bytes_i (full): one of three choices per block
     P_i      = held_0 + ... + held_i                      (what the blocks keep, in forward order)
     peak     = max( static + pre + P_{i-1} + footprint_i + overhead_i   for every block i,
                     static + pre + P_{n-1} + post + head_overhead,
@@ -15,20 +16,26 @@ The memory model (all terms measured by :mod:`distckpt.select.profile` or counte
 Each term pairs the activations measured at one instant with the gradients that existed then:
 a block's forward peak (no gradient yet), its backward peak (``overhead_i`` is the measured one for
 a kept block, the larger of its forward and backward ones for a checkpointed block, which
-recomputes its forward there), and the head's peak (its forward and backward, between the last
+recomputes its forward there; a selective block's is measured in a step with every block selective),
+and the head's peak (its forward and backward, between the last
 block's forward and its backward). On the sample step with no block checkpointed the model is exact.
 
 The block being run (or recomputed) holds its footprint whatever the choice, so each block puts an
 upper bound on the prefix ``P_{i-1}`` (one for each choice of that block); the program keeps, block
-after block, every non-dominated (bytes held, recompute FLOPs) pair that meets those bounds.
+after block, every non-dominated (bytes held, recompute FLOPs) pair that meets those bounds. The
+recompute FLOPs of a choice are measured (``FlopCounterMode`` around each recompute): ``full`` re-runs
+the block's forward (up to where backward has what it needs), ``selective`` only its pointwise ops and
+every other matmul, so between ``selective`` and ``full`` for every block there are placements that
+hold less than all-``selective`` at less recompute than all-``full``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,9 +46,13 @@ from distckpt.select.profile import ModelProfile, _as_args, _tensors, step_devic
 if TYPE_CHECKING:
     from distckpt.select.policies import Candidates
 
-__all__ = ["BudgetPlan", "OPTIMIZER_STATES", "budget_profile", "plan_budget", "predicted_peak", "select_for_budget"]
+__all__ = ["BudgetPlan", "MODES", "OPTIMIZER_STATES", "budget_profile", "plan_budget", "predicted_peak",
+           "select_for_budget"]
 
 logger = logging.getLogger("distckpt")
+
+# What the planner chooses from for each block, by code (the dynamic program's trail keeps the code).
+MODES = ("none", "selective", "full")
 
 # Optimizer state per parameter byte (AdamW: exp_avg and exp_avg_sq in the parameter's dtype).
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1, "none": 0}
@@ -128,22 +139,26 @@ class BudgetPlan:
     """The outcome of :func:`plan_budget`.
 
     Attributes:
-        selected: indices of the blocks to checkpoint.
+        selected: indices of the blocks to checkpoint (selective or full).
         peak_bytes: predicted peak training memory with that choice.
-        recompute_flops: sum of the chosen blocks' forward FLOPs.
+        recompute_flops: the chosen blocks' measured recompute FLOPs.
         min_budget_bytes: the smallest budget any choice fits in.
+        modes: per block, ``"none"``, ``"selective"`` or ``"full"``.
     """
 
     selected: tuple[int, ...]
     peak_bytes: int
     recompute_flops: int
     min_budget_bytes: int
+    modes: tuple[str, ...] = ()
 
 
 def _bounds(mp: ModelProfile, static: int, *, strategy: str = "ddp", world_size: int = 1,
-            grad_accumulation: bool = False, shard_size: int | None = None) -> tuple[list[int], list[int], int]:
+            grad_accumulation: bool = False, shard_size: int | None = None, recompute: str = "full"
+            ) -> tuple[list[int], list[int], int]:
     """Per-block offsets with ``peak >= static + P_{i-1} + c_i`` when block i is kept (``plain``)
-    and when it is checkpointed (``ckpt``), and the end offset (``peak >= static + P_{n-1} + end``).
+    and when it is checkpointed (``ckpt``; ``recompute="selective"``: the selective recompute's
+    measured peaks), and the end offset (``peak >= static + P_{n-1} + end``).
 
     ``static`` counts every gradient. Without gradient accumulation (``zero_grad(set_to_none=True)``,
     PyTorch's default), backward creates them block by block from the last: while block i runs its
@@ -175,12 +190,14 @@ def _bounds(mp: ModelProfile, static: int, *, strategy: str = "ddp", world_size:
         at_peak = static - absent(b.grads_at_peak_bytes) + base
         forward = static - absent(0) + base + b.forward_overhead_bytes
         plain.append(max(forward, at_peak + b.backward_overhead_bytes))
-        if b.recompute_grads_bytes >= 0:
-            # Measured in a sample step with every block checkpointed (its prefix: the inputs).
-            recompute = static - absent(b.recompute_grads_bytes) + base + b.recompute_overhead_bytes
+        grads, over = ((b.selective_recompute_grads_bytes, b.selective_recompute_overhead_bytes)
+                       if recompute == "selective" else (b.recompute_grads_bytes, b.recompute_overhead_bytes))
+        if grads >= 0:
+            # Measured in a sample step with every block checkpointed (its prefix: what they hold).
+            redo = static - absent(grads) + base + over
         else:
-            recompute = at_peak + max(0, b.backward_overhead_bytes) + max(0, b.forward_overhead_bytes)
-        ckpt.append(max(forward, recompute))
+            redo = at_peak + max(0, b.backward_overhead_bytes) + max(0, b.forward_overhead_bytes)
+        ckpt.append(max(forward, redo))
     head = mp.pre_bytes + mp.post_bytes
     if grad_accumulation or mp.head_peak_grads_bytes < 0:
         end = static - absent(mp.head_grads_bytes) + head + mp.head_overhead_bytes
@@ -202,63 +219,131 @@ def _tail(mp: ModelProfile, static: int, step: int, *, strategy: str, world_size
     return max(step, static - absent + mp.tail_peak_bytes)
 
 
-def predicted_peak(mp: ModelProfile, selected: list[int] | tuple[int, ...] | set[int] | range, *,
-                   strategy: str = "ddp", world_size: int = 1, optimizer: str = "adamw",
-                   grad_accumulation: bool = False, shard_size: int | None = None) -> int:
-    """Peak training memory (bytes) that the memory model predicts when ``selected`` blocks are
-    checkpointed (see the module docstring); ``shard_size``: the ranks that shard under ``"hsdp"``.
+Choice = tuple[int, int, int, int]  # (bytes held, bound on the prefix, recompute FLOPs, code in MODES)
+
+
+def _choices(mp: ModelProfile, static: int, *, selective: bool = True, **kw: Any) -> tuple[list[list[Choice]], int]:
+    """Per block, what each choice holds, the bound it puts on the bytes held before it and its
+    recompute FLOPs (``selective`` where the profile measured it and ``selective`` is allowed);
+    and the end offset (see :func:`_bounds`)."""
+    plain, ckpt, end = _bounds(mp, static, **kw)
+    sel = _bounds(mp, static, recompute="selective", **kw)[1]
+    out = []
+    for i, b in enumerate(mp.blocks):
+        options = [(b.activation_bytes, plain[i], 0, 0), (b.input_bytes, ckpt[i], b.full_flops, 2)]
+        if selective and b.selective_held_bytes >= 0:
+            options.insert(1, (b.selective_held_bytes, sel[i], b.selective_flops, 1))
+        out.append(options)
+    return out, end
+
+
+def _codes(mp: ModelProfile, choice: Any) -> list[int]:
+    """A per-block choice as codes into :data:`MODES`: a mapping ``{index: mode}`` (absent: none), a
+    sequence of one mode per block, or (the original form) the indices of the fully checkpointed blocks.
+
+    Raises:
+        ConfigError: an unknown mode, or ``selective`` on a block whose profile did not measure it.
+    """
+    n = len(mp.blocks)
+    if isinstance(choice, Mapping):
+        modes = [choice.get(i, "none") for i in range(n)]
+    elif isinstance(choice, (list, tuple)) and len(choice) == n and all(isinstance(m, str) for m in choice):
+        modes = list(choice)
+    else:
+        full = set(choice)
+        modes = ["full" if i in full else "none" for i in range(n)]
+    for i, m in enumerate(modes):
+        if m not in MODES:
+            raise ConfigError(f"block {i}: checkpoint mode must be one of {MODES}, got {m!r}.")
+        if m == "selective" and mp.blocks[i].selective_held_bytes < 0:
+            raise ConfigError(f"block {i} ({mp.blocks[i].fqn}): the profile has no selective measurement "
+                              "(its selective sample step failed); choose none or full for it.")
+    return [MODES.index(m) for m in modes]
+
+
+def predicted_peak(mp: ModelProfile, selected: Any, *, strategy: str = "ddp", world_size: int = 1,
+                   optimizer: str = "adamw", grad_accumulation: bool = False, shard_size: int | None = None) -> int:
+    """Peak training memory (bytes) that the memory model predicts for a per-block choice (see the
+    module docstring); ``shard_size``: the ranks that shard under ``"hsdp"``.
+
+    Args:
+        mp: the profile.
+        selected: the indices of the fully checkpointed blocks (a list, set or range), or a mapping
+            ``{index: "none" | "selective" | "full"}`` (blocks not in it: none), or one mode per block.
 
     Returns:
         The predicted peak in bytes.
     """
     kw = dict(strategy=strategy, world_size=world_size, shard_size=shard_size)
     static, step = static_bytes(mp, optimizer=optimizer, **kw)
-    plain, ckpt, end = _bounds(mp, static, grad_accumulation=grad_accumulation, **kw)
+    options, end = _choices(mp, static, grad_accumulation=grad_accumulation, **kw)
     step = _tail(mp, static, step, grad_accumulation=grad_accumulation, **kw)
-    chosen = set(selected)
     prefix, peak = 0, step
-    for i, b in enumerate(mp.blocks):
-        peak = max(peak, prefix + (ckpt[i] if i in chosen else plain[i]))
-        prefix += b.input_bytes if i in chosen else b.activation_bytes
+    for opts, code in zip(options, _codes(mp, selected)):
+        held, bound, _, _ = next(o for o in opts if o[3] == code)
+        peak = max(peak, prefix + bound)
+        prefix += held
     return max(peak, prefix + end)
 
 
-def _fits(mp: ModelProfile, plain: list[int], ckpt: list[int], end: int, step: int, budget: int) -> bool:
+def _fits(options: list[list[Choice]], end: int, step: int, budget: int) -> bool:
     """Whether some choice fits ``budget``: every bound caps the bytes held before it, so the
     fewest bytes held that meet the bounds so far is the only state that matters."""
     if step > budget:
         return False
     p = 0
-    for i, b in enumerate(mp.blocks):
-        options = [p + b.activation_bytes] if p <= budget - plain[i] else []
-        if p <= budget - ckpt[i]:
-            options.append(p + b.input_bytes)
-        if not options:
+    for opts in options:
+        held = [p + h for h, bound, _, _ in opts if p <= budget - bound]
+        if not held:
             return False
-        p = min(options)
+        p = min(held)
     return p <= budget - end
 
 
-def _min_peak(mp: ModelProfile, plain: list[int], ckpt: list[int], end: int, step: int) -> int:
+def _min_peak(options: list[list[Choice]], end: int, step: int) -> int:
     """The smallest predicted peak over every choice of blocks (a search over the budget)."""
-    hi = max(step, *(ckpt[i] + sum(b.input_bytes for b in mp.blocks[:i]) for i in range(len(mp.blocks))),
-             sum(b.input_bytes for b in mp.blocks) + end)  # checkpointing every block fits this
+    full = [next(o for o in opts if o[3] == 2) for opts in options]
+    hi = max(step, *(full[i][1] + sum(h for h, *_ in full[:i]) for i in range(len(full))),
+             sum(h for h, *_ in full) + end)  # checkpointing every block fits this
     lo = step
-    if _fits(mp, plain, ckpt, end, step, lo):
+    if _fits(options, end, step, lo):
         return lo
     while hi - lo > 1:  # invariant: lo does not fit, hi fits
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if _fits(mp, plain, ckpt, end, step, mid) else (mid, hi)
+        lo, hi = (lo, mid) if _fits(options, end, step, mid) else (mid, hi)
     return hi
 
 
+def _pareto(p: torch.Tensor, f: torch.Tensor, quantum: int) -> torch.Tensor:
+    """Indices of the (bytes, FLOPs) states on the Pareto front, sorted by bytes: a state stays only
+    if it needs fewer FLOPs than every state holding fewer bytes; above ``_MAX_STATES`` states, one
+    per ``quantum`` bytes (the one with the fewest FLOPs) and the fewest-bytes state stay."""
+    order = torch.argsort(f, stable=True)
+    order = order[torch.argsort(p[order], stable=True)]
+    p, f = p[order], f[order]
+    best_before = torch.cat([torch.tensor([torch.iinfo(torch.int64).max]), torch.cummin(f, 0).values[:-1]])
+    front = f < best_before
+    if int(front.sum()) > _MAX_STATES:
+        # Within a grid cell the front's last state has the fewest FLOPs: keep that one.
+        idx = front.nonzero().flatten()
+        cells = p[idx] // quantum
+        last = torch.ones(len(idx), dtype=torch.bool)
+        last[:-1] = cells[1:] != cells[:-1]
+        front = torch.zeros_like(front)
+        front[idx[last]] = True
+        front[idx[0]] = True  # the fewest-bytes state always stays, so a feasible path survives
+    return order[front.nonzero().flatten()]
+
+
 def plan_budget(mp: ModelProfile, budget: int, *, strategy: str = "ddp", world_size: int = 1,
-                optimizer: str = "adamw", grad_accumulation: bool = False, shard_size: int | None = None
-                ) -> BudgetPlan:
-    """The choice of blocks with the least recompute FLOPs whose predicted peak is <= ``budget``.
+                optimizer: str = "adamw", grad_accumulation: bool = False, shard_size: int | None = None,
+                selective: bool = True) -> BudgetPlan:
+    """The per-block choice (none, selective or full) with the least recompute FLOPs whose predicted
+    peak is <= ``budget``.
 
     Exact (a Pareto dynamic program over (bytes held, FLOPs) per block prefix) up to the merging of
-    states closer than ``budget / 4096`` bytes when more than 4096 remain.
+    states closer than ``budget / 4096`` bytes when more than 4096 remain. ``selective=False``
+    chooses between none and full only (as for reentrant checkpointing, which takes no op policy).
 
     Returns:
         A :class:`BudgetPlan`.
@@ -267,12 +352,10 @@ def plan_budget(mp: ModelProfile, budget: int, *, strategy: str = "ddp", world_s
         ConfigError: when no choice fits, naming the smallest budget that does.
     """
     where = dict(strategy=strategy, world_size=world_size, shard_size=shard_size)
-    kw = dict(optimizer=optimizer, **where)
-    static, step = static_bytes(mp, **kw)
-    plain, ckpt, end = _bounds(mp, static, grad_accumulation=grad_accumulation, **where)
+    static, step = static_bytes(mp, optimizer=optimizer, **where)
+    options, end = _choices(mp, static, selective=selective, grad_accumulation=grad_accumulation, **where)
     step = _tail(mp, static, step, grad_accumulation=grad_accumulation, **where)
-    blocks = mp.blocks
-    min_budget = _min_peak(mp, plain, ckpt, end, step)
+    min_budget = _min_peak(options, end, step)
     if budget < min_budget:
         raise ConfigError(
             f"no choice of checkpointed blocks fits budget {_gib(budget)} ({budget} bytes): the smallest "
@@ -282,50 +365,31 @@ def plan_budget(mp: ModelProfile, budget: int, *, strategy: str = "ddp", world_s
         )
     p = torch.zeros(1, dtype=torch.int64)  # bytes held by the blocks so far
     f = torch.zeros(1, dtype=torch.int64)  # recompute FLOPs so far
-    trail: list[tuple[torch.Tensor, torch.Tensor]] = []  # per block: (parent index, checkpointed?)
+    trail: list[tuple[torch.Tensor, torch.Tensor]] = []  # per block: (parent index, code in MODES)
     quantum = max(1, budget // _MAX_STATES)
-    for i, b in enumerate(blocks):
-        # Block i bounds the bytes held before it: by plain[i] if it is kept, ckpt[i] if checkpointed.
-        keep = (p <= budget - plain[i]).nonzero().flatten()
-        redo = (p <= budget - ckpt[i]).nonzero().flatten()
-        f0 = f
-        p = torch.cat([p[keep] + b.activation_bytes, p[redo] + b.input_bytes])
-        f = torch.cat([f0[keep], f0[redo] + b.forward_flops])
-        parent = torch.cat([keep, redo])
-        is_ckpt = torch.cat([torch.zeros(len(keep), dtype=torch.bool), torch.ones(len(redo), dtype=torch.bool)])
-        # Pareto front: sort by bytes (then FLOPs), keep a state only if it needs fewer FLOPs than
-        # every state holding fewer bytes.
-        order = torch.argsort(f, stable=True)
-        order = order[torch.argsort(p[order], stable=True)]
-        p, f, parent, is_ckpt = p[order], f[order], parent[order], is_ckpt[order]
-        best_before = torch.cat([torch.tensor([torch.iinfo(torch.int64).max]), torch.cummin(f, 0).values[:-1]])
-        front = f < best_before
-        if int(front.sum()) > _MAX_STATES:
-            # Within a grid cell the front's last state has the fewest FLOPs: keep that one.
-            cell = torch.where(front, p // quantum, torch.full_like(p, -1))
-            idx = front.nonzero().flatten()
-            cells = cell[idx]
-            last = torch.ones(len(idx), dtype=torch.bool)
-            last[:-1] = cells[1:] != cells[:-1]
-            front = torch.zeros_like(front)
-            front[idx[last]] = True
-            front[idx[0]] = True  # the fewest-bytes state always stays, so a feasible path survives
-        sel = front.nonzero().flatten()
+    for opts in options:
+        # Each choice of block i bounds the bytes held before it; the states that meet it go on with it.
+        parts = [((p <= budget - bound).nonzero().flatten(), held, flops, code) for held, bound, flops, code in opts]
+        parent = torch.cat([ok for ok, *_ in parts])
+        code = torch.cat([torch.full((len(ok),), c, dtype=torch.int8) for ok, _, _, c in parts])
+        p = torch.cat([p[ok] + held for ok, held, _, _ in parts])
+        f = torch.cat([f[ok] + flops for ok, _, flops, _ in parts])
+        sel = _pareto(p, f, quantum)
         p, f = p[sel], f[sel]
-        trail.append((parent[sel], is_ckpt[sel]))
+        trail.append((parent[sel], code[sel]))
     ok = (p <= budget - end).nonzero().flatten()
     assert len(ok), "the cheapest choice fits, so some state must"  # internal invariant
     best = int(ok[torch.argmin(f[ok])])  # the front is sorted by bytes: argmin keeps the fewest bytes on ties
-    chosen = []
-    for i in range(len(blocks) - 1, -1, -1):
-        parent, was_ckpt = trail[i]
-        if bool(was_ckpt[best]):
-            chosen.append(i)
+    codes = [0] * len(options)
+    for i in range(len(options) - 1, -1, -1):
+        parent, code = trail[i]
+        codes[i] = int(code[best])
         best = int(parent[best])
-    chosen.reverse()
-    peak = predicted_peak(mp, chosen, grad_accumulation=grad_accumulation, **kw)
+    modes = tuple(MODES[c] for c in codes)
+    peak = predicted_peak(mp, modes, optimizer=optimizer, grad_accumulation=grad_accumulation, **where)
     assert peak <= budget, (peak, budget)
-    return BudgetPlan(tuple(chosen), peak, sum(blocks[i].forward_flops for i in chosen), min_budget)
+    flops = sum(next(o[2] for o in opts if o[3] == c) for opts, c in zip(options, codes))
+    return BudgetPlan(tuple(i for i, c in enumerate(codes) if c), peak, flops, min_budget, modes)
 
 
 def auto_budget(device_type: str) -> int:
@@ -371,8 +435,8 @@ def budget_profile(candidates: Candidates, device_type: str, budget_bytes: int |
 
 def select_for_budget(candidates: Candidates, budget_bytes: int | None, *, strategy: str = "ddp",
                       optimizer: str = "adamw", grad_accumulation: bool = False,
-                      shard_size: int | None = None) -> list[int]:
-    """The blocks to checkpoint for ``budget:SIZE`` (``None``: ``budget:auto``).
+                      shard_size: int | None = None, selective: bool = True) -> BudgetPlan:
+    """The plan for ``budget:SIZE`` (``None``: ``budget:auto``): which blocks to checkpoint, and how.
 
     Args:
         candidates: the candidate blocks, the sample batch and the world size.
@@ -385,9 +449,11 @@ def select_for_budget(candidates: Candidates, budget_bytes: int | None, *, strat
             forward); by default they are created block by block in backward.
         shard_size: ``"hsdp"``: the ranks that shard between them (default: ``LOCAL_WORLD_SIZE``, as
             ``parallelize`` uses).
+        selective: offer op-level selective checkpointing per block, besides none and full.
 
     Returns:
-        Indices into ``candidates.blocks``.
+        A :class:`BudgetPlan` (``modes``: one of ``"none"``, ``"selective"``, ``"full"`` per block of
+        ``candidates.blocks``).
 
     Raises:
         ConfigError: no sample batch, no placement fits, or ``budget:auto`` off CUDA.
@@ -397,10 +463,10 @@ def select_for_budget(candidates: Candidates, budget_bytes: int | None, *, strat
     if strategy == "hsdp" and shard_size is None and os.environ.get("LOCAL_WORLD_SIZE"):
         shard_size = int(os.environ["LOCAL_WORLD_SIZE"])
     result = plan_budget(mp, budget_bytes, strategy=strategy, world_size=candidates.world_size, optimizer=optimizer,
-                         grad_accumulation=grad_accumulation, shard_size=shard_size)
+                         grad_accumulation=grad_accumulation, shard_size=shard_size, selective=selective)
     logger.info(
-        "distckpt budget %s: checkpointing %d of %d blocks, predicted peak %s, recompute %.3g GFLOP",
-        _gib(budget_bytes), len(result.selected), len(mp.blocks), _gib(result.peak_bytes),
-        result.recompute_flops / 1e9,
+        "distckpt budget %s: %d of %d blocks full, %d selective, predicted peak %s, recompute %.3g GFLOP",
+        _gib(budget_bytes), result.modes.count("full"), len(mp.blocks), result.modes.count("selective"),
+        _gib(result.peak_bytes), result.recompute_flops / 1e9,
     )
-    return list(result.selected)
+    return result

@@ -39,6 +39,7 @@ class PolicyEstimate:
     peak_bytes: int
     recompute_flops: int
     checkpointed: tuple[int, ...]
+    modes: tuple[str, ...] = ()  # per block: "none", "selective" or "full"
 
 
 @dataclass(frozen=True)
@@ -71,10 +72,8 @@ class PlanReport:
         assert self.profile is not None, "reports from plan_at_scale carry their profile"
         bp = plan_budget(self.profile, budget, strategy=self.strategy, world_size=self.world_size,
                          shard_size=self.shard_size, optimizer=self.optimizer, grad_accumulation=grad_accumulation)
-        full = self.policy("full").recompute_flops
-        ratio = full / max(1, sum(b.forward_flops for b in self.profile.blocks))
         rest = tuple(p for p in self.policies if p.policy != "budget")
-        est = PolicyEstimate("budget", bp.peak_bytes, int(bp.recompute_flops * ratio), bp.selected)
+        est = PolicyEstimate("budget", bp.peak_bytes, bp.recompute_flops, bp.selected, bp.modes)
         return dataclasses.replace(self, policies=(*rest, est), budget_bytes=budget, budget_error="")
 
     def policy(self, name: str) -> PolicyEstimate:
@@ -151,79 +150,11 @@ def _stretch(mp: ModelProfile, blocks: list[tuple[str, nn.Module]], kept: list[i
 
         out.append(dataclasses.replace(
             b, fqn=name, grads_ready_bytes=shift(b.grads_ready_bytes),
-            grads_at_peak_bytes=shift(b.grads_at_peak_bytes), recompute_grads_bytes=shift(b.recompute_grads_bytes)))
+            grads_at_peak_bytes=shift(b.grads_at_peak_bytes), recompute_grads_bytes=shift(b.recompute_grads_bytes),
+            selective_recompute_grads_bytes=shift(b.selective_recompute_grads_bytes)))
     lost = sum(size) - sum(size[k] for k in kept)
     tail = mp.tail_grads_bytes + lost if mp.tail_grads_bytes >= 0 else -1
     return dataclasses.replace(mp, blocks=tuple(out), tail_grads_bytes=tail, **whole)
-
-
-def _policy_step(model: nn.Module, blocks: list[tuple[str, nn.Module]], call: Any, context_fn: Any
-                 ) -> tuple[list[int], int]:
-    """One fake training step with every block checkpointed (``context_fn``: selective; ``False``: no
-    checkpointing): the bytes each block leaves alive after its forward, and the step's FLOPs."""
-    from torch.utils.checkpoint import checkpoint
-    from torch.utils.flop_counter import FlopCounterMode
-
-    def patched(orig: Any) -> Any:
-        def forward(*a: Any, **kw: Any) -> Any:
-            kw = {k: _profile._CACHE_OFF.get(k, v) for k, v in kw.items()}
-            if context_fn is False:
-                return orig(*a, **kw)
-            extra = {"context_fn": context_fn} if context_fn is not None else {}
-            return checkpoint(orig, *a, use_reentrant=False, **extra, **kw)
-
-        return forward
-
-    args, kwargs = _profile._as_args(call)
-    tracker = _profile.memory_tracker(model, *_profile._tensors((args, kwargs)))
-    before: dict[int, int] = {}
-    left = [0] * len(blocks)
-
-    def total() -> int:
-        return sum(d.get("Total", 0) for d in tracker.get_tracker_snapshot().values())
-
-    hooks = []
-    for i, (_, m) in enumerate(blocks):
-        hooks.append(m.register_forward_pre_hook(lambda mod, a, i=i: before.__setitem__(i, total())))
-        hooks.append(m.register_forward_hook(lambda mod, a, o, i=i: left.__setitem__(i, total() - before[i])))
-    saved = [(m, m.__dict__.get("forward")) for _, m in blocks]
-    counter = FlopCounterMode(display=False)
-    try:
-        for _, m in blocks:
-            m.forward = patched(m.forward)
-        with tracker, counter:
-            _profile.scalar_loss(model(*args, **kwargs)).backward()
-    finally:
-        for h in hooks:
-            h.remove()
-        for m, f in saved:
-            if f is None:
-                m.__dict__.pop("forward", None)
-            else:
-                m.forward = f
-        for p in model.parameters():
-            p.grad = None
-    return left, int(counter.get_total_flops())
-
-
-def _selective(mp: ModelProfile, model: nn.Module, cut: list[tuple[str, nn.Module]], kept: list[int],
-               source: list[int], call: Any) -> tuple[ModelProfile, int, int]:
-    """The profile as selective checkpointing sees it (a checkpointed block holds its input plus the op
-    outputs the policy saves), and the measured recompute FLOPs of ``full`` and ``selective``."""
-    from distckpt.select.policies import parse_policy
-
-    _, none_flops = _policy_step(model, cut, call, False)
-    full_left, full_flops = _policy_step(model, cut, call, None)
-    sel_left, sel_flops = _policy_step(model, cut, call, parse_policy("selective").context_fn())
-    # Bytes selective keeps beyond full's, per traced block; the footprint (what a block holds while
-    # it runs backward) stays: the kept outputs replace the ones a full recompute would make.
-    extra = {j: max(0, s - f) for j, s, f in zip(kept, sel_left, full_left)}
-    blocks = tuple(dataclasses.replace(b, input_bytes=b.input_bytes + extra[source[i]],
-                                       saved_input_bytes=b.saved_input_bytes + extra[source[i]])
-                   for i, b in enumerate(mp.blocks))
-    scale = len(mp.blocks) / len(kept)
-    return (dataclasses.replace(mp, blocks=blocks), int((full_flops - none_flops) * scale),
-            int((sel_flops - none_flops) * scale))
 
 
 def _resize(batch: Any, micro_batch: int | None, seq_len: int | None) -> Any:
@@ -289,11 +220,12 @@ def _per_rank(mp: ModelProfile, strategy: str, world_size: int, shard_size: int 
     return mp.param_bytes // div, mp.trainable_bytes // div, k * mp.trainable_bytes // div + steps
 
 
-def _trace(root: nn.Module, model: nn.Module, found: list[tuple[str, nn.Module]], call: Any, *, prefix: str = "",
-           policies: bool = False) -> tuple[ModelProfile, list[int], Any]:
+def _trace(root: nn.Module, model: nn.Module, found: list[tuple[str, nn.Module]], call: Any, *, prefix: str = ""
+           ) -> tuple[ModelProfile, list[int]]:
     """Under a fake mode: ``found`` (blocks of ``model``, which ``root`` runs) cut to the traced ones, the
-    sample step measured and stretched back to every block; with ``policies``, also :func:`_selective`'s
-    profile and FLOPs (else ``None``). Returns ``(profile, traced block indices, selective or None)``.
+    sample step measured and stretched back to every block (the profile measures each traced block's
+    full and selective recompute: held bytes, peaks, FLOPs, so the ``selective`` row and the budget's
+    per-block choice use that one model of both). Returns ``(profile, traced block indices)``.
 
     Raises:
         ConfigError: the model reads tensor values while it runs (fake tensors have none).
@@ -309,7 +241,6 @@ def _trace(root: nn.Module, model: nn.Module, found: list[tuple[str, nn.Module]]
             # _measure, not profile_model: no cache entry for a cut model, and the ranks agree outside the
             # fake mode (estimate_profile), where a collective has real tensors.
             mp = _stretch(_profile._measure(root, cut, call), found, kept, source, whole)
-            extra = _selective(mp, root, cut, kept, source, call) if policies else None
     except (RuntimeError, NotImplementedError) as e:
         # FakeTensorMode's own errors (DataDependentOutputException, ...) live in torch._subclasses.
         if type(e).__module__.startswith("torch._subclasses") or "data-dependent" in str(e):
@@ -319,7 +250,7 @@ def _trace(root: nn.Module, model: nn.Module, found: list[tuple[str, nn.Module]]
         raise
     finally:
         undo()
-    return mp, kept, extra
+    return mp, kept
 
 
 @contextlib.contextmanager
@@ -366,7 +297,7 @@ def estimate_profile(model: nn.Module, blocks: list[tuple[str, nn.Module]], exam
     with _fake_tensors(model, mode):
         fake_inputs = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, (args, kwargs))
         with mode:
-            mp, _, _ = _trace(model, model, blocks, _profile.Call(*fake_inputs))
+            mp, _ = _trace(model, model, blocks, _profile.Call(*fake_inputs))
     return _profile._agree(mp)
 
 
@@ -404,21 +335,25 @@ def plan_at_scale(factory: Any, *, strategy: str = "fsdp2", world_size: int = 1,
         call = _profile.Call(*_resize(_profile._as_args(call), micro_batch, seq_len))
         root.train()
         found = find_blocks(model, blocks)
-        mp, kept, (mp_sel, full_flops, sel_flops) = _trace(root, model, found, call, prefix=prefix, policies=True)
-    return _report(mp, mp_sel, found, kept, full_flops, sel_flops, strategy=strategy, world_size=world_size,
+        mp, kept = _trace(root, model, found, call, prefix=prefix)
+    return _report(mp, found, kept, strategy=strategy, world_size=world_size,
                    shard_size=shard_size, optimizer=optimizer, budget=budget, grad_accumulation=grad_accumulation)
 
 
-def _report(mp: ModelProfile, mp_sel: ModelProfile, found: list[tuple[str, nn.Module]], kept: list[int],
-            full_flops: int, sel_flops: int, *, strategy: str, world_size: int, shard_size: int | None,
+def _report(mp: ModelProfile, found: list[tuple[str, nn.Module]], kept: list[int], *,
+            strategy: str, world_size: int, shard_size: int | None,
             optimizer: str, budget: int | None, grad_accumulation: bool) -> PlanReport:
     kw = dict(strategy=strategy, world_size=world_size, shard_size=shard_size, optimizer=optimizer,
               grad_accumulation=grad_accumulation)
     static_bytes(mp, strategy=strategy, world_size=world_size, optimizer=optimizer, shard_size=shard_size)  # checks
     n = len(mp.blocks)
-    policies = [PolicyEstimate("none", predicted_peak(mp, [], **kw), 0, ()),
-                PolicyEstimate("full", predicted_peak(mp, range(n), **kw), full_flops, tuple(range(n))),
-                PolicyEstimate("selective", predicted_peak(mp_sel, range(n), **kw), sel_flops, tuple(range(n)))]
+    # Selective where the profile could run it (a block whose selective step failed is counted full).
+    sel = tuple("selective" if b.selective_held_bytes >= 0 else "full" for b in mp.blocks)
+    sel_flops = sum(b.selective_flops if m == "selective" else b.full_flops for b, m in zip(mp.blocks, sel))
+    policies = [PolicyEstimate("none", predicted_peak(mp, [], **kw), 0, (), ("none",) * n),
+                PolicyEstimate("full", predicted_peak(mp, range(n), **kw), sum(b.full_flops for b in mp.blocks),
+                               tuple(range(n)), ("full",) * n),
+                PolicyEstimate("selective", predicted_peak(mp, sel, **kw), sel_flops, tuple(range(n)), sel)]
     params, grads, optim = _per_rank(mp, strategy, world_size, shard_size, optimizer)
     total = sum(p.numel() for p in {id(p): p for _, m in found for p in m.parameters()}.values())
     report = PlanReport(
@@ -469,6 +404,14 @@ def _ranges(idx: tuple[int, ...]) -> str:
     return ",".join(out) or "-"
 
 
+def _blocks(p: PolicyEstimate) -> str:
+    """The checkpointed blocks, by mode when a plan mixes them (``full 0-3, selective 4-79``)."""
+    used = [m for m in ("full", "selective") if m in p.modes]
+    if len(used) < 2:
+        return _ranges(p.checkpointed)
+    return ", ".join(f"{m} {_ranges(tuple(i for i, x in enumerate(p.modes) if x == m))}" for m in used)
+
+
 def render(r: PlanReport) -> str:
     """The report as ``distckpt plan`` prints it."""
     where = f"{r.strategy}, {r.world_size} ranks" + (f", shard size {r.shard_size}" if r.shard_size else "")
@@ -483,8 +426,7 @@ def render(r: PlanReport) -> str:
              f"  {'policy':<10} {'peak':>12}  {'recompute':>13}  checkpointed blocks"]
     for p in r.policies:
         label = p.policy if p.policy != "budget" else f"budget:{_fmt(r.budget_bytes).replace(' ', '')}"
-        lines.append(f"  {label:<10} {_fmt(p.peak_bytes):>12}  {_flops(p.recompute_flops):>13}  "
-                     f"{_ranges(p.checkpointed)}")
+        lines.append(f"  {label:<10} {_fmt(p.peak_bytes):>12}  {_flops(p.recompute_flops):>13}  {_blocks(p)}")
     if r.budget_error:
         lines.append(f"  budget: {r.budget_error}")
     return "\n".join(lines)

@@ -26,6 +26,7 @@ __all__ = [
     "Fraction",
     "Full",
     "Candidates",
+    "Placement",
     "Policy",
     "Selective",
     "parse_policy",
@@ -75,7 +76,9 @@ class Policy(Protocol):
 
     ``context_fn`` (optional) returns the ``(forward, recompute)`` context pair that
     ``torch.utils.checkpoint`` runs each checkpointed block under (op-level selective
-    checkpointing); ``None`` means plain full recompute.
+    checkpointing); ``None`` means plain full recompute. ``modes`` (optional) returns
+    ``{index: "selective" | "full"}`` instead, one mode per checkpointed block (the budget mixes
+    them); ``wrap`` then ignores ``select`` and ``context_fn``.
     """
 
     def select(self, candidates: Candidates) -> list[int]: ...
@@ -146,8 +149,9 @@ class Budget:
     the real strategy, world size and shard size. An explicit strategy that ``parallelize``
     contradicts is refused. ``optimizer`` (``"adamw"``, ``"sgd"``, ``"sgd_momentum"``, ...) says
     how much optimizer state to count; ``grad_accumulation=True`` counts gradients as present from
-    the first forward (they persist across micro-batches). The selection itself lives in
-    :mod:`distckpt.select.budget`.
+    the first forward (they persist across micro-batches). Each block gets none, ``selective``
+    (op-level: keep matmul/attention outputs, recompute pointwise ops) or full checkpointing
+    (``selective=False``: none or full). The selection itself lives in :mod:`distckpt.select.budget`.
     """
 
     bytes: int | None
@@ -155,6 +159,7 @@ class Budget:
     optimizer: str = "adamw"
     grad_accumulation: bool = False
     shard_size: int | None = None  # "hsdp": ranks per shard group (default: LOCAL_WORLD_SIZE)
+    selective: bool = True  # offer op-level selective checkpointing per block (False: none or full)
 
     def __post_init__(self) -> None:
         if self.bytes is not None and (not isinstance(self.bytes, int) or self.bytes <= 0):
@@ -166,12 +171,21 @@ class Budget:
             return self.strategy
         return "ddp" if world_size > 1 else "none"
 
-    def select(self, candidates: Candidates) -> list[int]:
+    def plan(self, candidates: Candidates) -> Any:
+        """The :class:`~distckpt.select.budget.BudgetPlan` for ``candidates``."""
         from distckpt.select.budget import select_for_budget
 
         return select_for_budget(candidates, self.bytes, strategy=self.strategy_for(candidates.world_size),
                                  optimizer=self.optimizer, grad_accumulation=self.grad_accumulation,
-                                 shard_size=self.shard_size)
+                                 shard_size=self.shard_size, selective=self.selective)
+
+    def select(self, candidates: Candidates) -> list[int]:
+        return list(self.plan(candidates).selected)
+
+    def modes(self, candidates: Candidates) -> dict[int, str]:
+        """``{index: "selective" | "full"}`` for the blocks to checkpoint."""
+        plan = self.plan(candidates)
+        return {i: plan.modes[i] for i in plan.selected}
 
 
 @dataclass(frozen=True)
@@ -193,6 +207,41 @@ class Selective:
         from distckpt.select.selective import selective_context_fn
 
         return selective_context_fn(self.save_ops, self.every_other_matmul)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Checkpoint each block in the mode given for it: ``"none"``, ``"selective"`` or ``"full"``.
+
+    ``choice`` holds one mode per candidate block (in forward order), or ``{fqn: mode}`` (blocks not
+    named: none). It is how a benchmark or a test places mixed modes by hand, as a budget plan does.
+    """
+
+    choice: tuple[str, ...] | dict[str, str]
+
+    def __post_init__(self) -> None:
+        values = self.choice.values() if isinstance(self.choice, dict) else self.choice
+        bad = sorted({m for m in values if m not in ("none", "selective", "full")})
+        if bad:
+            raise ConfigError(f"Placement modes must be 'none', 'selective' or 'full', got {bad}.")
+
+    def select(self, candidates: Candidates) -> list[int]:
+        return sorted(self.modes(candidates))
+
+    def modes(self, candidates: Candidates) -> dict[int, str]:
+        """``{index: "selective" | "full"}`` for the blocks to checkpoint.
+
+        Raises:
+            ConfigError: a tuple of modes whose length is not the number of candidate blocks.
+        """
+        n = len(candidates.blocks)
+        if isinstance(self.choice, dict):
+            every = [self.choice.get(name, "none") for name, _ in candidates.blocks]
+        elif len(self.choice) != n:
+            raise ConfigError(f"Placement has {len(self.choice)} modes for {n} candidate blocks; give one per block.")
+        else:
+            every = list(self.choice)
+        return {i: m for i, m in enumerate(every) if m != "none"}
 
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,

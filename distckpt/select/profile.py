@@ -10,7 +10,7 @@ import copy
 import logging
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -57,6 +57,17 @@ class BlockProfile:
             with every block checkpointed (the recompute runs the block's forward while the
             backward's temporaries exist), relative to the prefix of checkpointed inputs.
         recompute_grads_bytes: gradient bytes at that peak; ``-1`` when that step could not run.
+        recompute_flops: FLOPs the recompute of a fully checkpointed block really runs (measured in a
+            FLOP-only step; non-reentrant checkpoint stops once backward has what it needs); ``-1``
+            when not measured (then ``forward_flops``).
+        selective_held_bytes: bytes held from forward to backward under ``selective`` (op-level)
+            checkpointing: the block's input plus the op outputs the policy keeps, as the extra bytes
+            a selective block leaves alive after its forward over a fully checkpointed one; ``-1``
+            when not measured (then the budget does not offer ``selective`` for this block).
+        selective_flops: FLOPs the selective recompute runs (the pointwise ops and every other matmul).
+        selective_recompute_overhead_bytes, selective_recompute_grads_bytes: like
+            ``recompute_overhead_bytes`` and ``recompute_grads_bytes``, in a sample step with every
+            block selective (the prefix: the selective blocks' held bytes).
     """
 
     fqn: str
@@ -71,6 +82,16 @@ class BlockProfile:
     grads_at_peak_bytes: int = -1
     recompute_overhead_bytes: int = 0
     recompute_grads_bytes: int = -1
+    recompute_flops: int = -1
+    selective_held_bytes: int = -1
+    selective_flops: int = 0
+    selective_recompute_overhead_bytes: int = 0
+    selective_recompute_grads_bytes: int = -1
+
+    @property
+    def full_flops(self) -> int:
+        """Recompute FLOPs of full checkpointing: measured when known, else one forward."""
+        return self.recompute_flops if self.recompute_flops >= 0 else self.forward_flops
 
     @property
     def held_bytes(self) -> int:
@@ -256,45 +277,69 @@ def memory_tracker(*external: Any) -> Any:
 _CACHE_OFF = {"use_cache": False, "past_key_values": None, "past_key_value": None, "layer_past": None}
 
 
-def _checkpointed_peaks(model: nn.Module, blocks: list[tuple[str, nn.Module]], args: tuple[Any, ...],
-                        kwargs: dict[str, Any], batch: list[torch.Tensor], dev: torch.device
-                        ) -> list[tuple[int, int]] | None:
-    """Activations+temporaries and gradients at each block's backward peak in a sample step with
-    every block checkpointed (non-reentrant, no cache in the blocks, as distckpt runs them).
-
-    Returns:
-        ``[(activation and temporary bytes, gradient bytes), ...]`` per block, or ``None`` when the
-        step fails (then the budget bounds a recompute from the first step alone).
-    """
-    # The blocks are checkpointed by distckpt's own wrapper (the code a plan runs): a hand-made
-    # checkpoint of forward missed HF's cache handling (a cache written twice: measured on Llama).
+@contextlib.contextmanager
+def _all_checkpointed(model: nn.Module, blocks: list[tuple[str, nn.Module]],
+                      context_fns: list[Callable[[], tuple[Any, Any]] | None]) -> Iterator[None]:
+    """Every block checkpointed by distckpt's own wrapper (the code a plan runs; a hand-made
+    checkpoint of forward missed HF's cache handling: a cache written twice, measured on Llama),
+    block i under ``context_fns[i]`` (``None``: full recompute); gradients dropped on the way out."""
     from distckpt.apply.recompute import CheckpointOptions, cache_positions, stateful_norms
     from distckpt.apply.wrap import _checkpointed_class, unwrap
 
-    tracker = memory_tracker(model, *batch)
     mods = [m for _, m in blocks]
     try:
-        for m in mods:
+        for m, fn in zip(mods, context_fns):
             orig = type(m)
             m.__class__ = _checkpointed_class(orig)
-            m._distckpt_options = CheckpointOptions(False, True, None, None)
+            m._distckpt_options = CheckpointOptions(False, True, None, fn)
             m._distckpt_norms = stateful_norms(m)
             m._distckpt_cache_slots = cache_positions(orig)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the wrapper's one-time "runs without a KV cache" notice
-            with tracker:
-                loss = scalar_loss(model(*args, **kwargs))
-                loss.backward()
-                del loss
-    except Exception as e:  # noqa: BLE001 - any failure only loses precision, never correctness
-        logger.info("distckpt.select.profile: the checkpointed sample step failed (%s); recompute peaks estimated", e)
-        return None
+            yield
     finally:
         unwrap(model, mods)
         for p in model.parameters():
             p.grad = None
+
+
+def _checkpointed_peaks(model: nn.Module, blocks: list[tuple[str, nn.Module]], args: tuple[Any, ...],
+                        kwargs: dict[str, Any], batch: list[torch.Tensor], dev: torch.device,
+                        context_fn: Callable[[], tuple[Any, Any]] | None = None
+                        ) -> list[tuple[int, int, int]] | None:
+    """Activations+temporaries and gradients at each block's backward peak in a sample step with
+    every block checkpointed (non-reentrant, no cache in the blocks, as distckpt runs them; under
+    ``context_fn``: selective), and the bytes each block leaves alive after its forward.
+
+    Returns:
+        ``[(activation and temporary bytes, gradient bytes, bytes left by the forward), ...]`` per
+        block, or ``None`` when the step fails (then the budget bounds a recompute from the first
+        step alone, and offers no selective choice).
+    """
+    tracker = memory_tracker(model, *batch)
+    before: dict[int, int] = {}
+    left = [0] * len(blocks)
+
+    def total() -> int:
+        return sum(d.get("Total", 0) for d in tracker.get_tracker_snapshot().values())
+
+    hooks = []
+    for i, (_, m) in enumerate(blocks):
+        hooks.append(m.register_forward_pre_hook(lambda mod, a, i=i: before.__setitem__(i, total())))
+        hooks.append(m.register_forward_hook(lambda mod, a, o, i=i: left.__setitem__(i, total() - before[i])))
+    try:
+        with _all_checkpointed(model, blocks, [context_fn] * len(blocks)), tracker:
+            loss = scalar_loss(model(*args, **kwargs))
+            loss.backward()
+            del loss
+    except Exception as e:  # noqa: BLE001 - any failure only loses precision, never correctness
+        logger.info("distckpt.select.profile: the checkpointed sample step failed (%s); recompute peaks estimated", e)
+        return None
+    finally:
+        for h in hooks:
+            h.remove()
     out = []
-    for _, m in blocks:
+    for i, (_, m) in enumerate(blocks):
         stats = tracker.memory_tracking.get(m)
         best, grads = -1, 0
         for snap in stats.snapshots.get(compat.mem_tracker_states()[1], []) if stats is not None else []:
@@ -304,8 +349,44 @@ def _checkpointed_peaks(model: nn.Module, blocks: list[tuple[str, nn.Module]], a
                 best, grads = act, d.get("Gradient", 0)
         if best < 0:
             return None
-        out.append((best, grads))
+        out.append((best, grads, left[i]))
     return out
+
+
+def _recompute_flops(model: nn.Module, blocks: list[tuple[str, nn.Module]], args: tuple[Any, ...],
+                     kwargs: dict[str, Any], context_fn: Callable[[], tuple[Any, Any]] | None) -> list[int] | None:
+    """FLOPs each block's recompute really runs, every block checkpointed (``context_fn``: selective),
+    counted by ``FlopCounterMode`` around each recompute, in a step of its own (a memory peak measured
+    inside ``FlopCounterMode`` is inflated under checkpointing). ``None`` when the step fails."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    flops = [0] * len(blocks)
+
+    def counting(i: int) -> Callable[[], tuple[Any, Any]]:
+        def pair() -> tuple[Any, Any]:
+            fwd, rec = context_fn() if context_fn else (contextlib.nullcontext(), contextlib.nullcontext())
+
+            @contextlib.contextmanager
+            def recompute() -> Iterator[None]:
+                start = counter.get_total_flops()
+                try:  # checkpoint stops a recompute early by raising through this context
+                    with rec:
+                        yield
+                finally:
+                    flops[i] += counter.get_total_flops() - start
+
+            return fwd, recompute()
+
+        return pair
+
+    try:
+        with _all_checkpointed(model, blocks, [counting(i) for i in range(len(blocks))]), counter:
+            scalar_loss(model(*args, **kwargs)).backward()
+    except Exception as e:  # noqa: BLE001 - any failure only loses precision, never correctness
+        logger.info("distckpt.select.profile: the recompute FLOP count failed (%s)", e)
+        return None
+    return flops
 
 
 def _at(snap: dict[Any, dict[str, int]], dev: torch.device) -> dict[str, int]:
@@ -511,28 +592,60 @@ def _head_and_tail(rec: _StepRecorder, model: nn.Module, att: _Attribution, meas
     )
 
 
-def _recompute_overheads(model: nn.Module, rec: _StepRecorder, att: _Attribution, args: tuple[Any, ...],
-                         kwargs: dict[str, Any], batch: list[torch.Tensor], batch_keys: set[tuple[str, int]],
-                         device: torch.device, dev: torch.device) -> tuple[list[int], list[int]]:
-    """Each block's backward peak with every block checkpointed, over what the prediction holds."""
-    n = rec.n
-    recompute_ov, recompute_grads = [0] * n, [-1] * n
-    if not n:
-        return recompute_ov, recompute_grads
-    with _preserved_state(model, device):
-        peaks = _checkpointed_peaks(model, rec.blocks, args, kwargs, batch, dev)
-    if peaks is None:
-        return recompute_ov, recompute_grads
+def _over_prediction(peaks: list[tuple[int, int, int]], rec: _StepRecorder, att: _Attribution,
+                     batch_keys: set[tuple[str, int]], extra: list[int]) -> tuple[list[int], list[int]]:
+    """Each block's measured backward peak in a checkpointed step over what the prediction holds
+    there (the prefix of checkpointed blocks, each holding its inputs plus ``extra``), and the
+    gradient bytes at that peak."""
     # What the checkpointed blocks before i really hold: their inputs, each storage once and not block
     # i's own (the mask and rotary tables are every block's input; input_bytes counts them per block, so
     # the prediction stays above the measure when some are kept).
     held_in: dict[tuple[str, int], int] = {}
-    for i, (act, grads) in enumerate(peaks):
-        before = sum(b for k, b in held_in.items() if k not in rec.input_keys[i])  # own inputs: in in_bytes
-        recompute_ov[i] = act - (att.pre + before + att.inner[i] + att.in_bytes[i])
-        recompute_grads[i] = grads
+    over, grads_at = [], []
+    for i, (act, grads, _) in enumerate(peaks):
+        before = sum(b for k, b in held_in.items() if k not in rec.input_keys[i]) + sum(extra[:i])
+        over.append(act - (att.pre + before + att.inner[i] + att.in_bytes[i]))
+        grads_at.append(grads)
         held_in.update((k, b) for k, b in rec.input_keys[i].items() if k not in batch_keys)
-    return recompute_ov, recompute_grads
+    return over, grads_at
+
+
+def _recompute_profile(model: nn.Module, rec: _StepRecorder, att: _Attribution, args: tuple[Any, ...],
+                       kwargs: dict[str, Any], batch: list[torch.Tensor], batch_keys: set[tuple[str, int]],
+                       device: torch.device, dev: torch.device) -> dict[str, list[int]]:
+    """The recompute side of every block, full and selective (as :class:`BlockProfile` fields):
+    backward peaks in a step with every block checkpointed (one per mode), what a selective block
+    holds over a full one (the bytes its forward leaves alive beyond full's: the op outputs it keeps,
+    as ``distckpt plan`` counts them), and the recompute FLOPs (one FLOP-only step per mode)."""
+    from distckpt.select.selective import selective_context_fn
+
+    n = rec.n
+    out = {"recompute_overhead_bytes": [0] * n, "recompute_grads_bytes": [-1] * n, "recompute_flops": [-1] * n,
+           "selective_held_bytes": [-1] * n, "selective_flops": [0] * n,
+           "selective_recompute_overhead_bytes": [0] * n, "selective_recompute_grads_bytes": [-1] * n}
+    if not n:
+        return out
+    sel = selective_context_fn()
+    with _preserved_state(model, device):
+        full = _checkpointed_peaks(model, rec.blocks, args, kwargs, batch, dev)
+        full_flops = _recompute_flops(model, rec.blocks, args, kwargs, None)
+    if full is None:
+        return out
+    out["recompute_overhead_bytes"], out["recompute_grads_bytes"] = _over_prediction(full, rec, att, batch_keys,
+                                                                                     [0] * n)
+    if full_flops is not None:
+        out["recompute_flops"] = full_flops
+    with _preserved_state(model, device):
+        selective = _checkpointed_peaks(model, rec.blocks, args, kwargs, batch, dev, sel)
+        sel_flops = _recompute_flops(model, rec.blocks, args, kwargs, sel) if selective is not None else None
+    if selective is None or sel_flops is None:
+        return out  # selective cannot run on this model: the budget chooses between none and full
+    extra = [max(0, s[2] - f[2]) for s, f in zip(selective, full)]
+    out["selective_held_bytes"] = [att.in_bytes[i] + extra[i] for i in range(n)]
+    out["selective_flops"] = sel_flops
+    out["selective_recompute_overhead_bytes"], out["selective_recompute_grads_bytes"] = _over_prediction(
+        selective, rec, att, batch_keys, extra)
+    return out
 
 
 def _grads_ready(rec: _StepRecorder, params: list[torch.Tensor], dev: torch.device) -> tuple[list[int], int]:
@@ -597,8 +710,7 @@ def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inpu
     att = _attribute(rec, batch_keys)
     ov = _block_overheads(rec, att, dev)
     head = _head_and_tail(rec, model, att, ov["measured_blocks"], dev)
-    recompute_ov, recompute_grads = _recompute_overheads(model, rec, att, args, kwargs, batch, batch_keys,
-                                                         device, dev)
+    redo = _recompute_profile(model, rec, att, args, kwargs, batch, batch_keys, device, dev)
     ready, head_grads = _grads_ready(rec, params, dev)
 
     held = att.held
@@ -608,7 +720,7 @@ def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inpu
             saved_input_bytes=att.saved_input[i], overhead_bytes=ov["overhead"][i],
             grads_ready_bytes=ready[i], forward_overhead_bytes=ov["overhead_fw"][i],
             backward_overhead_bytes=ov["overhead_bw"][i], grads_at_peak_bytes=ov["grads_peak"][i],
-            recompute_overhead_bytes=recompute_ov[i], recompute_grads_bytes=recompute_grads[i],
+            **{k: v[i] for k, v in redo.items()},
         )
         for i, (name, _) in enumerate(blocks)
     )

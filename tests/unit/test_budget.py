@@ -17,7 +17,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, f
 import distckpt  # noqa: E402
 from benchmarks.models import GPT, GPTConfig, batch  # noqa: E402
 from distckpt import Budget, ConfigError, parse_policy  # noqa: E402
-from distckpt.apply.wrap import is_checkpointed  # noqa: E402
 from distckpt.select.budget import _bounds, plan_budget, predicted_peak, static_bytes  # noqa: E402
 from distckpt.select.profile import BlockProfile, ModelProfile, profile_model  # noqa: E402
 
@@ -175,9 +174,10 @@ def test_budget_respected_in_real_train_steps():
     for budget in (smallest, (full_peak + none_peak) // 2, none_peak):
         model = copy.deepcopy(base)
         distckpt.wrap(model, Budget(budget, strategy="none"), example_inputs=inputs)
-        chosen = [i for i, b in enumerate(model.h) if is_checkpointed(b)]
+        modes = distckpt.checkpointed(model, modes=True)  # {"h.i": "full" | "selective"}
         assert _train_peak(model, inputs) <= budget
-        flops.append(sum(mp.blocks[i].forward_flops for i in chosen))
+        b = [mp.blocks[int(fqn.split(".")[1])] for fqn in modes]
+        flops.append(sum(x.full_flops if m == "full" else x.selective_flops for x, m in zip(b, modes.values())))
     assert flops[0] > flops[1] > flops[2] >= 0  # more memory, less recompute
     with pytest.raises(ConfigError, match=f"budget:{smallest} or more"):
         distckpt.wrap(copy.deepcopy(base), Budget(smallest - 1, strategy="none"), example_inputs=inputs)

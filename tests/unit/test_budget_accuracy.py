@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for benchmarks
 
@@ -48,3 +49,29 @@ def test_adam_step_temporaries_match_memtracker():
     opt_peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Optstate"]
     states = sum(2 * p.numel() * 4 + 4 for p in params)  # exp_avg, exp_avg_sq and a float32 step each
     assert opt_peak - states == adam_step_temp_bytes(params) == 3 * 4096 * 4
+
+
+@pytest.mark.parametrize("name", ["MultiTaskGPT", "two-tower (CLIP-like)"])
+def test_mixed_placement_predicted_within_three_percent(name):
+    # None, selective and full blocks in one model (what a budget plan places), in two orders.
+    import copy
+
+    import distckpt
+    from benchmarks.budget_accuracy import steady_peak
+    from distckpt.select.blocks import find_blocks
+    from distckpt.select.budget import predicted_peak
+    from distckpt.select.policies import Placement
+    from distckpt.select.profile import profile_model
+
+    make, inputs, blocks = MODELS[name]
+    torch.manual_seed(0)
+    base = make()
+    base.train()
+    batch = inputs()
+    mp = profile_model(base, find_blocks(base, blocks), batch)
+    n = len(mp.blocks)
+    for order in (("selective", "full", "none"), ("none", "selective", "full")):
+        modes = tuple(order[i % 3] for i in range(n))
+        model = distckpt.wrap(copy.deepcopy(base), Placement(modes), blocks=blocks)
+        predicted, measured = predicted_peak(mp, modes, strategy="none", optimizer="adamw"), steady_peak(model, batch)
+        assert abs(predicted - measured) <= 0.03 * measured, (modes, predicted, measured)

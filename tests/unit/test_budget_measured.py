@@ -2,7 +2,8 @@
 checkpointed blocks of a small heterogeneous model is run and MEASURED (peak with MemTracker, recompute
 FLOPs with FlopCounterMode in a separate pass: a peak measured inside FlopCounterMode is inflated under
 checkpointing). At several budgets the planner's choice never exceeds the budget, and its recompute is
-within 5% of the best measured subset that fits."""
+within 5% of the best measured subset that fits. The same holds over the 3**k placements of none,
+selective and full per block of a small model whose blocks are mostly pointwise ops."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import distckpt
 from distckpt import Budget
-from distckpt.apply.wrap import is_checkpointed
+from distckpt.apply.wrap import checkpoint_mode, is_checkpointed
+from distckpt.select.policies import Placement
 
 CPU = torch.device("cpu")
 
@@ -119,3 +121,52 @@ def test_near_optimal_against_measured_subsets():
 @pytest.mark.timeout(1200)  # 256 measured subsets: minutes on a shared 2-core CPU
 def test_near_optimal_against_measured_subsets_eight_blocks():
     _check((16, 128, 32, 256, 96, 24, 160, 64, 16), batch=512, fractions=(0.1, 0.25, 0.5, 0.75, 0.9))
+
+
+class GatedMLP(nn.Module):
+    """A block with pointwise ops between its matmuls, so that selective (keep fc1's output,
+    recompute the rest) holds less than no checkpointing at less recompute than full."""
+
+    def __init__(self, a: int, b: int):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(a, 2 * b), nn.Linear(2 * b, b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        return torch.tanh(self.fc2(torch.nn.functional.gelu(h) * torch.sigmoid(h)))
+
+
+class GatedChain(Chain):
+    def __init__(self, widths: tuple[int, ...]):
+        super().__init__(widths)
+        self.blocks = nn.ModuleList(GatedMLP(a, b) for a, b in zip(widths[:-1], widths[1:]))
+
+
+def _is_gated(m: nn.Module) -> bool:
+    return isinstance(m, GatedMLP)
+
+
+def test_near_optimal_against_measured_mixed_placements():
+    torch.manual_seed(0)
+    base, x = GatedChain((16, 96, 32, 128, 24)), torch.randn(256, 8)
+    n = len(base.blocks)
+    measured = {}
+    for modes in itertools.product(("none", "selective", "full"), repeat=n):  # 3**4 placements
+        model = copy.deepcopy(base)
+        distckpt.wrap(model, Placement(modes), blocks=_is_gated)
+        measured[modes] = _measure(model, x)
+    none_peak, no_recompute = measured[("none",) * n]
+    full_peak = measured[("full",) * n][0]
+    chosen_selective = False
+    for frac in (0.25, 0.5, 0.75):
+        budget = int(full_peak + frac * (none_peak - full_peak))
+        best = min(f - no_recompute for peak, f in measured.values() if peak <= budget)
+        model = copy.deepcopy(base)
+        distckpt.wrap(model, Budget(budget, strategy="none", optimizer="none"), blocks=_is_gated,
+                      example_inputs=(x,))
+        chosen = tuple(checkpoint_mode(b) for b in model.blocks)
+        chosen_selective |= "selective" in chosen
+        peak, flops = measured[chosen]
+        assert peak <= budget, (frac, chosen, peak, budget)
+        assert flops - no_recompute <= 1.05 * best, (frac, chosen, flops - no_recompute, best)
+    assert chosen_selective  # the third choice is used, not only offered

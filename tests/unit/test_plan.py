@@ -43,7 +43,8 @@ def test_llama_70b_shaped_on_64_ranks_fsdp2():
     assert r.activation_bytes > 80 * 4096 * 8192 * 2
     assert full.peak_bytes < sel.peak_bytes < none.peak_bytes
     assert 0 == none.recompute_flops < sel.recompute_flops < full.recompute_flops
-    assert budget.peak_bytes <= 60 * 2**30 and 0 < len(budget.checkpointed) < 80
+    # The budget mixes modes per block: it fits at less recompute than full everywhere.
+    assert budget.peak_bytes <= 60 * 2**30 and 0 < budget.recompute_flops < full.recompute_flops
 
 
 def test_hsdp_shards_over_the_shard_group_only():
