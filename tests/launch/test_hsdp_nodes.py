@@ -41,11 +41,13 @@ def _two_nodes(overrides: list[str], run: Path, restarts: int = 0) -> list[tuple
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     run = tmp_path_factory.mktemp("hsdp") / "straight"
-    return run, "".join(out for out, _ in _two_nodes(HSDP, run))
+    outs = _two_nodes(HSDP, run)
+    return run, "".join(out for out, _ in outs), sum("distckpt run summary" in out for out, _ in outs)
 
 
 def test_hsdp_two_nodes_match_single_process(uninterrupted, tmp_path):
-    run, out = uninterrupted
+    run, out, summaries = uninterrupted
+    assert summaries == 1  # rank 0 only, on one of the two agents
     assert "strategy=hsdp x4 (mesh 2 replicate x 2 shard)" in out and "0 -> 8 of 8" in out
     assert "grad sync: 8 steps compared across 4 ranks, all in sync" in out
     train(compose([*STEPS, "strategy=none", "ac=none"]), run_dir=tmp_path / "none")

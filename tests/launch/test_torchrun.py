@@ -136,6 +136,10 @@ def test_sigterm_saves_on_every_rank_at_the_same_step_then_resumes_bitwise(unint
     assert_params_equal(final_params(run, LONG), final_params(uninterrupted[0], LONG), exact=True)
 
 
+# Slow only: tests/launch/test_hsdp_nodes.py runs two agents at a c10d rendezvous as two nodes in the
+# default run (2 ranks each, strategy=hsdp, against a single process, the summary printed once); this
+# one is the same rendezvous with one DDP rank per agent.
+@pytest.mark.slow
 def test_two_torchrun_agents_as_two_nodes(single_process, tmp_path):
     ref_dir, _ = single_process
     run = tmp_path / "multinode"
