@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "GradDesyncError", "NoGradientError", "RecomputeMismatchError", "ResumeError"]
+__all__ = ["ConfigError", "GradDesyncError", "NoGradientError", "RecomputeMismatchError", "ResumeError", "first_lines"]
 
 
 class ConfigError(ValueError):
@@ -33,3 +33,9 @@ class NoGradientError(RuntimeError):
 
 class RecomputeMismatchError(RuntimeError):
     """The checkpointed recompute does not reproduce the original forward."""
+
+
+def first_lines(e: BaseException, n: int = 1) -> str:
+    """The first ``n`` lines of ``e``'s message, stripped and joined by spaces (its type's name when the
+    message is empty): how a wrapped error is quoted inside a one- or two-line ``ConfigError``."""
+    return " ".join(line.strip() for line in str(e).strip().splitlines()[:n]) or type(e).__name__

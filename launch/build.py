@@ -134,6 +134,18 @@ def build_optimizer(o: DictConfig, model: nn.Module, max_steps: int) -> tuple[to
     return opt, sched
 
 
+def budget_facts(cfg: DictConfig, world_size: int) -> dict[str, Any]:
+    """What a memory plan (``ac=budget``'s Budget, ``launch/plan.py``) needs to know about the run: the
+    strategy and HSDP shard size, the optimizer's state (SGD with momentum keeps one, without none) and
+    whether gradients accumulate over micro-batches."""
+    from launch.config import shard_size
+
+    o = cfg.optim
+    optimizer = o.name if o.name != "sgd" else ("sgd_momentum" if o.momentum else "sgd")
+    return dict(strategy=cfg.strategy.name, optimizer=optimizer, grad_accumulation=cfg.trainer.grad_accum > 1,
+                shard_size=shard_size(cfg.strategy, world_size))
+
+
 def parallel_kwargs(p: DictConfig, strategy: str) -> dict[str, Any]:
     """Extra arguments for ``distckpt.parallelize``: FSDP's own mixed precision when ``precision.sharded``."""
     if not p.sharded or p.dtype == "fp32":

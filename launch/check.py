@@ -8,11 +8,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from distckpt.errors import first_lines
 from launch.config import CONF_DIR
-
-
-def _first_line(e: BaseException) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+from launch.torchrun import EXIT_CONFIG
 
 
 def explain(e: BaseException) -> str:
@@ -21,11 +19,11 @@ def explain(e: BaseException) -> str:
 
     if isinstance(e, ConfigError):
         return str(e)
-    msg = _first_line(e)
+    msg = first_lines(e)
     cause = e.__cause__ or e.__context__
     key = getattr(cause, "full_key", None) or getattr(e, "full_key", None)
-    if cause is not None and _first_line(cause) != msg:
-        msg = f"{msg}: {_first_line(cause)}"
+    if cause is not None and first_lines(cause) != msg:
+        msg = f"{msg}: {first_lines(cause)}"
     if "Could not override" in msg or "not in struct" in msg:
         return f"{msg}\nunknown key: check its spelling against conf/ (python launch/train.py --cfg job lists them)."
     if "Could not find" in msg or "Could not load" in msg:
@@ -97,7 +95,7 @@ def check_overrides(argv: list[str]) -> None:
     except Exception as e:  # every composition error becomes one short message
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"config error: {explain(e)}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(EXIT_CONFIG)
     if only_check:
         sys.exit(0)
 

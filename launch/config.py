@@ -67,6 +67,8 @@ class HFModelConfig:
     d_model: int = 64
     n_layer: int = 2
     n_head: int = 4
+    intermediate_size: Optional[int] = None  # MLP width (llama: intermediate_size, gpt2: n_inner); None: 4 x d_model
+    kv_heads: Optional[int] = None  # key/value heads (GQA: llama num_key_value_heads); None: n_head
     n_classes: int = 4
     dropout: float = 0.0
 
@@ -258,6 +260,8 @@ RANGES: dict[str, Range] = {
     "model.d_model": SIZE,
     "model.n_layer": SIZE,
     "model.n_head": SIZE,
+    "model.intermediate_size": Range(1, why="the MLP width; null: 4 x model.d_model"),
+    "model.kv_heads": Range(1, why="key/value heads, dividing model.n_head; null: model.n_head"),
     "model.n_classes": SIZE,
     "model.in_features": SIZE,
     "model.hidden": SIZE,
@@ -420,6 +424,9 @@ def _check_combinations(cfg: DictConfig, world_size: int) -> None:
                           f"trainer.grad_accum={t.grad_accum}: {e}") from None
     if "n_head" in m and m.d_model % m.n_head:
         raise ConfigError(f"model.d_model={m.d_model} must be divisible by model.n_head={m.n_head}.")
+    if m.get("kv_heads") is not None and m.n_head % m.kv_heads:
+        raise ConfigError(f"model.n_head={m.n_head} must be divisible by model.kv_heads={m.kv_heads} (each key/value "
+                          "head serves n_head / kv_heads query heads).")
 
 
 # Optional packages: (the override that needs it, when, the module, the pyproject extra that installs it).
@@ -486,6 +493,8 @@ def check_model(cfg: DictConfig) -> None:
     try:
         with torch.device("meta"):
             model = build_model(cfg.model, cfg.data)
+    except ConfigError as e:  # a size this model type has no field for (model.kv_heads under gpt2)
+        raise ConfigError(f"model={cfg.model.name}: {e}") from None
     except (ValueError, TypeError, KeyError, RuntimeError) as e:  # e.g. a model type transformers lacks
         text = str(e).strip().splitlines()[0] if str(e).strip() else ""
         text = text if len(text) <= 160 else text[:160].rsplit(" ", 1)[0] + " ..."  # HF lists every model type

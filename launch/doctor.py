@@ -20,7 +20,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-from distckpt.errors import ConfigError  # noqa: E402
+from distckpt.errors import ConfigError, first_lines  # noqa: E402
 
 
 def _compose(overrides: list[str]) -> Any:
@@ -34,7 +34,7 @@ def _compose(overrides: list[str]) -> Any:
     try:
         return compose(list(overrides))
     except Exception as e:  # Hydra's own errors name the bad key
-        raise ConfigError(f"bad launcher overrides {' '.join(overrides)}: {str(e).splitlines()[0]}") from e
+        raise ConfigError(f"bad launcher overrides {' '.join(overrides)}: {first_lines(e)}") from e
 
 
 def build_subject(overrides: tuple[str, ...], wrap: bool, nproc: int, preserve_rng_state: bool) -> tuple:

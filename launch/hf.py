@@ -13,7 +13,7 @@ import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 
 from distckpt._dist import rank_world
-from distckpt.errors import ConfigError
+from distckpt.errors import ConfigError, first_lines
 from distckpt.train.models import MultiTaskHF, build_hf_causal_lm
 
 
@@ -45,7 +45,8 @@ def build_hf(m: DictConfig) -> MultiTaskHF:
         model = MultiTaskHF(lm, m.n_classes)
     else:
         model = build_hf_causal_lm(m.config_name, vocab_size=m.vocab_size, seq_len=m.seq_len, n_layer=m.n_layer,
-                                   d_model=m.d_model, n_head=m.n_head, n_classes=m.n_classes, dropout=m.dropout)
+                                   d_model=m.d_model, n_head=m.n_head, n_classes=m.n_classes, dropout=m.dropout,
+                                   intermediate_size=m.intermediate_size, kv_heads=m.kv_heads)
     if m.lora.r > 0:
         model.lm = _add_lora(model.lm, m.lora)
     return model
@@ -59,7 +60,7 @@ def _add_lora(lm: nn.Module, c: DictConfig) -> nn.Module:
         return get_peft_model(lm, LoraConfig(r=c.r, lora_alpha=c.alpha, lora_dropout=c.dropout,
                                              target_modules=targets, task_type="CAUSAL_LM"))
     except ValueError as e:  # peft: unknown default targets for this model type, or targets not found
-        raise ConfigError(f"model.lora: {str(e).splitlines()[0]} Set model.lora.target_modules=[...] to module "
+        raise ConfigError(f"model.lora: {first_lines(e)} Set model.lora.target_modules=[...] to module "
                           "names of this model (e.g. [c_attn] for gpt2, [q_proj,v_proj] for llama).") from None
 
 

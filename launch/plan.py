@@ -26,19 +26,24 @@ def main(argv: list[str] | None = None) -> int:
         The exit code: 0, or 2 on bad usage or a bad override.
     """
     from distckpt.cli import add_plan_flags, run_plan
+    from launch.build import budget_facts
     from launch.doctor import _compose, build_subject
 
     parser = argparse.ArgumentParser(prog="python launch/plan.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("overrides", nargs="+", help="Hydra overrides of the launcher's config (key=value)")
     add_plan_flags(parser)
-    parser.set_defaults(strategy=None)
+    parser.set_defaults(strategy=None, optimizer=None)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = _compose(args.overrides)
     except ConfigError as e:
         print(f"distckpt plan: {e}", file=sys.stderr)
         return 2
-    args.strategy = args.strategy or cfg.strategy.name
+    # The run's own facts, as training hands them to a budget (launch.build.budget_facts), unless a flag says.
+    facts = budget_facts(cfg, args.world_size)
+    args.strategy = args.strategy or facts["strategy"]
+    args.optimizer = args.optimizer or facts["optimizer"]
+    args.grad_accumulation = args.grad_accumulation or facts["grad_accumulation"]
     if args.shard_size is None and args.strategy == "hsdp":
         args.shard_size = cfg.strategy.get("shard_size")
     # The launcher's whole global batch is one micro-batch unless --micro-batch says otherwise.

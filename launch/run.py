@@ -18,13 +18,14 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 import distckpt
-from distckpt._dist import rank_world
+from distckpt._dist import broadcast_object, rank_world
 from distckpt._spawn import free_port
-from distckpt.errors import ConfigError
+from distckpt.errors import ConfigError, first_lines
 from distckpt.train import Callback, LoopOptions, LoopResult, MetricSink, TrainState, fit, format_summary
 from distckpt.train.data import TaskBatches
 from launch.build import (
     autocast_factory,
+    budget_facts,
     build_data,
     build_model,
     build_optimizer,
@@ -81,12 +82,7 @@ def _run_dir(run_dir: str | os.PathLike[str] | None) -> str:
         if not HydraConfig.initialized():
             raise ConfigError("train(cfg) outside @hydra.main needs run_dir=...; pass the folder for this run.")
         run_dir = HydraConfig.get().runtime.output_dir
-    path = str(Path(run_dir).resolve())
-    if dist.is_initialized():  # every rank uses rank 0's folder, whatever its own resolved to
-        box = [path]
-        dist.broadcast_object_list(box, src=0)
-        path = box[0]
-    return path
+    return broadcast_object(str(Path(run_dir).resolve()))  # every rank uses rank 0's folder, whatever its own is
 
 
 def ac_policy(cfg: DictConfig, world: int) -> Any:
@@ -95,11 +91,7 @@ def ac_policy(cfg: DictConfig, world: int) -> Any:
     policy = distckpt.parse_policy(cfg.ac.policy)
     if not isinstance(policy, distckpt.Budget):
         return policy
-    o = cfg.optim
-    optimizer = o.name if o.name != "sgd" else ("sgd_momentum" if o.momentum else "sgd")
-    return dataclasses.replace(policy, strategy=cfg.strategy.name, optimizer=optimizer,
-                               grad_accumulation=cfg.trainer.grad_accum > 1,
-                               shard_size=shard_size(cfg.strategy, world))
+    return dataclasses.replace(policy, **budget_facts(cfg, world))
 
 
 def _wrap(model: torch.nn.Module, cfg: DictConfig, example: dict[str, torch.Tensor]) -> None:
@@ -230,7 +222,7 @@ def _callbacks(entries: Any) -> list[Callback]:
         try:
             cb = instantiate(e)
         except Exception as err:  # hydra's InstantiationException wraps the import or constructor error
-            raise ConfigError(f"trainer.callbacks: cannot make {target}: {str(err).strip().splitlines()[0]}") from None
+            raise ConfigError(f"trainer.callbacks: cannot make {target}: {first_lines(err)}") from None
         if not isinstance(cb, Callback):
             raise ConfigError(f"trainer.callbacks: {target} made a {type(cb).__name__}, not a "
                               "distckpt.train.Callback; subclass it.")

@@ -15,17 +15,13 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from distckpt.errors import ConfigError
+from distckpt.errors import ConfigError, first_lines
 
 # Keys of a group the launcher reads itself; everything else goes to the target.
 LAUNCHER_KEYS = {
     "model": ("name",),
     "data": ("name", "batch_size", "seed", "shuffle", "drop_last", "num_workers", "pin_memory", "eval"),
 }
-
-
-def _lines(e: BaseException, n: int = 2) -> str:
-    return " ".join(line.strip() for line in str(e).strip().splitlines()[:n])
 
 
 def target_kwargs(node: DictConfig, group: str) -> dict[str, Any]:
@@ -48,7 +44,7 @@ def check_target(node: DictConfig, group: str) -> None:
     try:
         obj = get_object(target)
     except Exception as e:  # ImportError, AttributeError from the user's module: all mean "cannot import"
-        raise ConfigError(f"{group}._target_={target} cannot be imported ({_lines(e.__cause__ or e)}); "
+        raise ConfigError(f"{group}._target_={target} cannot be imported ({first_lines(e.__cause__ or e, 2)}); "
                           "give a dotted path module.name whose package is importable (on PYTHONPATH).") from None
     finally:
         quiet.disabled = was
@@ -81,7 +77,7 @@ def instantiate_target(node: DictConfig, group: str, expect: tuple[type, ...], w
     try:
         obj = instantiate(kwargs, _convert_="all")
     except InstantiationException as e:
-        raise ConfigError(f"{group}._target_={target} raised when called: {_lines(e)}") from e
+        raise ConfigError(f"{group}._target_={target} raised when called: {first_lines(e, 2)}") from e
     if not isinstance(obj, expect):
         raise ConfigError(f"{group}._target_={target} returned a {type(obj).__name__}; it must return {what}.")
     return obj

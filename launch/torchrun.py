@@ -14,8 +14,11 @@ import logging
 import re
 import sys
 
-# The codes launch/train.py exits with after printing its own short message on rank 0.
-EXPLAINED = {2, 3}
+# The codes launch/train.py exits with after printing its own short message on rank 0 (defined here, the
+# module with no heavy imports, and imported by launch/train.py and launch/check.py).
+EXIT_CONFIG = 2  # a config or resume error
+EXIT_NONFINITE = 3  # a non-finite loss stopped the run (trainer.on_nonfinite)
+EXPLAINED = {EXIT_CONFIG, EXIT_NONFINITE}
 
 
 class _DropExplainedFailures(logging.Filter):

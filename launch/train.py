@@ -18,10 +18,9 @@ from omegaconf import DictConfig  # noqa: E402
 
 from launch.check import check_overrides  # noqa: E402
 from launch.config import CONF_DIR, register  # noqa: E402
+from launch.torchrun import EXIT_CONFIG, EXIT_NONFINITE  # noqa: E402
 
 register()
-
-EXIT_NONFINITE = 3  # a non-finite loss stopped the run (trainer.on_nonfinite); 2 is a config or resume error
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
@@ -40,7 +39,7 @@ def main(cfg: DictConfig) -> None:
         # rank 0 says it in one or two lines, every rank exits with the same code.
         kind = "resume error" if isinstance(e, ResumeError) else "config error" if isinstance(e, ConfigError) \
             else "stopped"
-        code = EXIT_NONFINITE if isinstance(e, NonFiniteLossError) else 2
+        code = EXIT_NONFINITE if isinstance(e, NonFiniteLossError) else EXIT_CONFIG
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"{kind}: {e}", file=sys.stderr)
     except Exception:

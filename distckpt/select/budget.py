@@ -34,12 +34,12 @@ import torch
 
 from distckpt.errors import ConfigError
 from distckpt.options import SHARDED, STRATEGIES, check_shard_size
-from distckpt.select.profile import ModelProfile
+from distckpt.select.profile import ModelProfile, _as_args, _tensors, step_device
 
 if TYPE_CHECKING:
     from distckpt.select.policies import Candidates
 
-__all__ = ["BudgetPlan", "OPTIMIZER_STATES", "plan_budget", "predicted_peak", "select_for_budget"]
+__all__ = ["BudgetPlan", "OPTIMIZER_STATES", "budget_profile", "plan_budget", "predicted_peak", "select_for_budget"]
 
 logger = logging.getLogger("distckpt")
 
@@ -72,6 +72,18 @@ def shards(strategy: str, world_size: int, shard_size: int | None = None) -> int
     return max(1, world_size) if strategy in SHARDED else 1
 
 
+def optimizer_terms(mp: ModelProfile, optimizer: str) -> tuple[int, int]:
+    """``(states per trainable byte, bytes of per-parameter step scalars)`` that ``optimizer`` keeps.
+
+    Raises:
+        ConfigError: an optimizer not in :data:`OPTIMIZER_STATES`.
+    """
+    if optimizer not in OPTIMIZER_STATES:
+        raise ConfigError(f"budget optimizer must be one of {sorted(OPTIMIZER_STATES)}, got {optimizer!r}.")
+    # Adam/AdamW also keep one float32 ``step`` scalar per parameter (on CPU unless fused/capturable).
+    return OPTIMIZER_STATES[optimizer], 4 * mp.trainable_tensors if optimizer in ("adam", "adamw") else 0
+
+
 def static_bytes(mp: ModelProfile, *, strategy: str = "ddp", world_size: int = 1,
                  optimizer: str = "adamw", shard_size: int | None = None) -> tuple[int, int]:
     """Memory that does not depend on the checkpointing choice.
@@ -90,9 +102,7 @@ def static_bytes(mp: ModelProfile, *, strategy: str = "ddp", world_size: int = 1
     """
     if strategy not in STRATEGIES:
         raise ConfigError(f"budget strategy must be one of {STRATEGIES}, got {strategy!r}.")
-    if optimizer not in OPTIMIZER_STATES:
-        raise ConfigError(f"budget optimizer must be one of {sorted(OPTIMIZER_STATES)}, got {optimizer!r}.")
-    k = OPTIMIZER_STATES[optimizer]
+    k, steps = optimizer_terms(mp, optimizer)
     ws = shards(strategy, world_size, shard_size) if strategy in SHARDED else max(1, world_size)
     params, grads = mp.param_bytes, mp.trainable_bytes
     if strategy in SHARDED:
@@ -102,8 +112,6 @@ def static_bytes(mp: ModelProfile, *, strategy: str = "ddp", world_size: int = 1
     else:
         local = params + grads + k * grads + (grads if strategy == "ddp" and ws > 1 else 0)
         local_grads = grads
-    # Adam/AdamW also keep one float32 ``step`` scalar per parameter (on CPU unless fused/capturable).
-    steps = 4 * mp.trainable_tensors if optimizer in ("adam", "adamw") else 0
     base = local + steps + mp.buffer_bytes + mp.batch_bytes
     # Optimizer step temporaries: foreach kernels on CUDA make a copy of the state list (sqrt of
     # exp_avg_sq); the per-tensor CPU path makes two of the largest parameter's size.
@@ -332,6 +340,31 @@ def auto_budget(device_type: str) -> int:
     return int(free + torch.cuda.memory_allocated())
 
 
+def budget_profile(candidates: Candidates, device_type: str, budget_bytes: int | None, *,
+                   estimate: bool = False) -> tuple[ModelProfile, int]:
+    """The profile a budget plans on, and the budget in bytes.
+
+    ``budget:SIZE`` plans on a real sample step (:meth:`Candidates.model_profile`: exact on this
+    step). ``budget:auto`` (``budget_bytes=None``) is for CUDA: the budget is the device's free memory plus
+    what this process already holds there (:func:`auto_budget`), and the profile is the estimator of
+    ``distckpt plan`` (:func:`distckpt.select.estimate.estimate_profile`, fake tensors): a real step of a
+    model near the device's size could run out of the very memory being planned. ``estimate=True``
+    takes that path with an explicit budget (on any device).
+
+    Raises:
+        ConfigError: ``budget:auto`` off CUDA, or (estimator) a model that cannot run on fake tensors.
+    """
+    if budget_bytes is None:
+        budget_bytes, estimate = auto_budget(device_type), True
+    if not estimate:
+        return candidates.model_profile(), budget_bytes
+    from distckpt.select.estimate import estimate_profile  # estimate imports this module
+
+    if candidates.example_inputs is None:
+        candidates.model_profile()  # raises: the policy needs a sample batch
+    return estimate_profile(candidates.model, candidates.blocks, candidates.example_inputs), budget_bytes
+
+
 def select_for_budget(candidates: Candidates, budget_bytes: int | None, *, strategy: str = "ddp",
                       optimizer: str = "adamw", grad_accumulation: bool = False,
                       shard_size: int | None = None) -> list[int]:
@@ -355,9 +388,8 @@ def select_for_budget(candidates: Candidates, budget_bytes: int | None, *, strat
     Raises:
         ConfigError: no sample batch, no placement fits, or ``budget:auto`` off CUDA.
     """
-    mp = candidates.model_profile()
-    if budget_bytes is None:
-        budget_bytes = auto_budget(mp.device)
+    batch = _tensors(_as_args(candidates.example_inputs)) if candidates.example_inputs is not None else []
+    mp, budget_bytes = budget_profile(candidates, step_device(candidates.model, batch).type, budget_bytes)
     if strategy == "hsdp" and shard_size is None and os.environ.get("LOCAL_WORLD_SIZE"):
         shard_size = int(os.environ["LOCAL_WORLD_SIZE"])
     result = plan_budget(mp, budget_bytes, strategy=strategy, world_size=candidates.world_size, optimizer=optimizer,

@@ -11,9 +11,10 @@ module's memory model places parameters, gradients and optimizer state for the s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,10 +25,10 @@ from torch.utils._pytree import tree_map
 from distckpt import _torch_compat as compat
 from distckpt.errors import ConfigError
 from distckpt.select import profile as _profile
-from distckpt.select.budget import OPTIMIZER_STATES, plan_budget, predicted_peak, shards, static_bytes
+from distckpt.select.budget import optimizer_terms, plan_budget, predicted_peak, shards, static_bytes
 from distckpt.select.profile import ModelProfile
 
-__all__ = ["PlanReport", "PolicyEstimate", "plan_at_scale", "render"]
+__all__ = ["PlanReport", "PolicyEstimate", "estimate_profile", "plan_at_scale", "render"]
 
 
 @dataclass(frozen=True)
@@ -154,20 +155,6 @@ def _stretch(mp: ModelProfile, blocks: list[tuple[str, nn.Module]], kept: list[i
     lost = sum(size) - sum(size[k] for k in kept)
     tail = mp.tail_grads_bytes + lost if mp.tail_grads_bytes >= 0 else -1
     return dataclasses.replace(mp, blocks=tuple(out), tail_grads_bytes=tail, **whole)
-
-
-def _whole(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> dict[str, int]:
-    """The parameter counts of the whole model (before the cut), as :class:`ModelProfile` fields."""
-    def distinct(ts: list[torch.Tensor]) -> int:
-        return sum({compat.storage_id(t): t.untyped_storage().nbytes() for t in ts}.values())
-
-    params = list(model.parameters())
-    trainable = [p for p in params if p.requires_grad]
-    return dict(param_bytes=distinct(params), trainable_bytes=distinct(trainable),
-                trainable_tensors=len({compat.storage_id(p) for p in trainable}),
-                buffer_bytes=distinct(list(model.buffers())),
-                block_param_bytes=max((distinct(list(m.parameters())) for _, m in blocks), default=0),
-                max_param_bytes=max((p.untyped_storage().nbytes() for p in params), default=0))
 
 
 def _policy_step(model: nn.Module, blocks: list[tuple[str, nn.Module]], call: Any, context_fn: Any
@@ -297,12 +284,90 @@ def _per_rank(mp: ModelProfile, strategy: str, world_size: int, shard_size: int 
               optimizer: str) -> tuple[int, int, int]:
     """Parameters, gradients and optimizer state per rank: the sharding of budget.static_bytes
     (shards of ``1/shards()``), without its working set of unsharded blocks (that is in the peak)."""
-    if optimizer not in OPTIMIZER_STATES:
-        raise ConfigError(f"optimizer must be one of {sorted(OPTIMIZER_STATES)}, got {optimizer!r}.")
+    k, steps = optimizer_terms(mp, optimizer)
     div = shards(strategy, world_size, shard_size)
-    k = OPTIMIZER_STATES[optimizer]
-    steps = 4 * mp.trainable_tensors if optimizer in ("adam", "adamw") else 0
     return mp.param_bytes // div, mp.trainable_bytes // div, k * mp.trainable_bytes // div + steps
+
+
+def _trace(root: nn.Module, model: nn.Module, found: list[tuple[str, nn.Module]], call: Any, *, prefix: str = "",
+           policies: bool = False) -> tuple[ModelProfile, list[int], Any]:
+    """Under a fake mode: ``found`` (blocks of ``model``, which ``root`` runs) cut to the traced ones, the
+    sample step measured and stretched back to every block; with ``policies``, also :func:`_selective`'s
+    profile and FLOPs (else ``None``). Returns ``(profile, traced block indices, selective or None)``.
+
+    Raises:
+        ConfigError: the model reads tensor values while it runs (fake tensors have none).
+    """
+    from distckpt.apply.wrap import checkpointing_disabled
+
+    whole = _profile.parameter_fields(root, found)  # of the whole model, before the cut
+    kept, source = _kept(found)
+    undo = _cut(model, found, kept)
+    cut = [(prefix + found[j][0], found[j][1]) for j in kept]
+    try:
+        with checkpointing_disabled(model):
+            # _measure, not profile_model: no cache entry for a cut model, and the ranks agree outside the
+            # fake mode (estimate_profile), where a collective has real tensors.
+            mp = _stretch(_profile._measure(root, cut, call), found, kept, source, whole)
+            extra = _selective(mp, root, cut, kept, source, call) if policies else None
+    except (RuntimeError, NotImplementedError) as e:
+        # FakeTensorMode's own errors (DataDependentOutputException, ...) live in torch._subclasses.
+        if type(e).__module__.startswith("torch._subclasses") or "data-dependent" in str(e):
+            raise ConfigError(f"distckpt plan and budget:auto run the model on fake tensors (no values); it read a "
+                              f"value: {e}. Make the model's forward shape-only (or, in wrap, give budget:SIZE, "
+                              "which measures a real step).") from e
+        raise
+    finally:
+        undo()
+    return mp, kept, extra
+
+
+@contextlib.contextmanager
+def _fake_tensors(model: nn.Module, mode: Any) -> Iterator[None]:
+    """``model``'s parameters and buffers swapped for fake copies of ``mode`` (same shapes, dtypes, devices
+    and ``requires_grad``; tied ones stay tied; no memory) inside the context, the real ones put back after."""
+    fakes: dict[int, torch.Tensor] = {}
+    swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
+    try:
+        for mod in model.modules():
+            own = [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]
+            for name, t in own:
+                if id(t) not in fakes:
+                    fake = mode.from_tensor(t)
+                    with mode:
+                        fakes[id(t)] = nn.Parameter(fake, t.requires_grad) if isinstance(t, nn.Parameter) else fake
+                swapped.append((mod, name, t))
+                setattr(mod, name, fakes[id(t)])
+        yield
+    finally:
+        for mod, name, t in reversed(swapped):
+            setattr(mod, name, t)
+
+
+def estimate_profile(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inputs: Any) -> ModelProfile:
+    """The profile of ``model``'s sample step as ``distckpt plan`` estimates it: on fake copies of its
+    parameters, buffers and inputs (no memory, no values), the repeated blocks traced once per shape
+    (``budget:auto`` on CUDA: a real sample step of a model near the device's size could run out of memory).
+    The real tensors are left as they were; under ``torch.distributed`` every rank gets the same numbers.
+
+    Args:
+        model: the model, its ``blocks`` (``[(fqn, module), ...]`` in forward order) not yet checkpointed.
+        example_inputs: as :func:`distckpt.select.profile.profile_model` takes them.
+
+    Returns:
+        A :class:`ModelProfile` of every block.
+
+    Raises:
+        ConfigError: the model reads tensor values in forward (it cannot run on fake tensors), or its
+            blocks do not sit in one ``nn.ModuleList``/``nn.Sequential``.
+    """
+    mode = compat.fake_mode()
+    args, kwargs = _profile._as_args(example_inputs)
+    with _fake_tensors(model, mode):
+        fake_inputs = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, (args, kwargs))
+        with mode:
+            mp, _, _ = _trace(model, model, blocks, _profile.Call(*fake_inputs))
+    return _profile._agree(mp)
 
 
 def plan_at_scale(factory: Any, *, strategy: str = "fsdp2", world_size: int = 1, shard_size: int | None = None,
@@ -332,7 +397,6 @@ def plan_at_scale(factory: Any, *, strategy: str = "fsdp2", world_size: int = 1,
         ConfigError: a bad strategy, optimizer, shard size or factory, or a model that reads tensor
             values while it runs (it cannot run on fake tensors).
     """
-    from distckpt.apply.wrap import checkpointing_disabled
     from distckpt.select.blocks import find_blocks
 
     with compat.fake_mode():
@@ -340,22 +404,7 @@ def plan_at_scale(factory: Any, *, strategy: str = "fsdp2", world_size: int = 1,
         call = _profile.Call(*_resize(_profile._as_args(call), micro_batch, seq_len))
         root.train()
         found = find_blocks(model, blocks)
-        whole = _whole(root, found)
-        kept, source = _kept(found)
-        undo = _cut(model, found, kept)
-        cut = [(prefix + found[j][0], found[j][1]) for j in kept]
-        try:
-            with checkpointing_disabled(model):
-                mp = _stretch(_profile.profile_model(root, cut, call), found, kept, source, whole)
-                mp_sel, full_flops, sel_flops = _selective(mp, root, cut, kept, source, call)
-        except (RuntimeError, NotImplementedError) as e:
-            # FakeTensorMode's own errors (DataDependentOutputException, ...) live in torch._subclasses.
-            if type(e).__module__.startswith("torch._subclasses") or "data-dependent" in str(e):
-                raise ConfigError(f"distckpt plan runs the model on fake tensors (no values); it read a value: "
-                                  f"{e}. Make the factory's model shape-only in forward.") from e
-            raise
-        finally:
-            undo()
+        mp, kept, (mp_sel, full_flops, sel_flops) = _trace(root, model, found, call, prefix=prefix, policies=True)
     return _report(mp, mp_sel, found, kept, full_flops, sel_flops, strategy=strategy, world_size=world_size,
                    shard_size=shard_size, optimizer=optimizer, budget=budget, grad_accumulation=grad_accumulation)
 

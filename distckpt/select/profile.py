@@ -553,13 +553,37 @@ def _grads_ready(rec: _StepRecorder, params: list[torch.Tensor], dev: torch.devi
     return ready, head
 
 
+def step_device(model: nn.Module, batch: list[torch.Tensor]) -> torch.device:
+    """Where a sample step of ``model`` on ``batch`` runs: its first parameter's device, else the batch's
+    (else the CPU)."""
+    first = next(iter(model.parameters()), None)
+    if first is None and batch:
+        first = batch[0]
+    return first.device if first is not None else torch.device("cpu")
+
+
+def parameter_fields(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> dict[str, int]:
+    """The :class:`ModelProfile` fields counted from ``model``'s parameters and buffers, each storage once
+    (tied weights once): the sample step's profile and ``distckpt plan``'s whole (uncut) model both use it."""
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    return dict(
+        param_bytes=_distinct_bytes(params), trainable_bytes=_distinct_bytes(trainable),
+        trainable_tensors=len({_storage_key(p) for p in trainable}),
+        buffer_bytes=_distinct_bytes(list(model.buffers())),
+        block_param_bytes=max((_distinct_bytes(list(m.parameters())) for _, m in blocks), default=0),
+        # Optimizer temporaries are per trainable parameter: a frozen embedding (LoRA) makes none.
+        max_param_bytes=max((_storage_bytes(p) for p in trainable), default=0),
+    )
+
+
 def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inputs: Any) -> ModelProfile:
     """One sample step in passes: record (hooks + MemTracker + FLOPs), attribute saved storages to blocks,
     derive each block's and the head's overheads, measure recompute peaks in a checkpointed step."""
     args, kwargs = _as_args(example_inputs)
     batch = _tensors((args, kwargs))
     params = list(model.parameters())
-    device = params[0].device if params else (batch[0].device if batch else torch.device("cpu"))
+    device = step_device(model, batch)
     batch_keys = {_storage_key(t) for t in batch}
     dev = device if device.type != "cuda" else torch.device("cuda", device.index or 0)
 
@@ -571,9 +595,6 @@ def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inpu
     recompute_ov, recompute_grads = _recompute_overheads(model, rec, att, args, kwargs, batch, batch_keys,
                                                          device, dev)
     ready, head_grads = _grads_ready(rec, params, dev)
-
-    def distinct(ts: list[torch.Tensor]) -> int:
-        return _distinct_bytes(ts) if ts else 0
 
     held = att.held
     profiles = tuple(
@@ -589,14 +610,8 @@ def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inpu
     measured_total = head.pop("measured_total")
     return ModelProfile(
         blocks=profiles,
-        param_bytes=distinct(params),
-        trainable_bytes=distinct([p for p in params if p.requires_grad]),
-        trainable_tensors=len({_storage_key(p) for p in params if p.requires_grad}),
-        buffer_bytes=distinct(list(model.buffers())),
-        block_param_bytes=max((distinct(list(m.parameters())) for _, m in blocks), default=0),
-        # Optimizer temporaries are per trainable parameter: a frozen embedding (LoRA) makes none.
-        max_param_bytes=max((_storage_bytes(p) for p in params if p.requires_grad), default=0),
-        batch_bytes=distinct(batch),
+        **parameter_fields(model, blocks),
+        batch_bytes=_distinct_bytes(batch),
         pre_bytes=att.pre,
         post_bytes=att.post,
         head_grads_bytes=head_grads,

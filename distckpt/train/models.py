@@ -13,6 +13,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from distckpt.errors import ConfigError
+
+# The config fields of an HF model type that carry its MLP width and its key/value head count.
+HF_FFN_KEYS = ("intermediate_size", "n_inner", "ffn_dim")
+HF_KV_HEAD_KEYS = ("num_key_value_heads",)
+
 __all__ = ["Block", "MLPBlock", "MultiTaskGPT", "MultiTaskHF", "MultiTaskMLP", "build_hf_causal_lm"]
 
 
@@ -122,7 +128,8 @@ class MultiTaskHF(nn.Module):
 
 
 def build_hf_causal_lm(config_name: str, *, vocab_size: int, seq_len: int, n_layer: int, d_model: int,
-                       n_head: int, n_classes: int, dropout: float = 0.0) -> MultiTaskHF:
+                       n_head: int, n_classes: int, dropout: float = 0.0, intermediate_size: int | None = None,
+                       kv_heads: int | None = None) -> MultiTaskHF:
     """Build a randomly initialised Hugging Face causal LM from a model type name; nothing is downloaded.
 
     Args:
@@ -130,20 +137,40 @@ def build_hf_causal_lm(config_name: str, *, vocab_size: int, seq_len: int, n_lay
         vocab_size, seq_len, n_layer, d_model, n_head: the architecture's size.
         n_classes: classes of the second (sequence classification) task.
         dropout: dropout probability where the architecture has one.
+        intermediate_size: the MLP's hidden width (Llama ``intermediate_size``, GPT-2 ``n_inner``, OPT
+            ``ffn_dim``); ``None``: ``4 * d_model``.
+        kv_heads: key/value heads for grouped-query attention (``num_key_value_heads``); ``None``: ``n_head``.
 
     Returns:
         A :class:`MultiTaskHF` around ``AutoModelForCausalLM.from_config(...)``.
 
     Raises:
         ValueError: ``config_name`` is not a model type ``transformers`` knows.
+        ConfigError: ``intermediate_size``/``kv_heads`` given for a model type whose config has no such field,
+            or ``kv_heads`` not dividing ``n_head``.
     """
     from transformers import AutoConfig, AutoModelForCausalLM  # optional dependency (extra "hf")
 
+    if kv_heads is not None and (kv_heads < 1 or n_head % kv_heads):
+        raise ConfigError(f"kv_heads={kv_heads} must divide n_head={n_head} (each key/value head serves "
+                          "n_head / kv_heads query heads).")
+    config = AutoConfig.for_model(config_name)
     sizes = dict(vocab_size=vocab_size, n_positions=seq_len, max_position_embeddings=seq_len,
                  n_layer=n_layer, num_hidden_layers=n_layer, n_embd=d_model, hidden_size=d_model,
-                 n_head=n_head, num_attention_heads=n_head, num_key_value_heads=n_head,
-                 intermediate_size=4 * d_model, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
-    config = AutoConfig.for_model(config_name)
+                 n_head=n_head, num_attention_heads=n_head, resid_pdrop=dropout, embd_pdrop=dropout,
+                 attn_pdrop=dropout)
+    # Llama/Mistral/Gemma configs store head_dim (128 in their defaults); it is not derived again from the
+    # new hidden size, so without this a d_model=64, n_head=4 Llama had 4 heads of 128 (q_proj 64 -> 512).
+    sizes["head_dim"] = d_model // n_head
+    # The same two sizes under each family's own name (Llama/Mistral/Qwen2/NeoX, GPT-2/GPT-J, OPT).
+    for value, keys, what in ((intermediate_size, HF_FFN_KEYS, "an MLP width"),
+                              (kv_heads, HF_KV_HEAD_KEYS, "grouped-query attention")):
+        present = [k for k in keys if hasattr(config, k)]
+        if value is not None and not present:
+            raise ConfigError(f"transformers' {config_name} config has no {what} field (none of {', '.join(keys)}); "
+                              f"leave it unset for {config_name}.")
+        default = 4 * d_model if keys is HF_FFN_KEYS else n_head
+        sizes.update({k: default if value is None else value for k in present})
     config.update({k: v for k, v in sizes.items() if hasattr(config, k)})
     config.use_cache = False
     return MultiTaskHF(AutoModelForCausalLM.from_config(config), n_classes)

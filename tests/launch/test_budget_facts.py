@@ -49,3 +49,16 @@ def test_sgd_plans_less_optimizer_state_than_adamw():
         distckpt.wrap(model, dataclasses.replace(pol, bytes=size), example_inputs=inputs)
         chosen[name] = distckpt.checkpointed(model)
     assert len(chosen["sgd"]) < len(chosen["adamw"])
+
+
+def test_launcher_plan_counts_the_configs_optimizer(capsys):
+    """`launch/plan.py` (`distckpt plan <overrides>`) plans the run's own optimizer (launch.build.budget_facts),
+    not the flag's default AdamW, unless --optimizer says."""
+    from launch.plan import main as launch_plan
+
+    over = ["model=gpt", "model.n_layer=2", "optim=sgd", "optim.momentum=0"]
+    assert launch_plan(over) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].endswith(", sgd") and "optimizer state            0 B" in out, out
+    assert launch_plan([*over, "--optimizer", "adamw"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].endswith(", adamw")

@@ -9,6 +9,7 @@ import pytest
 import torch
 from launchkit import ROOT, assert_params_equal, compose, env, final_params, torchrun, write_tiny_gpt2
 
+from launch.config import validate
 from launch.run import train
 
 pytestmark = pytest.mark.launch
@@ -69,3 +70,53 @@ def test_check_refuses_a_missing_pretrained_directory(tmp_path):
                            f"model.pretrained={tmp_path / 'none'}"], cwd=ROOT, env=env(), capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2 and "is not a local directory with a config.json" in proc.stderr, proc.stderr
+
+
+# --- model=hf sizes beyond d_model/n_head: the MLP width and grouped-query attention (issue 14) ---------------
+def test_llama_and_gpt2_take_the_mlp_width_and_kv_heads_from_the_config():
+    from launch.build import build_model
+
+    cfg = compose(["model=hf", "model.config_name=llama", "model.d_model=64", "model.n_head=8", "model.kv_heads=2",
+                   "model.intermediate_size=96"])
+    validate(cfg, world_size=1)
+    lm = build_model(cfg.model, cfg.data).lm
+    assert (lm.config.num_key_value_heads, lm.config.intermediate_size) == (2, 96)
+    layer = lm.model.layers[0]
+    assert layer.self_attn.k_proj.out_features == 2 * 64 // 8  # two key/value heads of head size 8
+    assert layer.self_attn.q_proj.out_features == 64 and layer.mlp.gate_proj.out_features == 96
+    gpt2 = compose(["model=hf", "model.config_name=gpt2", "model.intermediate_size=80"])
+    assert build_model(gpt2.model, gpt2.data).lm.transformer.h[0].mlp.c_fc.nf == 80  # GPT-2's n_inner
+    default = compose(["model=hf", "model.config_name=llama", "model.d_model=32"])  # null: 4 x d_model, n_head
+    assert (build_model(default.model, default.data).lm.config.intermediate_size, default.model.kv_heads) == (128, None)
+    assert build_model(default.model, default.data).lm.config.num_key_value_heads == default.model.n_head
+
+
+@pytest.mark.parametrize("override,expect", [
+    ("model.config_name=llama model.kv_heads=3", "model.n_head=4 must be divisible by model.kv_heads=3"),
+    ("model.config_name=llama model.kv_heads=0", "model.kv_heads=0 is out of range: it must be an integer >= 1"),
+    ("model.config_name=llama model.intermediate_size=0", "model.intermediate_size=0 is out of range"),
+    ("model.config_name=gpt2 model.kv_heads=2", "model=hf: transformers' gpt2 config has no grouped-query attention"),
+])
+def test_check_refuses_bad_mlp_width_and_kv_heads(override, expect, capsys, monkeypatch):
+    from launch.check import check_overrides
+
+    argv = ["--check", "model=hf", *override.split()]
+    monkeypatch.setattr(sys, "argv", ["train.py", *argv])
+    with pytest.raises(SystemExit) as e:
+        check_overrides(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and expect in err[0], err
+
+
+def test_launcher_plan_of_a_gqa_llama_counts_its_real_parameters(capsys):
+    """`distckpt plan model=hf ...` (the README's 70B example, tiny): the sizes reach the planned model."""
+    from launch.build import build_model
+    from launch.plan import main as launch_plan
+
+    over = ["model=hf", "model.config_name=llama", "model.n_layer=4", "model.d_model=64", "model.n_head=8",
+            "model.kv_heads=2", "model.intermediate_size=96", "data.batch_size=2", "data.n=8"]
+    cfg = compose(over)
+    real = sum(p.numel() for p in build_model(cfg.model, cfg.data).parameters())
+    assert launch_plan([*over, "--strategy", "fsdp2", "--world-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert f"{real / 1e6:.2f}M parameters, 4 blocks (lm.model.layers.0, ...; 3 traced), fsdp2, 4 ranks" in out, out
