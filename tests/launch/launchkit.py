@@ -36,6 +36,25 @@ def launcher_overrides(cmd: list[str]) -> list[str]:
     return cmd[cmd.index("launch/train.py") + 1:]
 
 
+def check_in_process(argv: list[str], monkeypatch, capsys) -> tuple[int, str]:
+    """What ``launch/train.py ARGV`` runs first (``check_overrides``), in this process: (exit code, stderr).
+
+    A fresh Python, torch and Hydra per case costs seconds; the command line itself is run by a few tests
+    (test_config.py, test_custom.py).
+    """
+    from launch.check import check_overrides
+
+    for var in ("RANK", "WORLD_SIZE", "DISTCKPT_NPROC"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(sys, "argv", ["train.py", *argv])
+    try:
+        check_overrides(list(argv))
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err
+
+
 def compose(overrides: list[str]):
     """The job config (without the ``hydra`` node) for ``overrides``."""
     from omegaconf import DictConfig
