@@ -1,12 +1,21 @@
-"""Memory vs time of distckpt's policies next to PyTorch's checkpoint_wrapper and Hugging Face's
-gradient checkpointing, on GPT-style models: ``python -m benchmarks.memory [--device cuda]``.
+"""Memory vs recompute of distckpt's policies and its budget frontier next to PyTorch's
+checkpoint_wrapper, Hugging Face's gradient checkpointing and torch.compile's activation memory
+budget, on GPT-style models: ``python -m benchmarks.memory [--device cuda]``.
 
-For each configuration, one AdamW training step (forward, backward, ``optimizer.step``) is measured:
-peak memory (MemTracker on CPU, ``torch.cuda.max_memory_allocated`` on CUDA, steady state: the
-optimizer state exists), recompute FLOPs (``FlopCounterMode`` of forward+backward minus that of the
-run without checkpointing) and step time as a ratio to no checkpointing (steps of all
-configurations interleaved round by round, medians). Writes ``benchmarks/results/memory_<device>.md``
-and ``memory_<device>.png``.
+For each configuration, one AdamW training step (forward, backward, ``optimizer.step``) is measured
+in steady state (the optimizer state exists), each quantity in its own pass:
+
+- peak memory: on CPU the bytes live at the step's start (parameters, buffers, optimizer state,
+  batch) plus the highest running sum of the CPU allocator's events recorded by
+  ``torch.profiler.profile(profile_memory=True)``, for every row; MemTracker is run as well on the
+  eager rows and the table shows the difference (MemTracker cannot measure a compiled step: under
+  its dispatch mode the compiled module runs its eager code). On CUDA ``max_memory_allocated``.
+- recompute FLOPs: ``FlopCounterMode`` of forward+backward minus that of the run without
+  checkpointing; for torch.compile rows a ``FlopCounterMode`` entered inside the compiled forward
+  and backward graphs (around the call it would see the eager code, as MemTracker does).
+- step time as a ratio to no checkpointing (all configurations interleaved round by round, medians).
+
+Writes ``benchmarks/results/memory_<device>.md`` and ``memory_<device>.png``.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ import argparse
 import copy
 import functools
 import platform
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -28,26 +38,32 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import distckpt
 from benchmarks.models import GPT, SIZES, Block, GPTConfig, batch, hf_gpt2
-from distckpt import Budget, ConfigError
+from distckpt import ConfigError
 from distckpt.apply.wrap import is_checkpointed
-from distckpt.select.budget import static_bytes
-from distckpt.select.profile import profile_model, scalar_loss
+from distckpt.select.profile import scalar_loss
 
 RESULTS = Path(__file__).resolve().parent / "results"
+COMPILE_FRACTIONS = (0.1, 0.3, 0.5, 1.0)
+BUDGET_POINTS = 8
+# Peer points count as dominated by the budget frontier when a budget point is at most this much
+# (fraction of the no-checkpointing peak, and of forward+backward FLOPs) above them on both axes.
+TOLERANCE = 0.001
 
 
 @dataclass
 class Config:
     name: str
     build: Callable[[nn.Module], nn.Module]  # applies checkpointing to a fresh copy of the model
+    kind: str = "distckpt"  # "distckpt", "budget", "peer" (torch / HF), "compile"
     peer: str = ""  # the config it is compared with at the same placement
     budget: int | None = None
     error: str = ""
     model: nn.Module | None = None
     peak: int = 0
+    mem_tracker: int | None = None  # MemTracker's peak (eager rows on CPU), a check of ``peak``
     flops: int = 0
     times: list[float] = field(default_factory=list)
-    checkpointed: int = 0
+    checkpointed: str = "0"
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -61,13 +77,87 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _peak(model: nn.Module, opt: torch.optim.Optimizer, inputs: tuple, kwargs: dict, device: torch.device) -> int:
-    if device.type == "cuda":
-        _sync(device)
-        torch.cuda.reset_peak_memory_stats(device)
+class _GraphFlops:
+    """The mode the compiled forward and backward graphs run under (``boxed_nop_with_mode``): while
+    ``on``, each graph run is counted by a fresh ``FlopCounterMode`` entered inside the compiled code,
+    and ``total``/``graphs`` add up. Off, it does nothing (the memory and timing passes)."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.total = 0
+        self.graphs = 0
+        self._open: list[FlopCounterMode] = []
+
+    def __enter__(self) -> _GraphFlops:
+        if self.on:
+            counter = FlopCounterMode(display=False)
+            counter.__enter__()
+            self._open.append(counter)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._open:
+            counter = self._open.pop()
+            counter.__exit__(*exc)
+            self.total += counter.get_total_flops()
+            self.graphs += 1
+
+
+class CompiledBudget(nn.Module):
+    """``torch.compile`` with the min-cut partitioner under ``activation_memory_budget=fraction``.
+
+    Backend ``aot_eager_decomp_partition_with_mode``: the same decompositions and partitioner
+    (``min_cut_rematerialization_partition``) as ``aot_eager_decomp_partition``, running the graphs
+    under :class:`_GraphFlops` (checked on torch 2.13.0: both give the same peak). The budget is a
+    private torch config read when the graphs are partitioned (first forward); it is patched around
+    every forward so a recompilation sees it too. Verified on torch 2.13.0.
+    """
+
+    def __init__(self, model: nn.Module, fraction: float):
+        super().__init__()
+        from torch._dynamo.backends.debugging import aot_eager_decomp_partition_with_mode
+
+        self.fraction = fraction
+        self.graph_flops = _GraphFlops()
+        backend = functools.partial(aot_eager_decomp_partition_with_mode, mode=self.graph_flops)
+        self.compiled = torch.compile(model, backend=backend)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        import torch._functorch.config as functorch_config  # private; torch 2.13.0
+
+        with functorch_config.patch(activation_memory_budget=self.fraction):
+            return self.compiled(*args, **kwargs)
+
+
+def _live_bytes(model: nn.Module, opt: torch.optim.Optimizer, inputs: tuple, kwargs: dict) -> int:
+    """Bytes of the distinct storages of parameters, buffers, optimizer state and batch."""
+    state = [t for s in opt.state.values() for t in s.values()]
+    tensors = [*model.parameters(), *model.buffers(), *state, *inputs, *kwargs.values()]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if torch.is_tensor(t)}
+    return sum(storages.values())
+
+
+def _profiled_peak(model: nn.Module, opt: torch.optim.Optimizer, inputs: tuple, kwargs: dict) -> int:
+    """Live bytes at the step's start plus the highest running sum of the CPU allocator's
+    allocation (+) and free (-) events during one step, as ``profile_memory=True`` records them.
+    Sees every allocation, eager or compiled; on the eager rows it equals MemTracker (the table
+    shows the difference)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    start = _live_bytes(model, opt, inputs, kwargs)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         _step(model, opt, inputs, kwargs)
-        _sync(device)
-        return torch.cuda.max_memory_allocated(device)
+    # The raw events: the FunctionEvent view attributes memory to ops and loses the order.
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    running = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        running += e.nbytes()
+        peak = max(peak, running)
+    return start + peak
+
+
+def _mem_tracker_peak(model: nn.Module, opt: torch.optim.Optimizer, inputs: tuple, kwargs: dict,
+                      device: torch.device) -> int:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     mt = MemTracker()
@@ -77,7 +167,26 @@ def _peak(model: nn.Module, opt: torch.optim.Optimizer, inputs: tuple, kwargs: d
     return mt.get_tracker_snapshot("peak")[device]["Total"]
 
 
+def _peak(model: nn.Module, opt: torch.optim.Optimizer, inputs: tuple, kwargs: dict, device: torch.device) -> int:
+    if device.type == "cuda":
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        _step(model, opt, inputs, kwargs)
+        _sync(device)
+        return torch.cuda.max_memory_allocated(device)
+    return _profiled_peak(model, opt, inputs, kwargs)
+
+
 def _fwd_bwd_flops(model: nn.Module, inputs: tuple, kwargs: dict) -> int:
+    if isinstance(model, CompiledBudget):
+        counter = model.graph_flops
+        counter.on, counter.total, counter.graphs = True, 0, 0
+        try:
+            scalar_loss(model(*inputs, **kwargs)).backward()
+        finally:
+            counter.on = False
+        model.zero_grad(set_to_none=True)
+        return counter.total
     with FlopCounterMode(display=False) as counter:
         scalar_loss(model(*inputs, **kwargs)).backward()
     model.zero_grad(set_to_none=True)
@@ -106,52 +215,62 @@ def _hf_gc(model: nn.Module) -> nn.Module:
     return model
 
 
-def _configs(block_cls: type, hf: bool) -> list[Config]:
+def _configs(block_cls: type, hf: bool, cuda: bool, fractions: tuple[float, ...]) -> list[Config]:
     configs = [
         Config("none", lambda m: m),
         Config("full", lambda m: distckpt.wrap(m, "full"), peer="torch full"),
         Config("every:2", lambda m: distckpt.wrap(m, "every:2"), peer="torch every:2"),
         Config("selective", lambda m: distckpt.wrap(m, "selective")),
-        Config("full+offload", lambda m: distckpt.wrap(m, "full", offload="cpu")),
-        Config("torch full", lambda m: _torch_ac(m, block_cls)),
-        Config("torch every:2", lambda m: _torch_ac(m, block_cls, 2)),
+        Config("torch full", lambda m: _torch_ac(m, block_cls), kind="peer"),
+        Config("torch every:2", lambda m: _torch_ac(m, block_cls, 2), kind="peer"),
     ]
+    if cuda:  # on a CPU-only machine offload copies nothing (tensors are already on the CPU)
+        configs.insert(4, Config("full+offload", lambda m: distckpt.wrap(m, "full", offload="cpu")))
     if hf:
-        configs.append(Config("HF gc", _hf_gc))
+        configs.append(Config("HF gc", _hf_gc, kind="peer"))
+    configs += [Config(f"compile {f:g}", lambda m, f=f: CompiledBudget(m, f), kind="compile") for f in fractions]
     return configs
 
 
-def _budget_configs(none_peak: int, static: int, example: Any) -> list[Config]:
-    act = none_peak - static
-    out = []
-    for frac in (0.25, 0.5, 0.75):
-        size = int(static + frac * act)
-        out.append(Config(
-            f"budget {int(frac * 100)}%",
-            lambda m, size=size: distckpt.wrap(m, Budget(size, strategy="none"), example_inputs=example),
-            budget=size,
-        ))
-    return out
+def _smallest_budget(base: nn.Module, example: Any) -> int | None:
+    """The smallest size ``budget:SIZE`` accepts, as its ``ConfigError`` names it."""
+    try:
+        distckpt.wrap(copy.deepcopy(base), "budget:1", example_inputs=example)
+    except ConfigError as e:
+        m = re.search(r"budget:(\d+) or more", str(e))
+        return int(m.group(1)) if m else None
+    return 1
+
+
+def _budget_configs(smallest: int, none_peak: int, example: Any, points: int) -> list[Config]:
+    """``budget:SIZE`` at ``points`` sizes evenly from the smallest accepted to the peak of none."""
+    top = max(none_peak, smallest)
+    sizes = sorted({smallest + (top - smallest) * k // (points - 1) for k in range(points)})
+    return [Config(f"budget {size / 2**20:.2f} MiB",
+                   lambda m, size=size: distckpt.wrap(m, f"budget:{size}", example_inputs=example),
+                   kind="budget", budget=size) for size in sizes]
 
 
 def run_model(label: str, base: nn.Module, block_cls: type, inputs: tuple, kwargs: dict, device: torch.device,
-              rounds: int, hf: bool) -> list[Config]:
+              rounds: int, hf: bool, fractions: tuple[float, ...], points: int) -> list[Config]:
     """Measure every configuration on one model; returns them with their figures filled in."""
+    torch._dynamo.reset()  # the compiled rows of the previous model hold cache entries on the same code
     base = base.to(device).train()
     example = kwargs if kwargs else inputs
-    configs = _configs(block_cls, hf)
-    blocks = [(n, m) for n, m in base.named_modules() if isinstance(m, block_cls)]
-    static, _ = static_bytes(profile_model(base, blocks, example), strategy="none")
-    # "none" runs first: its peak sets the budgets.
-    all_configs = configs
-    for cfg in all_configs:
+    configs = _configs(block_cls, hf, device.type == "cuda", fractions)
+    t0 = time.perf_counter()
+    for cfg in configs:
         _prepare(cfg, base, inputs, kwargs, device, block_cls)
-        if cfg.name == "none":
-            all_configs = configs + _budget_configs(cfg.peak, static, example)
-    for cfg in all_configs[len(configs):]:
+        print(f"  {cfg.name}: {cfg.error or f'{cfg.peak / 2**20:.2f} MiB'} ({time.perf_counter() - t0:.0f} s)",
+              flush=True)
+    none = configs[0]
+    smallest = _smallest_budget(base, example)
+    budgets = _budget_configs(smallest, none.peak, example, points) if smallest else []
+    for cfg in budgets:
         _prepare(cfg, base, inputs, kwargs, device, block_cls)
+        print(f"  {cfg.name}: {cfg.error or f'{cfg.peak / 2**20:.2f} MiB'}", flush=True)
+    all_configs = configs + budgets
     ok = [c for c in all_configs if not c.error]
-    none = next(c for c in ok if c.name == "none")
     base_flops = none.flops
     for c in ok:
         c.flops -= base_flops
@@ -170,7 +289,7 @@ def run_model(label: str, base: nn.Module, block_cls: type, inputs: tuple, kwarg
             c.times.append(clock() - t0)
     for c in all_configs:
         c.model = None
-    print(f"[{label}] done")
+    print(f"[{label}] done", flush=True)
     return all_configs
 
 
@@ -179,82 +298,137 @@ def _prepare(cfg: Config, base: nn.Module, inputs: tuple, kwargs: dict, device: 
     try:
         model = cfg.build(copy.deepcopy(base))
     except ConfigError as e:
-        cfg.error = str(e).split(";")[0].split(":")[0] if "no choice" not in str(e) else _no_fit(str(e))
+        cfg.error = str(e).split(";")[0].split(":")[0]
         return
-    cfg.checkpointed = sum(1 for m in model.modules() if isinstance(m, block_cls) and is_checkpointed(m))
-    cfg.checkpointed += sum(1 for m in model.modules() if type(m).__name__ == "CheckpointWrapper")
+    n = sum(1 for m in model.modules() if isinstance(m, block_cls) and is_checkpointed(m))
+    n += sum(1 for m in model.modules() if type(m).__name__ == "CheckpointWrapper")
     if cfg.name == "HF gc":
-        cfg.checkpointed = sum(1 for m in model.modules() if isinstance(m, block_cls))
-    cfg.flops = _fwd_bwd_flops(model, inputs, kwargs)
+        n = sum(1 for m in model.modules() if isinstance(m, block_cls))
+    cfg.checkpointed = str(n)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    _step(model, opt, inputs, kwargs)  # creates the optimizer state: measure the steady state
+    _step(model, opt, inputs, kwargs)  # compiles; creates the optimizer state: measure the steady state
+    cfg.flops = _fwd_bwd_flops(model, inputs, kwargs)
+    if isinstance(model, CompiledBudget):
+        cfg.checkpointed = f"{model.graph_flops.graphs} graph runs"
+        if not model.graph_flops.graphs:
+            cfg.error = "no compiled graph ran (dynamo fell back to eager)"
+            return
     cfg.peak = _peak(model, opt, inputs, kwargs, device)
+    if device.type == "cpu" and cfg.kind != "compile":
+        cfg.mem_tracker = _mem_tracker_peak(model, opt, inputs, kwargs, device)
     cfg.model = model
-
-
-def _no_fit(msg: str) -> str:
-    import re
-
-    m = re.search(r"budget:(\d+) or more", msg)
-    return f"no placement fits; smallest is {int(m.group(1)) / 2**20:.2f} MiB" if m else msg
 
 
 def _mib(n: float) -> str:
     return f"{n / 2**20:.2f}"
 
 
+def _ratio(c: Config, none: Config) -> float:
+    return statistics.median(c.times) / statistics.median(none.times)
+
+
 def _table(label: str, configs: list[Config], fwd_bwd_flops: int) -> list[str]:
     none = next(c for c in configs if c.name == "none")
-    base_t = statistics.median(none.times)
     names = {c.name: c for c in configs}
     rows = [
         f"### {label}",
         "",
-        "| configuration | blocks checkpointed | peak MiB | peak vs none | recompute GFLOP (% of fwd+bwd) "
-        "| step time vs none (median) | notes |",
-        "|---|---|---|---|---|---|---|",
+        "| configuration | blocks checkpointed | peak MiB | peak vs none | MemTracker - profiler | "
+        "recompute GFLOP (% of fwd+bwd) | step time vs none (median) | notes |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for c in configs:
         if c.error:
-            rows.append(f"| {c.name} | - | - | - | - | - | {c.error} |")
+            rows.append(f"| {c.name} | - | - | - | - | - | - | {c.error} |")
             continue
-        ratio = statistics.median(c.times) / base_t
         notes = []
         if c.budget is not None:
-            notes.append(f"budget {_mib(c.budget)} MiB: {'within' if c.peak <= c.budget else 'EXCEEDED'}")
+            over = "" if c.mem_tracker is None else f", MemTracker {c.mem_tracker - c.budget:+d} B"
+            notes.append("within" if c.peak <= c.budget else f"EXCEEDED by {c.peak - c.budget} B{over}")
         if c.peer and c.peer in names and not names[c.peer].error:
             p = names[c.peer]
-            peer_ratio = statistics.median(p.times) / base_t
-            notes.append(f"vs {c.peer}: peak {c.peak - p.peak:+d} B, time x{ratio / peer_ratio:.3f}")
+            notes.append(f"vs {c.peer}: peak {c.peak - p.peak:+d} B, time x{_ratio(c, none) / _ratio(p, none):.3f}")
+        mt = "-" if c.mem_tracker is None else f"{c.mem_tracker - c.peak:+d} B"
         rows.append(
-            f"| {c.name} | {c.checkpointed} | {_mib(c.peak)} | {c.peak / none.peak:.1%} | "
-            f"{c.flops / 1e9:.3f} ({c.flops / max(fwd_bwd_flops, 1):.1%}) | {ratio:.3f} | {'; '.join(notes)} |"
+            f"| {c.name} | {c.checkpointed} | {_mib(c.peak)} | {c.peak / none.peak:.1%} | {mt} | "
+            f"{c.flops / 1e9:.3f} ({c.flops / max(fwd_bwd_flops, 1):.1%}) | {_ratio(c, none):.3f} | "
+            f"{'; '.join(notes)} |"
         )
     return [*rows, ""]
 
 
-def _plot(results: dict[str, list[Config]], path: Path, device: str) -> None:
+def dominated_by(point: Config, frontier: list[Config], none_peak: int, fwd_bwd_flops: int) -> Config | None:
+    """The budget point with the least recompute among those at most ``TOLERANCE`` above
+    ``point`` in both peak and recompute FLOPs, or None."""
+    fits = [b for b in frontier
+            if b.peak <= point.peak + TOLERANCE * none_peak and b.flops <= point.flops + TOLERANCE * fwd_bwd_flops]
+    return min(fits, key=lambda b: (b.flops, b.peak), default=None)
+
+
+def _dominance(label: str, configs: list[Config], fwd_bwd_flops: int) -> list[str]:
+    none = next(c for c in configs if c.name == "none")
+    frontier = [c for c in configs if c.kind == "budget" and not c.error]
+    others = [c for c in configs if c.kind in ("peer", "compile", "distckpt") and c.name != "none" and not c.error]
+    rows, peers_ok = [], 0
+    for c in others:
+        b = dominated_by(c, frontier, none.peak, fwd_bwd_flops)
+        if c.kind != "distckpt":
+            peers_ok += b is not None
+        verdict = (f"yes: {b.name} ({b.peak / none.peak:.1%}, {b.flops / fwd_bwd_flops:.1%})" if b
+                   else "**no**")
+        rows.append(f"| {c.name} | {c.peak / none.peak:.1%} | {c.flops / fwd_bwd_flops:.1%} | {verdict} |")
+    n_peers = sum(1 for c in others if c.kind != "distckpt")
+    return [
+        f"Budget frontier vs every other point ({label.split(':')[0]}): dominates or equals "
+        f"**{peers_ok} of {n_peers}** peer points (torch, HF, torch.compile).",
+        "",
+        "| point | peak vs none | recompute (% of fwd+bwd) | a budget point at or below it on both |",
+        "|---|---|---|---|",
+        *rows,
+        "",
+    ]
+
+
+def _plot(results: dict[str, list[Config]], flops_ref: dict[str, int], path: Path, device: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     n = len(results)
-    fig, axes = plt.subplots(1, n, figsize=(5.5 * n, 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, n, figsize=(5.5 * n, 4.8), squeeze=False)
+    style = {"distckpt": ("o", "tab:blue"), "peer": ("s", "tab:red"), "compile": ("^", "tab:green")}
     for ax, (label, configs) in zip(axes[0], results.items()):
         none = next(c for c in configs if c.name == "none")
-        base_t = statistics.median(none.times)
-        for k, c in enumerate(c for c in configs if not c.error):
-            x, y = statistics.median(c.times) / base_t, c.peak / 2**20
-            peer = c.name.startswith(("torch", "HF"))
-            ax.scatter([x], [y], marker="s" if peer else "o", s=40, color="tab:red" if peer else "tab:blue")
-            # Staggered labels: configurations with the same placement sit on the same point.
-            ax.annotate(c.name, (x, y), textcoords="offset points", xytext=(5, 8 * (k % 3) - 8), fontsize=7)
-        ax.set_xlabel("step time / no checkpointing (median)")
-        ax.set_ylabel("peak training memory (MiB)")
-        ax.set_title(label, fontsize=9)
+        ref = flops_ref[label]
+        ok = [c for c in configs if not c.error]
+
+        def xy(c: Config, ref: int = ref, none: Config = none) -> tuple[float, float]:
+            return 100 * c.flops / ref, 100 * c.peak / none.peak
+
+        frontier = sorted((c for c in ok if c.kind == "budget"), key=lambda c: (c.flops, c.peak))
+        if frontier:
+            ax.plot(*zip(*map(xy, frontier)), "-", color="tab:blue", alpha=0.5, marker=".",
+                    label="distckpt budget:SIZE")
+        # Configurations with the same placement sit on the same point: one marker, one joined label.
+        points: dict[tuple[float, float], list[Config]] = {}
+        for c in ok:
+            if c.kind != "budget":
+                x, y = xy(c)
+                points.setdefault((round(x, 2), round(y, 2)), []).append(c)
+        for k, ((x, y), same) in enumerate(sorted(points.items())):
+            marker, color = style[same[0].kind]
+            ax.scatter([x], [y], marker=marker, s=36, color=color, zorder=3)
+            ax.annotate(" = ".join(c.name for c in same), (x, y), textcoords="offset points",
+                        xytext=(5, 7 * (k % 2) - 7), fontsize=6.5)
+        ax.margins(x=0.2)
+        ax.set_xlabel("recompute FLOPs (% of forward+backward)")
+        ax.set_ylabel("peak training memory (% of no checkpointing)")
+        ax.set_title(label, fontsize=8)
         ax.grid(alpha=0.3)
-    fig.suptitle(f"distckpt (circles) vs PyTorch / Hugging Face (squares), {device}", fontsize=10)
+        ax.legend(fontsize=7, loc="upper right")
+    fig.suptitle(f"distckpt (circles; line: budget:SIZE), PyTorch / HF (squares), torch.compile "
+                 f"activation_memory_budget (triangles), {device}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -290,16 +464,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--rounds", type=int, default=None, help="timed steps per configuration")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads (1: CPU time equals compute time)")
+    ap.add_argument("--budget-points", type=int, default=BUDGET_POINTS, help="budget sizes per model (>= 2)")
+    ap.add_argument("--compile-fractions", type=float, nargs="*", default=list(COMPILE_FRACTIONS),
+                    help="torch.compile activation_memory_budget values (none: skip torch.compile)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
-    sizes = args.sizes or (["medium", "large"] if cuda else ["small", "medium"])
+    # On CPU one GPT size and HF's GPT-2: with torch.compile rows and a budget sweep the run takes about
+    # 10 minutes on 2 shared cores (--sizes small medium for more).
+    sizes = args.sizes or (["medium", "large"] if cuda else ["small"])
     hf_size = args.hf_size or ("medium" if cuda else "small")
     bsz = args.batch or (8 if cuda else 2)
-    rounds = args.rounds or (20 if cuda else 7)
+    rounds = args.rounds or (20 if cuda else 5)
+    fractions = tuple(args.compile_fractions)
     if not cuda:
         torch.set_num_threads(args.threads)
+    started = time.perf_counter()
 
     results: dict[str, list[Config]] = {}
     flops_ref: dict[str, int] = {}
@@ -319,38 +500,66 @@ def main(argv: list[str] | None = None) -> None:
         idx, tgt = batch(cfg, bsz, device=device)
         inputs, kwargs = ((), {"input_ids": idx, "labels": idx}) if hf else ((idx, tgt), {})
         label = f"{name}: dim {cfg.dim}, {cfg.layers} layers, seq {cfg.seq}, vocab {cfg.vocab}, batch {bsz}"
-        print(f"[{label}]")
-        configs = run_model(label, model, block_cls, inputs, kwargs, device, rounds, hf)
+        print(f"[{label}]", flush=True)
+        configs = run_model(label, model, block_cls, inputs, kwargs, device, rounds, hf, fractions,
+                            args.budget_points)
         results[label] = configs
-        m = model.to(device)
-        flops_ref[label] = _fwd_bwd_flops(m, inputs, kwargs)
+        flops_ref[label] = _fwd_bwd_flops(model.to(device), inputs, kwargs)
+        _write(args, device, rounds, started, results, flops_ref)  # after each model: a partial run leaves results
 
+
+def _write(args: argparse.Namespace, device: torch.device, rounds: int, started: float,
+           results: dict[str, list[Config]], flops_ref: dict[str, int]) -> None:
+    cuda = device.type == "cuda"
     args.out.mkdir(parents=True, exist_ok=True)
     tag = device.type
     md = args.out / f"memory_{tag}.md"
     png = args.out / f"memory_{tag}.png"
+    peak_how = ("torch.cuda.max_memory_allocated" if cuda else
+                "the bytes live at the step's start (parameters, buffers, AdamW state, batch) plus the highest "
+                "running sum of the CPU allocator's events under `torch.profiler.profile(profile_memory=True)`, "
+                "for every row (MemTracker cannot see a compiled step: under its dispatch mode the compiled "
+                "module runs its eager code; on the eager rows the column MemTracker - profiler checks the "
+                "two agree: the profiler also sees the 5056-byte CPU RNG state that checkpointing saves per "
+                "checkpointed block, MemTracker does not)")
     lines = [
-        f"# Memory vs time ({tag})",
+        f"# Memory vs recompute ({tag})",
         "",
         f"Generated by `python -m benchmarks.memory --device {tag}` on {platform.machine()} "
         f"({torch.cuda.get_device_name(device) if cuda else platform.processor() or 'CPU'}), torch "
         f"{torch.__version__}, {torch.get_num_threads()} threads, {rounds} interleaved timed steps per "
-        f"configuration ({'wall time' if cuda else 'process CPU time'}, median). One AdamW step (forward, "
-        "backward, optimizer.step) in steady state; peak memory by "
-        f"{'torch.cuda.max_memory_allocated' if cuda else 'MemTracker'}; recompute FLOPs by FlopCounterMode "
-        "(forward+backward minus the run without checkpointing). Budgets are static memory (parameters, "
-        "gradients, AdamW state, batch) plus 25/50/75% of the activation memory without checkpointing.",
+        f"configuration ({'wall time' if cuda else 'process CPU time'}, median), "
+        f"{time.perf_counter() - started:.0f} s in all. One AdamW step (forward, backward, optimizer.step) "
+        f"in steady state, each quantity in its own pass. Peak memory: {peak_how}. Recompute FLOPs: "
+        "FlopCounterMode of forward+backward minus the run without checkpointing; for `compile F` rows a "
+        "FlopCounterMode entered inside the compiled forward and backward graphs (around the compiled call "
+        "it counts the eager code, as MemTracker does).",
         "",
-        f"![memory vs time]({png.name})",
+        f"`budget X MiB`: `wrap(model, \"budget:SIZE\")` at {args.budget_points} sizes from the smallest it "
+        "accepts (the size its ConfigError names) to the peak without checkpointing; `within` means the "
+        "measured peak is at most SIZE. `compile F`: `torch.compile` with "
+        "`torch._functorch.config.activation_memory_budget = F` and the backend "
+        "`aot_eager_decomp_partition_with_mode` (the decompositions and min-cut partitioner of "
+        "`aot_eager_decomp_partition`, the graphs run under a FlopCounterMode switch; checked by hand once, "
+        "GPT small at F = 0.3: the same peak as `aot_eager_decomp_partition`). `graph runs`: the compiled "
+        "forward and backward graphs one step runs (a forward and a backward per dynamo graph). Its step "
+        "time is the aot_eager backend's (FX graphs run op by op in Python, no fusion): compare its memory "
+        "and FLOPs with the eager rows, not its time.",
+        "",
+        f"Dominance: a peer point counts as dominated or equalled when a budget point is at most "
+        f"{TOLERANCE:.1%} of the no-checkpointing peak above it in memory and at most {TOLERANCE:.1%} of "
+        "forward+backward FLOPs above it in recompute, both computed from the figures below.",
+        "",
+        f"![memory vs recompute]({png.name})",
         "",
     ]
     for label, configs in results.items():
         lines += _table(label, configs, flops_ref[label])
+        lines += _dominance(label, configs, flops_ref[label])
     lines += [f"Planner: {_planner_seconds():.3f} s to place 100 blocks of random profiles (median of 5).", ""]
     md.write_text("\n".join(lines))
-    _plot(results, png, tag)
-    print(f"wrote {md} and {png}")
-    print("\n".join(lines))
+    _plot(results, flops_ref, png, tag)
+    print(f"wrote {md} and {png}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,64 @@
+"""The memory benchmark's measurements that make its rows comparable (benchmarks/memory.py): the
+profiler-based peak used for every row equals MemTracker's on an eager step, FLOPs of a compiled
+step are counted inside its graphs, and the dominance check reads both axes."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for benchmarks
+
+from benchmarks.memory import (  # noqa: E402
+    CompiledBudget,
+    Config,
+    _fwd_bwd_flops,
+    _mem_tracker_peak,
+    _profiled_peak,
+    _step,
+    dominated_by,
+)
+from benchmarks.models import GPT, GPTConfig, batch  # noqa: E402
+
+CFG = GPTConfig(vocab=64, seq=16, dim=32, heads=2, layers=2)  # small: a torch.compile takes seconds
+
+
+def _tiny():
+    torch.manual_seed(0)
+    model = GPT(CFG).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    inputs = batch(CFG, 2)
+    _step(model, opt, inputs, {})  # the optimizer state exists: steady state
+    return model, opt, inputs
+
+
+def test_profiled_peak_equals_mem_tracker_on_an_eager_step():
+    model, opt, inputs = _tiny()
+    assert _profiled_peak(model, opt, inputs, {}) == _mem_tracker_peak(model, opt, inputs, {}, torch.device("cpu"))
+
+
+def test_compiled_flops_are_counted_inside_the_graphs():
+    model, _, inputs = _tiny()
+    eager = _fwd_bwd_flops(model, inputs, {})
+    compiled = CompiledBudget(model, 1.0)  # no budget pressure: no matmul is recomputed
+    opt = torch.optim.AdamW(compiled.parameters(), lr=1e-4)
+    _step(compiled, opt, inputs, {})
+    assert _fwd_bwd_flops(compiled, inputs, {}) == eager
+    assert compiled.graph_flops.graphs == 2  # one forward graph, one backward graph
+
+
+def _point(name, peak, flops, kind="budget"):
+    c = Config(name, lambda m: m, kind=kind)
+    c.peak, c.flops = peak, flops
+    return c
+
+
+def test_dominated_by_needs_both_axes():
+    frontier = [_point("a", 100, 50), _point("b", 80, 90)]
+    assert dominated_by(_point("p", 100, 60, "peer"), frontier, 1000, 1000).name == "a"
+    assert dominated_by(_point("p", 85, 95, "peer"), frontier, 1000, 1000).name == "b"
+    assert dominated_by(_point("p", 90, 60, "peer"), frontier, 1000, 1000) is None  # less memory than a
+    assert dominated_by(_point("p", 101, 40, "peer"), frontier, 1000, 1000) is None  # less recompute than a
+    assert dominated_by(_point("p", 99.5, 50.5, "peer"), frontier, 1000, 1000).name == "a"  # within 0.1%
