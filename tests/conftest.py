@@ -1,4 +1,4 @@
-"""Shared fixtures: the 2-rank gloo pool, seeding, and the `cuda` marker."""
+"""Shared fixtures: the 2-rank gloo pool, seeding, and the `cuda` and `slow` markers."""
 
 from __future__ import annotations
 
@@ -27,9 +27,15 @@ def _seed():
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
-    for item in items:
-        if "cuda" in item.keywords:
-            item.add_marker(skip)
+    # `slow` tests run only when -m names the marker (-m slow, -m "slow or not slow"): the default run
+    # keeps a representative core of each sweep (each slow test says which case stays, and why).
+    if "slow" not in (config.getoption("markexpr") or ""):
+        slow = pytest.mark.skip(reason="slow: run with -m 'slow or not slow' (or -m slow)")
+        for item in items:
+            if item.get_closest_marker("slow"):
+                item.add_marker(slow)
+    if not torch.cuda.is_available():
+        cuda = pytest.mark.skip(reason="needs a CUDA device")
+        for item in items:
+            if "cuda" in item.keywords:
+                item.add_marker(cuda)

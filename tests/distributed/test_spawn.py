@@ -11,7 +11,10 @@ from distckpt._spawn import RankFailure, free_port, run_ranks
 pytestmark = pytest.mark.dist
 
 
-def _body(rank, world, mode):
+HANG_S = 20  # run_ranks' timeout in the hang case; the start (imports) counts too
+
+
+def _body(rank, world, mode, until=0.0):
     if mode == "fail":
         if rank == 1:
             raise ValueError("boom on rank 1")
@@ -19,7 +22,10 @@ def _body(rank, world, mode):
     if mode == "hang":
         if rank == 0:
             dist.all_reduce(torch.ones(1))  # rank 1 never joins
-        time.sleep(120)  # alive, so rank 0 waits instead of seeing a closed connection
+        # Alive until a second past run_ranks' deadline (``until``, set before it started the ranks), so
+        # rank 0 waits instead of seeing a closed connection. Then rank 1 returns and rank 0's all_reduce
+        # sees it gone: both exit, and run_ranks' joins end at once (a 120 s sleep cost 2 x 10 s of joins).
+        time.sleep(max(0.0, until - time.time()))
         return rank
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)
@@ -31,9 +37,9 @@ def test_results_errors_and_hangs():
     failed = run_ranks(_body, 2, "fail", timeout=60)
     assert failed[0] == 0 and isinstance(failed[1], RankFailure)
     assert failed[1].kind == "ValueError" and "boom on rank 1" in failed[1].message
-    hung = run_ranks(_body, 2, "hang", timeout=20)  # the start (imports) counts too
+    hung = run_ranks(_body, 2, "hang", time.time() + HANG_S + 1, timeout=HANG_S)
     assert [hung[r].kind for r in (0, 1)] == ["timeout", "timeout"]
-    assert "rank 0 did not finish in 20s" in hung[0].message
+    assert f"rank 0 did not finish in {HANG_S}s" in hung[0].message
 
 
 def test_free_port_is_bindable():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -20,6 +22,37 @@ TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 # A tiny job: a few seconds per run on 2 CPU ranks.
 TINY = ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.seq_len=16", "data.batch_size=8",
         "trainer=debug", "trainer.max_steps=6", "trainer.save_every=3", "trainer.eval_every=0"]
+
+
+def example_commands(example: str) -> list[list[str]]:
+    """The shell commands of ``examples/<example>``'s docstring (continuation lines joined), split into words."""
+    doc = (ROOT / "examples" / example).read_text().split('"""')[1].replace("\\\n", " ")
+    return [shlex.split(line) for line in doc.splitlines() if re.match(r"\s+(torchrun|python) ", line)]
+
+
+def launcher_overrides(cmd: list[str]) -> list[str]:
+    """The overrides of a ``torchrun ... launch/train.py OVERRIDES`` command."""
+    assert cmd[0] == "torchrun" and "launch/train.py" in cmd
+    return cmd[cmd.index("launch/train.py") + 1:]
+
+
+def check_in_process(argv: list[str], monkeypatch, capsys) -> tuple[int, str]:
+    """What ``launch/train.py ARGV`` runs first (``check_overrides``), in this process: (exit code, stderr).
+
+    A fresh Python, torch and Hydra per case costs seconds; the command line itself is run by a few tests
+    (test_config.py, test_custom.py).
+    """
+    from launch.check import check_overrides
+
+    for var in ("RANK", "WORLD_SIZE", "DISTCKPT_NPROC"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(sys, "argv", ["train.py", *argv])
+    try:
+        check_overrides(list(argv))
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err
 
 
 def compose(overrides: list[str]):

@@ -7,9 +7,19 @@ import subprocess
 import sys
 
 import pytest
-from launchkit import ROOT, assert_params_equal, compose, env, final_params, torchrun
+from launchkit import (
+    ROOT,
+    assert_params_equal,
+    compose,
+    env,
+    example_commands,
+    final_params,
+    launcher_overrides,
+    torchrun,
+)
 
 from distckpt.errors import ConfigError
+from launch.check import check_overrides
 from launch.run import train
 
 pytestmark = pytest.mark.launch
@@ -35,11 +45,18 @@ def test_custom_model_and_data_learn_with_weighted_task_losses(tmp_path):
     assert "eval_loss" in records[15] and res.eval_loss is not None  # +data.eval.split=eval: an eval split
 
 
-def test_custom_model_and_data_on_2_ranks_match_a_single_process(tmp_path):
-    over = [*CUSTOM, WEIGHTED, "trainer.max_steps=24", "trainer.eval_every=0"]  # 16 batches/epoch: 1.5 epochs
+def test_custom_example_on_2_ranks_matches_a_single_process(tmp_path):
+    # examples/custom.py's docstring command as written (CUSTOM's model and data, WEIGHTED), fewer steps:
+    # also the examples test of that command (tests/launch/test_examples.py), one torchrun for both.
+    (cmd,) = example_commands("custom.py")
+    over = [*launcher_overrides(cmd), "trainer=debug", "trainer.save_every=0", "trainer.log_every=1",
+            "trainer.max_steps=24", "trainer.eval_every=0"]  # 16 batches/epoch: 1.5 epochs
     torchrun([*over, "strategy=ddp"], tmp_path / "ddp")
     ref = train(compose([*over, "strategy=none", "ac=none"]), run_dir=tmp_path / "ref")
-    assert _metrics(tmp_path / "ddp")[-1]["loss"] == pytest.approx(ref.losses["loss"], rel=1e-4)
+    records = _metrics(tmp_path / "ddp")
+    assert records[-1]["step"] == 24 and {"cls", "reg"} <= records[-1].keys()
+    assert records[-1]["loss"] == pytest.approx(records[-1]["cls"] + 0.5 * records[-1]["reg"], rel=1e-5)
+    assert records[-1]["loss"] == pytest.approx(ref.losses["loss"], rel=1e-4)
     assert_params_equal(final_params(tmp_path / "ddp", over), final_params(tmp_path / "ref", over), exact=False)
 
 
@@ -48,15 +65,33 @@ def _launch(args: list[str], tmp_path) -> subprocess.CompletedProcess:
                           cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize(("override", "message"), [
+BAD_TARGETS = [
     ("model._target_=no_such_pkg.Net", "model._target_=no_such_pkg.Net cannot be imported (No module named"),
     ("model._target_=examples.custom.NoSuchNet", "model._target_=examples.custom.NoSuchNet cannot be imported"),
     ("+model.widht=3", "model._target_=examples.custom.TwoTaskNet cannot be called with the arguments "
                        "['widht', 'width'] (got an unexpected keyword argument 'widht')"),
     ("data._target_=examples.custom.n_samples", "data._target_=examples.custom.n_samples cannot be imported"),
     ("+data.size=3", "data._target_=examples.custom.make_dataset cannot be called with the arguments ['n', 'size']"),
-])
-def test_check_refuses_a_bad_target_in_a_few_lines(override, message, tmp_path):
+]
+
+
+@pytest.mark.parametrize(("override", "message"), BAD_TARGETS)
+def test_check_refuses_a_bad_target_in_a_few_lines(override, message, capsys, monkeypatch):
+    # In this process: check_overrides is all that `launch/train.py --check` runs (a fresh Python, torch and
+    # Hydra per case cost seconds each); the command itself runs in the next test.
+    for var in ("RANK", "WORLD_SIZE", "DISTCKPT_NPROC"):
+        monkeypatch.delenv(var, raising=False)
+    argv = ["--check", *CUSTOM, override]
+    monkeypatch.setattr(sys, "argv", ["train.py", *argv])
+    with pytest.raises(SystemExit) as e:
+        check_overrides(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err, err
+    assert len(err.splitlines()) <= 25
+
+
+def test_check_of_a_bad_target_from_the_command_line_writes_nothing(tmp_path):
+    override, message = BAD_TARGETS[0]
     proc = _launch(["--check", *CUSTOM, override], tmp_path)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert len(proc.stderr.splitlines()) <= 25 and not (tmp_path / "config.yaml").exists()

@@ -1,47 +1,24 @@
-"""The commands in examples/*.py docstrings run as written (with fewer steps) on 2 ranks."""
+"""The commands in examples/*.py docstrings run as written (with fewer steps) on 2 ranks, inside the tests
+that need that same 2-rank run anyway (one torchrun each instead of two):
+
+- examples/custom.py: tests/launch/test_custom.py::test_custom_example_on_2_ranks_matches_a_single_process
+  (DDP against a single process);
+- examples/tiny_pretrained.py: both commands in tests/launch/test_multitask.py's ``setup`` fixture (the
+  pretrained directory, then the LoRA fine-tune, under DDP and FSDP2 against a single process).
+
+Here: every example with a command is one of those, so a new example is not left untested."""
 
 from __future__ import annotations
 
-import json
-import re
-import shlex
-import subprocess
-import sys
+from pathlib import Path
 
-import pytest
-from launchkit import ROOT, env, torchrun
+from launchkit import ROOT, example_commands
 
-pytestmark = pytest.mark.launch
-SHORT = ["trainer=debug", "trainer.max_steps=4", "trainer.save_every=0", "trainer.eval_every=0"]
+RUN_BY = {"custom.py": "test_custom.py", "tiny_pretrained.py": "test_multitask.py"}
 
 
-def _commands(example: str) -> list[list[str]]:
-    """The shell commands of an example's docstring (continuation lines joined), split into words."""
-    doc = (ROOT / "examples" / example).read_text().split('"""')[1].replace("\\\n", " ")
-    return [shlex.split(line) for line in doc.splitlines() if re.match(r"\s+(torchrun|python) ", line)]
-
-
-def _launcher_overrides(cmd: list[str]) -> list[str]:
-    assert cmd[0] == "torchrun" and "launch/train.py" in cmd
-    return cmd[cmd.index("launch/train.py") + 1:]
-
-
-def test_custom_model_and_data_example(tmp_path):
-    (cmd,) = _commands("custom.py")
-    torchrun([*_launcher_overrides(cmd), *SHORT], tmp_path / "run")
-    last = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
-    assert last["step"] == 4 and {"cls", "reg"} <= last.keys()
-    assert last["loss"] == pytest.approx(last["cls"] + 0.5 * last["reg"], rel=1e-5)
-
-
-def test_lora_fine_tune_example_from_a_tiny_pretrained_directory(tmp_path):
-    pytest.importorskip("peft")
-    make, cmd = _commands("tiny_pretrained.py")
-    pre = str(tmp_path / "gpt2-tiny")
-    make = [pre if w == "/tmp/gpt2-tiny" else w for w in make]
-    subprocess.run([sys.executable, *make[1:]], cwd=ROOT, env=env(), check=True, timeout=120)
-    overrides = [w.replace("/tmp/gpt2-tiny", pre) for w in _launcher_overrides(cmd)]
-    torchrun([*overrides, *SHORT], tmp_path / "run")
-    assert (tmp_path / "run" / "hf" / "adapter_config.json").is_file()
-    last = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
-    assert {"lm", "cls"} <= last.keys()
+def test_every_example_command_is_run_by_a_launcher_test():
+    examples = [p for p in sorted((ROOT / "examples").glob("*.py")) if '"""' in p.read_text()]
+    assert {p.name for p in examples if example_commands(p.name)} == set(RUN_BY)
+    for example, test in RUN_BY.items():
+        assert f'example_commands("{example}")' in (Path(__file__).parent / test).read_text(), (example, test)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
 import torch
-from launchkit import ROOT, assert_params_equal, compose, env, final_params, torchrun, write_tiny_gpt2
+from launchkit import assert_params_equal, check_in_process, compose, final_params, torchrun, write_tiny_gpt2
 
 from launch.config import validate
 from launch.run import train
@@ -65,11 +64,9 @@ def test_without_lora_the_whole_model_trains_and_is_saved(pretrained, tmp_path):
     assert not torch.equal(saved.transformer.h[0].attn.c_attn.weight, original.transformer.h[0].attn.c_attn.weight)
 
 
-def test_check_refuses_a_missing_pretrained_directory(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), "--check", "model=hf",
-                           f"model.pretrained={tmp_path / 'none'}"], cwd=ROOT, env=env(), capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 2 and "is not a local directory with a config.json" in proc.stderr, proc.stderr
+def test_check_refuses_a_missing_pretrained_directory(tmp_path, monkeypatch, capsys):
+    code, err = check_in_process(["--check", "model=hf", f"model.pretrained={tmp_path / 'none'}"], monkeypatch, capsys)
+    assert code == 2 and "is not a local directory with a config.json" in err, err
 
 
 # --- model=hf sizes beyond d_model/n_head: the MLP width and grouped-query attention (issue 14) ---------------

@@ -15,8 +15,9 @@ from launch.run import train
 
 pytestmark = pytest.mark.launch
 
-# 16 steps, checkpoints every 4: the kill after step 10 resumes from step_8.
-STEPS = [*TINY, "trainer.max_steps=16", "trainer.save_every=4", "trainer.keep_last=0"]
+# 8 steps, checkpoints every 3: the kill after step 5 resumes from step_3. (Was 16 steps, every 4, kill at
+# 10: the same path with twice the steps on 4 workers sharing 2 cores.)
+STEPS = [*TINY, "trainer.max_steps=8", "trainer.save_every=3", "trainer.keep_last=0"]
 HSDP = [*STEPS, "strategy=hsdp", "trainer.guard_every=1"]  # shard_size: LOCAL_WORLD_SIZE = 2 per node
 
 
@@ -40,23 +41,25 @@ def _two_nodes(overrides: list[str], run: Path, restarts: int = 0) -> list[tuple
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     run = tmp_path_factory.mktemp("hsdp") / "straight"
-    return run, "".join(out for out, _ in _two_nodes(HSDP, run))
+    outs = _two_nodes(HSDP, run)
+    return run, "".join(out for out, _ in outs), sum("distckpt run summary" in out for out, _ in outs)
 
 
 def test_hsdp_two_nodes_match_single_process(uninterrupted, tmp_path):
-    run, out = uninterrupted
-    assert "strategy=hsdp x4 (mesh 2 replicate x 2 shard)" in out and "0 -> 16 of 16" in out
-    assert "grad sync: 16 steps compared across 4 ranks, all in sync" in out
+    run, out, summaries = uninterrupted
+    assert summaries == 1  # rank 0 only, on one of the two agents
+    assert "strategy=hsdp x4 (mesh 2 replicate x 2 shard)" in out and "0 -> 8 of 8" in out
+    assert "grad sync: 8 steps compared across 4 ranks, all in sync" in out
     train(compose([*STEPS, "strategy=none", "ac=none"]), run_dir=tmp_path / "none")
     assert_params_equal(final_params(run, STEPS), final_params(tmp_path / "none", STEPS), exact=False)
 
 
 def test_hsdp_kill_9_on_one_node_and_resume_bitwise(uninterrupted, tmp_path):
     run = tmp_path / "killed"
-    # Rank 3 (the second node's second worker) SIGKILLs itself after step 10, first attempt only.
-    kill = "trainer.callbacks=[{_target_:tests.faults.KillAt,step:10,rank:3}]"  # tests/faults.py
+    # Rank 3 (the second node's second worker) SIGKILLs itself after step 5, first attempt only.
+    kill = "trainer.callbacks=[{_target_:tests.faults.KillAt,step:5,rank:3}]"  # tests/faults.py
     out = "".join(o for o, _ in _two_nodes([*HSDP, kill], run, restarts=1))
-    assert "resumed from step_8" in out
+    assert "resumed from step_3" in out
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert steps.count(9) == 2 and steps[-1] == 16  # steps 9-10 ran twice: before the kill and after
+    assert steps.count(4) == 2 and steps[-1] == 8  # steps 4-5 ran twice: before the kill and after
     assert_params_equal(final_params(run, STEPS), final_params(uninterrupted[0], STEPS), exact=True)

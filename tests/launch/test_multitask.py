@@ -5,9 +5,20 @@ FSDP2 on 2 ranks against a single process without checkpointing."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
-from launchkit import assert_params_equal, compose, final_params, torchrun, write_tiny_gpt2
+from launchkit import (
+    ROOT,
+    assert_params_equal,
+    compose,
+    env,
+    example_commands,
+    final_params,
+    launcher_overrides,
+    torchrun,
+)
 
 from distckpt.errors import ConfigError
 from launch.config import validate
@@ -19,10 +30,18 @@ pytest.importorskip("peft")
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
+    # examples/tiny_pretrained.py's two docstring commands as written (the tiny pretrained directory, then the
+    # LoRA fine-tune on two tasks, here with fewer samples and steps): the examples test of that example
+    # (tests/launch/test_examples.py) and this file's 2-rank runs, without a torchrun of its own.
     root = tmp_path_factory.mktemp("multitask")
-    pre = write_tiny_gpt2(root / "gpt2-tiny")
-    over = ["model=hf", f"model.pretrained={pre}", "model.seq_len=16", "model.lora.r=4", "data=multitask",
-            "data.batch_size=12", "data.tasks.lm.weight=2", "data.tasks.cls.weight=1",  # 8 lm + 4 cls samples
+    pre = str(root / "gpt2-tiny")
+    make, cmd = example_commands("tiny_pretrained.py")
+    subprocess.run([sys.executable, *[pre if w == "/tmp/gpt2-tiny" else w for w in make[1:]]], cwd=ROOT, env=env(),
+                   check=True, timeout=120)
+    example = [w.replace("/tmp/gpt2-tiny", pre) for w in launcher_overrides(cmd)]
+    assert {"model.lora.r=4", "data=multitask", "data.batch_size=12", "data.tasks.lm.weight=2",
+            "data.tasks.cls.weight=1"} <= set(example)  # 8 lm + 4 cls samples per batch
+    over = [*example, "model.seq_len=16",
             "data.tasks.lm.data.n=48", "data.tasks.cls.data.n=24",  # 6 batches per epoch each: 8 steps cross one
             "+trainer.task_weights={lm: 1.0, cls: 0.5}", "trainer=debug", "trainer.max_steps=8",
             "trainer.save_every=0", "trainer.eval_every=0"]

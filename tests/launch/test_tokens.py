@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 import pytest
-from launchkit import ROOT, assert_params_equal, compose, env, final_params, torchrun
+from launchkit import ROOT, assert_params_equal, check_in_process, compose, env, final_params, torchrun
 
 from launch.run import train
 
@@ -69,8 +69,6 @@ def test_token_file_on_2_ranks_matches_a_single_process(byte_files, tmp_path):
     assert_params_equal(final_params(tmp_path / "ddp", over), final_params(tmp_path / "ref", over), exact=False)
 
 
-def test_check_refuses_a_missing_token_file(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), "--check", "data=tokens",
-                           f"data.path={tmp_path / 'nope.bin'}"], cwd=ROOT, env=env(), capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 2 and "nope.bin is not a file; write one with scripts/make_tokens.py" in proc.stderr
+def test_check_refuses_a_missing_token_file(tmp_path, monkeypatch, capsys):
+    code, err = check_in_process(["--check", "data=tokens", f"data.path={tmp_path / 'nope.bin'}"], monkeypatch, capsys)
+    assert code == 2 and "nope.bin is not a file; write one with scripts/make_tokens.py" in err, err

@@ -84,13 +84,17 @@ def test_strategy_matches_single_process(strategy, single_process, tmp_path):
     assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml", "metrics.jsonl"]
 
 
-@pytest.mark.parametrize(("kill", "workers"), [(10, 0), (14, 1)])
+# The default run keeps (10, 1): resumed mid-epoch, replayed steps crossing an epoch boundary, read by a
+# DataLoader worker per rank. (14, 0) takes the same kill/restart/resume path without a worker and without
+# the crossing (the loader's own resume, 0 and 1 workers, mid-epoch and at the boundary, is tested in
+# tests/unit/test_data.py; DDP resume without workers also in the SIGTERM test below): slow only.
+@pytest.mark.parametrize(("kill", "workers"), [(10, 1), pytest.param(14, 0, marks=pytest.mark.slow)])
 def test_kill_9_and_torchrun_restart_resume_bitwise(kill, workers, uninterrupted, tmp_path):
     run = tmp_path / "killed"
     # Rank 1 SIGKILLs itself after step `kill` (first attempt only); torchrun restarts both workers, which
     # resume from the latest complete checkpoint, 2 steps earlier. Kill at 10: step_8 is batch 3 of epoch 1
-    # and the replayed steps cross into epoch 2. Kill at 14: step_12 is mid-epoch 2, read by a DataLoader
-    # worker process per rank (the reference has none: the data must not depend on it).
+    # and the replayed steps cross into epoch 2. Kill at 14: step_12 is mid-epoch 2. With workers=1 a
+    # DataLoader worker process per rank reads the data (the reference has none: it must not depend on it).
     fault = f"trainer.callbacks=[{{_target_:tests.faults.KillAt,step:{kill},rank:1}}]"  # tests/faults.py
     proc = torchrun([*LONG, "strategy=ddp", fault, f"data.num_workers={workers}"],
                     run, extra=["--standalone", "--max-restarts=1"])
@@ -132,6 +136,10 @@ def test_sigterm_saves_on_every_rank_at_the_same_step_then_resumes_bitwise(unint
     assert_params_equal(final_params(run, LONG), final_params(uninterrupted[0], LONG), exact=True)
 
 
+# Slow only: tests/launch/test_hsdp_nodes.py runs two agents at a c10d rendezvous as two nodes in the
+# default run (2 ranks each, strategy=hsdp, against a single process, the summary printed once); this
+# one is the same rendezvous with one DDP rank per agent.
+@pytest.mark.slow
 def test_two_torchrun_agents_as_two_nodes(single_process, tmp_path):
     ref_dir, _ = single_process
     run = tmp_path / "multinode"

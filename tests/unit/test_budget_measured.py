@@ -59,12 +59,6 @@ class Subset:
         return self.chosen
 
 
-@pytest.fixture(autouse=True)
-def _slow_only_when_asked(request):
-    if request.node.get_closest_marker("slow") and "slow" not in (request.config.getoption("markexpr") or ""):
-        pytest.skip("slow: run with -m 'slow or not slow' (or -m slow)")
-
-
 def _is_block(m: nn.Module) -> bool:
     return isinstance(m, MLP)
 

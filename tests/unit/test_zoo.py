@@ -72,12 +72,6 @@ def _report():
 
 
 @pytest.fixture(autouse=True)
-def _slow_only_when_asked(request):
-    if request.node.get_closest_marker("slow") and "slow" not in (request.config.getoption("markexpr") or ""):
-        pytest.skip("slow: run with -m 'slow or not slow' (or -m slow)")
-
-
-@pytest.fixture(autouse=True)
 def _quiet():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # HF config/deprecation and distckpt's one-time cache warnings
