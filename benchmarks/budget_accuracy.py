@@ -137,10 +137,10 @@ NOTES = [
     "- DDP: the reducer's flat gradient bucket (allocated in C++, rebuilt in the second step's forward, kept "
     "after) is tracked as an external tensor from the step's start; MemTracker alone sees it only from the "
     "first gradient copied into it in backward. The prediction counts it as one more gradient-sized buffer.",
-    "- FSDP/FSDP2 with blocks kept: parallelize makes a unit of each checkpointed block only, so a kept "
-    "block's parameters stay in the root unit, unsharded for the whole step (and its gradients unsharded "
-    "until the root's reduce-scatter). The memory model counts every block as its own unit: it "
-    "underestimates those rows (not fixed yet). With every block checkpointed FSDP2 is within 3%.",
+    "- FSDP/FSDP2: parallelize makes every block its own unit, checkpointed or not (before, kept blocks "
+    "sat in the root unit, unsharded all step, and these rows were 8-24% under). With blocks kept the model "
+    "now predicts a few percent high (it counts two blocks' unsharded parameters and one block's gradients "
+    "at every peak): safe, but not within 3% yet.",
     "- FSDP1: with every block checkpointed the prediction is 8-11% above the measure (not investigated; "
     "FSDP1 unshards by resizing flat-parameter storages in place, which MemTracker may not follow: unverified).",
 ]

@@ -121,17 +121,20 @@ FACTORIES = {"gpt": gpt_factory, "mlp": mlp_factory, "hf": hf_factory}  # pickla
 
 
 def _rank_peaks(rank: int, world: int, kind: str, arg: Any, strategy: str,
-                runs: list[tuple[str, list[str] | None]]) -> list[int]:
+                runs: list[tuple[str, dict[str, str] | None]]) -> list[int]:
     """This rank's MemTracker peak of a steady-state AdamW step under ``parallelize(strategy)`` per
-    ``(policy, blocks)`` (DDP's C++ buckets tracked from the step's start: budget_accuracy._ddp_buckets)."""
+    ``(policy, {block: mode})`` (the budget's own mode per block; DDP's C++ buckets tracked from the
+    step's start: budget_accuracy._ddp_buckets)."""
 
     peaks = []
-    for policy, blocks in runs:
+    for policy, modes in runs:
         torch.manual_seed(0)
         model, loss_fn, batch_fn = FACTORIES[kind](arg)()
         model.train()
-        if policy != "none":
-            distckpt.wrap(model, "full" if policy == "budget" else policy, blocks=blocks)
+        if policy == "budget":
+            distckpt.wrap(model, Placement(modes), blocks=list(modes))
+        elif policy != "none":
+            distckpt.wrap(model, policy)
         batch = batch_fn(0, rank, world)
         peaks.append(_dist_steady_peak(distckpt.parallelize(model, strategy), loss_fn, batch))
     return peaks
@@ -166,15 +169,16 @@ def compare_dist(kind: str, arg: Any, strategy: str, world: int = 2, budget_frac
     r = plan_at_scale(factory, strategy=strategy, world_size=world)
     none, full = r.policy("none").peak_bytes, r.policy("full").peak_bytes
     r = r.with_budget(int(full + budget_frac * (none - full)))
-    runs = [(p.policy, [r.blocks[i] for i in p.checkpointed] if p.policy == "budget" else None) for p in r.policies]
-    runs = [("none", None) if policy == "budget" and not blocks else (policy, blocks) for policy, blocks in runs]
+    runs = [(p.policy, {r.blocks[i]: p.modes[i] for i in p.checkpointed} if p.policy == "budget" else None)
+            for p in r.policies]
+    runs = [("none", None) if policy == "budget" and not modes else (policy, modes) for policy, modes in runs]
     measured = run_ranks(_rank_peaks, world, kind, arg, strategy, runs)
     return {p.policy: (p.peak_bytes, max(m[i] for m in measured.values())) for i, p in enumerate(r.policies)}
 
 
-DIST_NOTE = ("FSDP2 `none` (and a `budget` plan that keeps blocks): parallelize makes a unit of each checkpointed "
-             "block only, so kept blocks' parameters stay unsharded in the root unit all step; the memory model "
-             "counts every block as its own unit and underestimates these rows (not fixed yet).")
+DIST_NOTE = ("FSDP2: parallelize makes every block its own unit, checkpointed or not (before, kept blocks sat "
+             "unsharded in the root unit and `none` was 10-18% under); the memory model counts two blocks' "
+             "unsharded parameters and one block's gradients at every peak.")
 DIST = [("MultiTaskGPT", "gpt", 4), ("MultiTaskMLP", "mlp", 4), ("gpt2", "hf", "gpt2")]
 
 

@@ -299,6 +299,8 @@ def wrap(
             )
     _cancel_first_forward_plan(model)
     model.__dict__.pop(_BUDGET, None)
+    # FSDP/FSDP2 make every candidate block a unit, checkpointed or not (parallelize reads this).
+    model.__dict__[_BLOCKS] = tuple(m for _, m in candidates)
     if pol is None:
         return model
     opts = CheckpointOptions(reentrant, preserve_rng_state, offload, context_fn)
@@ -315,6 +317,20 @@ def wrap(
 
 
 _BUDGET = "_distckpt_budget"  # the model's _BudgetRecord, when its policy is a Budget
+_BLOCKS = "_distckpt_blocks"  # the candidate blocks wrap found (module references, not submodules)
+
+
+def candidate_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The blocks ``wrap`` chose among (checkpointed or not), in forward order; for a model ``wrap``
+    never saw, the repeated blocks found automatically, or none when there are no such blocks."""
+    recorded = model.__dict__.get(_BLOCKS)
+    if recorded is None:
+        try:
+            return find_blocks(model)
+        except ConfigError:
+            return []
+    mine = {id(m) for m in recorded}
+    return [(_clean_fqn(n), m) for n, m in model.named_modules() if id(m) in mine]
 
 
 @dataclasses.dataclass

@@ -13,7 +13,14 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distckpt import _torch_compat as compat
-from distckpt.apply.wrap import _clean_fqn, is_checkpointed, parallel_kind, pending_plan, replan_budget
+from distckpt.apply.wrap import (
+    _clean_fqn,
+    candidate_blocks,
+    is_checkpointed,
+    parallel_kind,
+    pending_plan,
+    replan_budget,
+)
 from distckpt.errors import ConfigError
 from distckpt.options import SHARDED, accumulate_refusal, check_graph, check_strategy, reentrant_refusal
 from distckpt.parallel.mesh import mesh_group, resolve_mesh
@@ -91,8 +98,8 @@ def parallelize(model: nn.Module, strategy: str = "ddp", *, graph: str = "auto",
                 **kwargs: Any) -> nn.Module:
     """Wrap a model whose blocks ``distckpt.apply.wrap`` checkpointed in DDP, FSDP or FSDP2, correctly.
 
-    Order (fixed): checkpointing is already inside the blocks; FSDP wraps each checkpointed block
-    (``use_orig_params=True``) then the root; FSDP2 ``fully_shard``s each checkpointed block, then
+    Order (fixed): checkpointing is already inside the blocks; FSDP wraps each block (checkpointed
+    or not; ``use_orig_params=True``) then the root; FSDP2 ``fully_shard``s each block, then
     the root; DDP wraps the root. Then every unit's forward gets the zero-weight join of its
     parameters, and the end of backward resets the grads of parameters no rank used to None.
 
@@ -137,7 +144,7 @@ def parallelize(model: nn.Module, strategy: str = "ddp", *, graph: str = "auto",
         raise ConfigError(reentrant_refusal(strategy))
 
     # The order is fixed: checkpointing already sits inside the blocks (distckpt.wrap); then FSDP/FSDP2
-    # wrap each checkpointed block and the root last, or DDP wraps the root.
+    # wrap each block (wrap's candidates, checkpointed or not) and the root last, or DDP wraps the root.
     if strategy == "ddp":
         reentrant = bool(_reentrant_blocks(model))
         wrapped, units, group = _apply_ddp(model, names, owners, graph, reentrant, device_mesh, kwargs)
@@ -184,7 +191,8 @@ def _refuse_unready(model: nn.Module, strategy: str) -> None:
     if strategy in SHARDED and pending_plan(model):
         raise ConfigError(
             f"distckpt.wrap(model, budget) has not chosen its blocks yet (it waits for the first forward), but "
-            f"{strategy} makes one unit per checkpointed block now. Pass example_inputs=(a batch) to distckpt.wrap.")
+            f"{strategy} shards each block now, after which a block's checkpointing cannot change. Pass "
+            "example_inputs=(a batch) to distckpt.wrap.")
     preflight(model)
     if strategy in SHARDED:
         _refuse_conditional_units(model, strategy)
@@ -235,14 +243,25 @@ def _fsdp_group(device_mesh: Any, kwargs: dict[str, Any]) -> Any:
     return mesh_group(device_mesh)
 
 
+def _unit_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules FSDP/FSDP2 shard as their own units: every checkpointed block and every other
+    candidate block of ``wrap`` (as torchtitan shards every layer), except a candidate that runs
+    conditionally (an expert: ranks would pair different units' all-gathers) and is not checkpointed
+    (a checkpointed one is refused before). A kept block in the root unit would stay unsharded for
+    the whole step and its gradients until the root's reduce-scatter."""
+    chosen = {id(m) for n, m in model.named_modules() if is_checkpointed(m)}
+    chosen |= {id(m) for n, m in candidate_blocks(model) if conditional_reason(model, n) is None}
+    return [(n, m) for n, m in model.named_modules() if n and id(m) in chosen]
+
+
 def _units_by_block(model: nn.Module, names: list[str], owners: list[tuple[nn.Module, str]]
                     ) -> tuple[list[tuple[str, nn.Module]], dict[str, list[int]]]:
-    """Split the trainable params into the checkpointed blocks' units and the root's ('')."""
-    blocks = [(n, m) for n, m in model.named_modules() if is_checkpointed(m)]
+    """Split the trainable params into the block units' (the innermost unit holding each) and the root's ('')."""
+    blocks = _unit_blocks(model)
     owned: dict[str, list[int]] = {bn: [] for bn, _ in blocks}
     owned[""] = []
     for i, n in enumerate(names):
-        home = next((bn for bn, _ in blocks if n.startswith(bn + ".")), "")
+        home = max((bn for bn, _ in blocks if n.startswith(bn + ".")), key=len, default="")
         owned[home].append(i)
     return blocks, owned
 
@@ -254,7 +273,7 @@ def _apply_fsdp2(model: nn.Module, names: list[str], owners: list[tuple[nn.Modul
     blocks, owned = _units_by_block(model, names, owners)
     if "mesh" in kwargs:
         raise ConfigError("pass the mesh as parallelize(..., device_mesh=mesh), not mesh=.")
-    # Checkpointing is inside each block's forward; fully_shard each checkpointed block, root last. With a 2-D
+    # Checkpointing is inside each block's forward; fully_shard each block (checkpointed or not), root last. With a 2-D
     # ("replicate", "shard") mesh fully_shard applies HSDP itself: reduce-scatter within "shard", then
     # all-reduce across "replicate".
     for _, block in blocks:
@@ -278,10 +297,11 @@ def _apply_fsdp(model: nn.Module, names: list[str], owners: list[tuple[nn.Module
             "leave the gradient of a parameter no rank used as None. Remove use_orig_params (distckpt sets True).")
     if "auto_wrap_policy" in kwargs:
         raise ConfigError(
-            "auto_wrap_policy is set by distckpt.parallelize (one FSDP unit per checkpointed block, so "
+            "auto_wrap_policy is set by distckpt.parallelize (one FSDP unit per block, so "
             "checkpointing sits inside the units, pytorch#82203). Remove it, or choose blocks in distckpt.wrap.")
     blocks, owned = _units_by_block(model, names, owners)
-    policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=is_checkpointed)
+    unit_ids = {id(b) for _, b in blocks}
+    policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: id(m) in unit_ids)
     extra = {"device_mesh": device_mesh} if device_mesh is not None else {}
     wrapped = FSDP(model, auto_wrap_policy=policy, device_id=kwargs.pop("device_id", _device()),
                    use_orig_params=True, **extra, **kwargs)

@@ -30,12 +30,13 @@ STEPS = 3
 _PATTERN_BLOCKS = object()  # _train's default: the pattern's own blocks=
 
 
-def _train(rank, world_size, name, strategy, reentrant, graph, steps=STEPS, kwargs=None, blocks=_PATTERN_BLOCKS):
+def _train(rank, world_size, name, strategy, reentrant, graph, steps=STEPS, kwargs=None, blocks=_PATTERN_BLOCKS,
+           policy="full"):
     """Per-step full grads and final full params; a ConfigError raised in step s carries ``.step = s``
     (raised before that step's optimizer step)."""
     pattern = PATTERNS[name]
     model = build(pattern)
-    distckpt.wrap(model, "full", blocks=pattern.blocks if blocks is _PATTERN_BLOCKS else blocks, reentrant=reentrant)
+    distckpt.wrap(model, policy, blocks=pattern.blocks if blocks is _PATTERN_BLOCKS else blocks, reentrant=reentrant)
     pm = distckpt.parallelize(model, strategy, graph=graph, **(kwargs or {}))
     opt = make_optimizer([p for p in pm.parameters() if p.requires_grad])
     grads = []
@@ -162,6 +163,31 @@ def test_pattern(dist_pool, name, strategy, reentrant):
 
 
 # --- MoE: the block finder and experts named as blocks (issue 9) ---------------------------------
+
+
+def _units(rank, world_size, strategy, policy):
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    pattern = PATTERNS["by_rank"]
+    model = build(pattern)
+    distckpt.wrap(model, policy, blocks=pattern.blocks)
+    pm = distckpt.parallelize(model, strategy)
+    kind = FSDPModule if strategy == "fsdp2" else FullyShardedDataParallel
+    return (sorted(_clean_fqn(n) for n, m in pm.named_modules() if n and isinstance(m, kind)),
+            sorted(distckpt.checkpointed(pm)))
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp"])
+def test_kept_blocks_are_units_and_exact(dist_pool, strategy):
+    # Every block is its own FSDP unit, checkpointed or not (a kept block in the root unit stayed unsharded
+    # all step); with half the blocks kept the multi-task patterns still match the reference.
+    (units, ckpt), _ = dist_pool.run(_units, strategy, "every:2")
+    assert ckpt and set(ckpt) < set(units), (units, ckpt)
+    (none_units, none_ckpt), _ = dist_pool.run(_units, strategy, None)
+    assert none_ckpt == [] and none_units == units
+    for name in ("by_rank", "two_forwards", "sampled"):
+        _assert_matches(dist_pool.run(_train, name, strategy, False, "auto", policy="every:2"), name)
 
 
 def test_moe_routing_diverges():

@@ -66,11 +66,14 @@ def _accuracy_rows(rank: int, world_size: int, strategies: tuple[str, ...]):
 @pytest.mark.dist
 def test_predicted_peak_per_rank_within_three_percent(dist_pool):
     # Each rank's MemTracker peak of a steady-state AdamW step, DDP's C++ gradient bucket tracked from
-    # the step's start (MemTracker alone sees it only once backward writes into it). FSDP2 only with every
-    # block checkpointed: a kept block stays in the root unit, unsharded all step (not modelled yet).
+    # the step's start (MemTracker alone sees it only once backward writes into it). FSDP2 within 3% with
+    # every block checkpointed; with blocks kept never under and within 8% (the model counts two blocks'
+    # unsharded parameters and one block's gradients at every peak). Kept blocks used to stay unsharded in
+    # the root unit and were predicted 8-24% low: parallelize now shards every block.
     for rows in dist_pool.run(_accuracy_rows, ("ddp", "fsdp2")):
-        checked = [(where, label, pred, meas) for where, label, pred, meas in rows
-                   if "ddp" in where or label == "all"]
-        assert len(checked) == 4
-        for where, label, pred, meas in checked:
-            assert abs(pred - meas) <= 0.03 * meas, (where, label, pred, meas)
+        assert len(rows) == 6
+        for where, label, pred, meas in rows:
+            if "ddp" in where or label == "all":
+                assert abs(pred - meas) <= 0.03 * meas, (where, label, pred, meas)
+            else:
+                assert meas <= pred <= 1.08 * meas, (where, label, pred, meas)
