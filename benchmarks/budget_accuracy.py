@@ -116,15 +116,22 @@ def steady_peak(model: nn.Module, inputs: Any) -> int:
     return mt.get_tracker_snapshot("peak")[CPU]["Total"]
 
 
-def measure(name: str, make: Callable[[], nn.Module], inputs: Any, blocks: Any) -> list[tuple[str, int, int]]:
+def _profiled(make: Callable[[], nn.Module], inputs: Any, blocks: Any
+              ) -> tuple[nn.Module, Any, list[tuple[str, list[int]]]]:
+    """The model (seeded, in training mode), its profile, and the placements every row measures."""
     torch.manual_seed(0)
     base = make()
     base.train()
     candidates = find_blocks(base, blocks)
-    mp = profile_model(base, candidates, inputs)
     n = len(candidates)
+    placements = [("none", []), ("every other", list(range(0, n, 2))), ("all", list(range(n)))]
+    return base, profile_model(base, candidates, inputs), placements
+
+
+def measure(name: str, make: Callable[[], nn.Module], inputs: Any, blocks: Any) -> list[tuple[str, int, int]]:
+    base, mp, placements = _profiled(make, inputs, blocks)
     rows = []
-    for label, chosen in (("none", []), ("every other", list(range(0, n, 2))), ("all", list(range(n)))):
+    for label, chosen in placements:
         model = copy.deepcopy(base)
         distckpt.wrap(model, Subset(chosen), blocks=blocks)
         rows.append((label, predicted_peak(mp, chosen, strategy="none", optimizer="adamw"),
@@ -201,14 +208,9 @@ def _dist_rank(rank: int, world: int, names: tuple[str, ...], strategies: tuple[
     for name in names:
         make, inputs, blocks = models[name]
         inp = inputs()
-        torch.manual_seed(0)
-        base = make()
-        base.train()
-        candidates = find_blocks(base, blocks)
-        mp = profile_model(base, candidates, inp)
-        n = len(candidates)
+        base, mp, placements = _profiled(make, inp, blocks)
         for strategy in strategies:
-            for label, chosen in (("none", []), ("every other", list(range(0, n, 2))), ("all", list(range(n)))):
+            for label, chosen in placements:
                 model = copy.deepcopy(base)
                 distckpt.wrap(model, Subset(chosen), blocks=blocks)
                 pred = predicted_peak(mp, chosen, strategy=strategy, world_size=world, optimizer="adamw")
