@@ -258,8 +258,8 @@ def wrap(
         example_inputs: a sample batch (tuple of args or dict of kwargs) for policies that profile
             the model (``budget``). Without it, ``budget`` profiles the first training forward
             (grad enabled, ``model.training``) with that forward's inputs and chooses its blocks
-            then, identically on every rank; under FSDP/FSDP2, which make one unit per checkpointed
-            block at ``parallelize`` time, pass it.
+            then, identically on every rank; under FSDP/FSDP2, which shard each block at
+            ``parallelize`` time (a block's checkpointing cannot change after), pass it.
 
     Returns:
         ``model``.
