@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "GradDesyncError", "NoGradientError", "RecomputeMismatchError", "ResumeError", "first_lines"]
+__all__ = ["ConfigError", "GradDesyncError", "NoGradientError", "RecomputeMismatchError", "ResumeError", "error_line",
+           "first_lines"]
 
 
 class ConfigError(ValueError):
@@ -39,3 +40,10 @@ def first_lines(e: BaseException, n: int = 1) -> str:
     """The first ``n`` lines of ``e``'s message, stripped and joined by spaces (its type's name when the
     message is empty): how a wrapped error is quoted inside a one- or two-line ``ConfigError``."""
     return " ".join(line.strip() for line in str(e).strip().splitlines()[:n]) or type(e).__name__
+
+
+def error_line(e: BaseException) -> str:
+    """``"Type: first line of the message"`` (the type's name alone when the message is empty): how a
+    caught error is reported in one line of a warning or a finding."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__

@@ -13,6 +13,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from distckpt.errors import error_line
 from distckpt.train.metrics import MetricWriter
 
 
@@ -69,21 +70,16 @@ class WandbWriter:
             self._run.finish()
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
-
-
 def _init_or_offline(wandb: Any, mode: str, kwargs: dict[str, Any]) -> Any:
     """``wandb.init`` in ``mode``; on any failure one warning and an offline run (None if that fails too)."""
     try:
         return wandb.init(mode=mode, **kwargs)
     except Exception as e:  # AuthenticationError, CommError (timeout, no network), UsageError, ...: never fatal
         if mode != "online":
-            warnings.warn(f"wandb: init in mode {mode} failed ({_first_line(e)}); wandb is off for this run, "
+            warnings.warn(f"wandb: init in mode {mode} failed ({error_line(e)}); wandb is off for this run, "
                           "metrics.jsonl has every metric.", stacklevel=4)
             return None
-        first = _first_line(e)
+        first = error_line(e)
     try:
         # The failed online run stays registered in wandb's service (measured, wandb 0.31: an offline
         # init with the same id then fails "run ID is in use"), and the service keeps the settings it
@@ -91,7 +87,7 @@ def _init_or_offline(wandb: Any, mode: str, kwargs: dict[str, Any]) -> Any:
         wandb.teardown()
         run = wandb.init(mode="offline", **kwargs)
     except Exception as e:
-        warnings.warn(f"wandb: online init failed ({first}) and offline too ({_first_line(e)}); wandb is off for "
+        warnings.warn(f"wandb: online init failed ({first}) and offline too ({error_line(e)}); wandb is off for "
                       "this run, metrics.jsonl has every metric.", stacklevel=4)
         return None
     warnings.warn(f"wandb: online init failed ({first}); logging offline to the run dir instead "

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from distckpt.errors import error_line
+
 __all__ = ["DoctorOptions", "Finding", "doctor", "load_factory"]
 
 
@@ -97,11 +99,6 @@ def _subject(opts: DoctorOptions) -> tuple[nn.Module, Callable[[nn.Module, Any],
     return made
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
-
-
 def _subject_or_error(opts: DoctorOptions) -> tuple[Any, str | None]:
     """The factory's ``(model, loss_fn, batch_fn)``, or the first line of what it raised on any rank (every
     rank learns it, so none goes on alone into a collective)."""
@@ -111,7 +108,7 @@ def _subject_or_error(opts: DoctorOptions) -> tuple[Any, str | None]:
     try:
         made = _subject(opts)
     except Exception as e:  # the user's factory: whatever it raises is a usage error, not a verdict
-        error = _first_line(e)
+        error = error_line(e)
     if dist.is_initialized() and dist.get_world_size() > 1:
         errors: list[str | None] = [None] * dist.get_world_size()
         dist.all_gather_object(errors, error)
