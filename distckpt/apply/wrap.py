@@ -109,7 +109,7 @@ def checkpoint_mode(module: nn.Module) -> str:
     """``"full"``, ``"selective"`` (op-level) or ``"none"``: how distckpt checkpoints ``module``."""
     if not is_checkpointed(module):
         return "none"
-    return module.__dict__.get("_distckpt_mode") or ("selective" if module._distckpt_options.context_fn else "full")
+    return "selective" if module._distckpt_options.context_fn else "full"
 
 
 def checkpointed(model: nn.Module, *, modes: bool = False) -> list[str] | dict[str, str]:
@@ -224,7 +224,6 @@ def unwrap(model: nn.Module, modules: list[nn.Module] | None = None) -> int:
             m.__class__ = orig
             del m._distckpt_options, m._distckpt_norms
             m.__dict__.pop("_distckpt_cache_slots", None)
-            m.__dict__.pop("_distckpt_mode", None)
             count += 1
     return count
 
@@ -374,7 +373,6 @@ def _apply_plan(model: nn.Module, pol: Policy, candidates: list[tuple[str, nn.Mo
             block._distckpt_options = dataclasses.replace(opts, context_fn=selective)
         else:
             block._distckpt_options = opts if mode == "selective" else dataclasses.replace(opts, context_fn=None)
-        block._distckpt_mode = mode
         block._distckpt_norms = stateful_norms(block)  # found once, not on every forward
         block._distckpt_cache_slots = cache_positions(type(block)._distckpt_orig_class)
         if block._distckpt_norms:
