@@ -82,19 +82,7 @@ def measured_peak(factory: Callable[[], tuple], policy: Any, blocks: list[str] |
     model.train()
     if policy != "none":
         distckpt.wrap(model, policy, blocks=blocks)
-    batch = batch_fn(0, 0, 1)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-
-    def step() -> None:
-        loss_fn(model, batch).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    step()
-    tracker = memory_tracker(model, opt, *[t for t in batch.values() if isinstance(t, torch.Tensor)])
-    with tracker:
-        step()
-    return max(d.get("Total", 0) for d in tracker.get_tracker_snapshot("peak").values())
+    return _steady_peak(model, loss_fn, batch_fn(0, 0, 1))
 
 
 def compare(factory: Callable[[], tuple], budget_frac: float = 0.5) -> dict[str, tuple[int, int]]:
@@ -136,11 +124,14 @@ def _rank_peaks(rank: int, world: int, kind: str, arg: Any, strategy: str,
         elif policy != "none":
             distckpt.wrap(model, policy)
         batch = batch_fn(0, rank, world)
-        peaks.append(_dist_steady_peak(distckpt.parallelize(model, strategy), loss_fn, batch))
+        peaks.append(_steady_peak(distckpt.parallelize(model, strategy), loss_fn, batch, ddp_buckets=True))
     return peaks
 
 
-def _dist_steady_peak(pm: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: dict[str, Any]) -> int:
+def _steady_peak(pm: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: dict[str, Any], *,
+                 ddp_buckets: bool = False) -> int:
+    """MemTracker's peak of a steady-state AdamW step of ``pm`` (the first step creates the optimizer
+    state); ``ddp_buckets``: a second step first, whose DDP gradient buckets (allocated in C++) are tracked."""
     from benchmarks.budget_accuracy import _ddp_buckets
 
     opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-3)
@@ -151,7 +142,7 @@ def _dist_steady_peak(pm: nn.Module, loss_fn: Callable[..., torch.Tensor], batch
         opt.zero_grad(set_to_none=True)
 
     step()
-    buckets = _ddp_buckets(step)  # the second step: DDP rebuilds its buckets in its forward
+    buckets = _ddp_buckets(step) if ddp_buckets else []  # the second step: DDP rebuilds its buckets in its forward
     tracker = memory_tracker(pm, opt, *buckets, *[t for t in batch.values() if isinstance(t, torch.Tensor)])
     with tracker:
         step()
