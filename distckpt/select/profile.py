@@ -787,8 +787,9 @@ def profile_model(model: nn.Module, blocks: list[tuple[str, nn.Module]], example
 
     Saved tensors are counted with ``torch.autograd.graph.saved_tensors_hooks`` by storage (shared
     storages once, parameters and buffers excluded); FLOPs with ``FlopCounterMode``; temporaries and
-    the measured peak with ``MemTracker`` (and ``torch.cuda.max_memory_allocated`` on CUDA); a second
-    step with every block checkpointed measures each block's recompute peak. The
+    the measured peak with ``MemTracker`` (and ``torch.cuda.max_memory_allocated`` on CUDA); steps with
+    every block checkpointed, full then selective (one for memory, one for FLOPs each), measure each
+    block's recompute peak, what a selective block holds and each recompute's FLOPs. The
     model's gradients, buffers and RNG state are left as they were. Results are cached per model,
     block list and input shapes; under ``torch.distributed`` every rank gets the same numbers (the
     maximum over ranks, one ``all_reduce``: every rank must call it).
