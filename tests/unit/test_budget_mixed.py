@@ -23,6 +23,7 @@ from torch.utils.flop_counter import FlopCounterMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for benchmarks.models
 
 import distckpt  # noqa: E402
+from benchmarks.memory import allocator_peak  # noqa: E402
 from benchmarks.models import GPT, GPTConfig, batch  # noqa: E402
 from distckpt import Budget, ConfigError  # noqa: E402
 from distckpt.select.blocks import find_blocks  # noqa: E402
@@ -213,21 +214,13 @@ def test_profile_measures_only_the_modes_a_budget_can_use(monkeypatch):
 
 
 def _allocator_peak(model: nn.Module, x: torch.Tensor) -> int:
-    """Live bytes at the start plus the highest running sum of the CPU allocator's events during
-    forward+backward (as benchmarks/memory.py measures: it sees the RNG state, MemTracker does not)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    start = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                 for t in [*model.parameters(), x]}.values())
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        model(x).backward()
+    """The CPU allocator's peak of forward+backward (as benchmarks/memory.py measures: it sees the RNG
+    state, MemTracker does not)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in [*model.parameters(), x]}
+    live = sum(storages.values())
+    peak = allocator_peak(lambda: model(x).backward(), live)
     model.zero_grad(set_to_none=True)
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    running = peak = 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        running += e.nbytes()
-        peak = max(peak, running)
-    return start + peak
+    return peak
 
 
 def test_plan_counts_the_rng_state_each_checkpointed_block_saves():
@@ -245,3 +238,10 @@ def test_plan_counts_the_rng_state_each_checkpointed_block_saves():
     measured = _allocator_peak(model, x)
     # Within the smallest budget by the allocator's count; without the RNG term the plan would exceed it.
     assert plan_budget(no_rng, 10**12, **kw).min_budget_bytes < measured <= smallest, (measured, smallest)
+
+
+def test_plan_report_names_the_pointwise_mode():
+    from distckpt.select.estimate import PolicyEstimate, _blocks
+
+    modes = ("full", "pointwise", "pointwise", "none", "selective")
+    assert _blocks(PolicyEstimate("budget", 0, 0, (0, 1, 2, 4), modes)) == "full 0, selective 4, pointwise 1-2"
