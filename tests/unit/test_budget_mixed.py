@@ -55,6 +55,11 @@ def test_mixed_placement_is_exact_and_reported():
     assert torch.equal(loss, ref_loss)
     for (n, a), b in zip(ref.named_parameters(), model.parameters()):
         assert torch.equal(a.grad, b.grad), n
+    # A Selective policy keeping every matmul output with the default ops is the pointwise mode; other ops: selective.
+    pw = distckpt.wrap(copy.deepcopy(ref), distckpt.Selective(every_other_matmul=False))
+    assert set(distckpt.checkpointed(pw, modes=True).values()) == {"pointwise"}
+    own = distckpt.wrap(copy.deepcopy(ref), distckpt.Selective(save_ops=("mm",), every_other_matmul=False))
+    assert set(distckpt.checkpointed(own, modes=True).values()) == {"selective"}
 
 
 class Pointwise(nn.Module):
