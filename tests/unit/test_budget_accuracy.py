@@ -55,6 +55,7 @@ def test_adam_step_temporaries_match_memtracker():
 def test_mixed_placement_predicted_within_three_percent(name):
     # None, pointwise, selective and full blocks in one model (what a budget plan places), in two orders.
     import copy
+    import dataclasses
 
     import distckpt
     from benchmarks.budget_accuracy import steady_peak
@@ -68,7 +69,8 @@ def test_mixed_placement_predicted_within_three_percent(name):
     base = make()
     base.train()
     batch = inputs()
-    mp = profile_model(base, find_blocks(base, blocks), batch)
+    # MemTracker does not see the RNG state checkpointed blocks save (see benchmarks.budget_accuracy._profiled).
+    mp = dataclasses.replace(profile_model(base, find_blocks(base, blocks), batch), rng_state_bytes=0)
     n = len(mp.blocks)
     for order in (("selective", "full", "pointwise", "none"), ("pointwise", "none", "selective", "full")):
         modes = tuple(order[i % 4] for i in range(n))
