@@ -13,6 +13,10 @@ The memory model (all terms measured by :mod:`distckpt.select.profile` or counte
                     static + the embeddings' backward (after every block's),
                     static + optimizer-step temporaries )
 
+Under FSDP/FSDP2 ``static`` holds the shards, and each term adds what is unsharded in its phase (a
+block's parameters, the prefetched block's, FSDP2's collective buffers, the gradients made so far:
+:class:`_Sharded`).
+
 Each term pairs the activations measured at one instant with the gradients that existed then:
 a block's forward peak (no gradient yet), its backward peak (``overhead_i`` is the measured one for
 a kept block, the larger of its forward and backward ones for a checkpointed block, which
