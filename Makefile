@@ -36,8 +36,11 @@ train: $(RUN_STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
+# Two pytest-xdist workers: the tests run one-threaded (as torchrun's workers do), so one core would idle.
+# --dist loadfile keeps a file's tests on one worker: its module fixtures (reference runs) are built once.
+PYTEST_ARGS ?= -n 2 --dist loadfile
 test: $(STAMP) lint
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 format: $(STAMP)
 	$(BIN)/ruff format . && $(BIN)/ruff check --fix .
