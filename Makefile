@@ -37,8 +37,8 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 # Two pytest-xdist workers: the tests run one-threaded (as torchrun's workers do), so one core would idle.
-# --dist loadfile keeps a file's tests on one worker: its module fixtures (reference runs) are built once.
-PYTEST_ARGS ?= -n 2 --dist loadfile
+# --dist loadgroup: the tests that share a module fixture stay on one worker (tests/conftest.py).
+PYTEST_ARGS ?= -n 2 --dist loadgroup
 test: $(STAMP) lint
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
