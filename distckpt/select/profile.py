@@ -128,10 +128,10 @@ class ModelProfile:
             backward, the loss) minus ``pre + held by the blocks + post``; may be negative.
         head_peak_grads_bytes: gradient bytes that exist at that peak; ``-1`` when not measured
             (then the budget uses ``head_overhead_bytes`` with ``head_grads_bytes``).
-        tail_peak_bytes: activations and temporaries at the step's peak when it lies in no block
-            and not in the head (the embeddings' backward, after every block's): no choice of blocks
-            changes it.
-        tail_grads_bytes: gradient bytes at that peak; ``-1`` when the peak lies elsewhere.
+        tail_peak_bytes: activations and temporaries at the peak of the tail: what backward runs after
+            every block's (the embeddings' backward), measured in a window of its own, or the step's
+            peak when that lies in no block and not in the head: no choice of blocks changes it.
+        tail_grads_bytes: gradient bytes at that peak; ``-1`` when not measured.
         measured_peak_bytes: peak of the sample step without checkpointing (MemTracker on CPU,
             ``torch.cuda.max_memory_allocated`` on CUDA), without optimizer state.
         device: the device type the sample step ran on.
@@ -422,6 +422,8 @@ class _StepRecorder:
         self.flop_start: dict[int, int] = {}
         self.tracker: Any = None
         self.head: dict[str, Any] = {}
+        self.tail: dict[str, Any] = {}
+        self.pending_inputs = 0  # block inputs whose gradient backward has not made yet
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         key = _storage_key(t)
@@ -438,7 +440,27 @@ class _StepRecorder:
             if key not in self.static_keys:
                 self.input_keys[i][key] = _storage_bytes(t)
                 self.keep.append(t)
+            if t.requires_grad:
+                self.pending_inputs += 1
+                t.register_hook(self._input_grad)
         self.flop_start[i] = self.counter.get_total_flops()
+
+    def _input_grad(self, _: torch.Tensor) -> None:
+        # Once backward has made the gradient of every block input, every block's backward is over: what
+        # runs from here (the embeddings' backward, a tied embedding's dense gradient) is the tail, whose
+        # peak no choice of blocks changes. Its own window, as the head's: the step's overall peak lies
+        # elsewhere when no block is checkpointed, and the tail can still be the peak of a checkpointed
+        # step (BART: the shared embedding's backward, 9984 B above every checkpointed block's).
+        self.pending_inputs -= 1
+        if self.pending_inputs == 0 and "saved" not in self.head and not self.tail:
+            saved = compat.mem_tracker_restart_peak(self.tracker)
+            if saved is not None:
+                self.tail["saved"] = saved
+
+    def _close_tail(self) -> None:
+        if "saved" in self.tail:
+            self.tail["snap"] = copy.deepcopy(compat.mem_tracker_peak_snapshot(self.tracker))
+            compat.mem_tracker_merge_peak(self.tracker, self.tail.pop("saved"))
 
     def post_hook(self, module: nn.Module, a: Any, kw: Any, out: Any) -> None:
         i = self.index[id(module)]
@@ -489,6 +511,7 @@ class _StepRecorder:
                     self.keep.clear()
                     loss.backward()
                     del loss
+                    self._close_tail()
                 return torch.cuda.max_memory_allocated(device) - cuda_base if cuda else 0
         finally:
             for h in handles:
@@ -582,12 +605,17 @@ def _head_and_tail(rec: _StepRecorder, model: nn.Module, att: _Attribution, meas
               if (st := tracker.memory_tracking.get(m)) is not None
               for state in (peak_fw, peak_bw) for snap in st.snapshots.get(state, [])]
     tail = bool(hs) and s.get("Total", 0) > max(max(inside, default=0), hs.get("Total", 0))
+    tail_act, tail_grads = (global_act, s.get("Gradient", 0)) if tail else (0, -1)
+    if "snap" in rec.tail:  # the tail's own window (see _StepRecorder._input_grad): its peak whatever the global one
+        ts = _at(rec.tail["snap"], dev)
+        if not tail or _act(ts) + ts.get("Gradient", 0) >= tail_act + tail_grads:
+            tail_act, tail_grads = _act(ts), ts.get("Gradient", 0)
     return dict(
         head_overhead_bytes=max(0, end_act - held_all),
         head_peak_overhead_bytes=_act(hs) - held_all if hs else 0,
         head_peak_grads_bytes=hs.get("Gradient", 0) if hs else -1,
-        tail_peak_bytes=global_act if tail else 0,
-        tail_grads_bytes=s.get("Gradient", 0) if tail else -1,
+        tail_peak_bytes=tail_act,
+        tail_grads_bytes=tail_grads,
         measured_total=s.get("Total", 0),
     )
 

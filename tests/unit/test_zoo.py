@@ -37,12 +37,7 @@ from distckpt.select.profile import memory_tracker, profile_model  # noqa: E402
 CPU = torch.device("cpu")
 NAMES = list(zoo.FAMILIES)
 # Failures whose cause lies in the library, not in this test: (family, check) -> reason.
-XFAIL: dict[tuple[str, str], str] = {
-    ("bart", "prediction"): "the budget's memory model predicts 9984 B (0.65%) below the measured peak when the "
-                            "first encoder layer is checkpointed (1531272 vs 1541256 B; exact with none "
-                            "checkpointed; the midpoint budget is still respected): the recompute peak of that "
-                            "layer measured in the all-checkpointed profile step is not yet explained",
-}
+XFAIL: dict[tuple[str, str], str] = {}
 RESULTS: dict[str, dict[str, Any]] = {n: {} for n in NAMES}
 
 
