@@ -36,8 +36,11 @@ train: $(RUN_STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
+# Two pytest-xdist workers: the tests run one-threaded (as torchrun's workers do), so one core would idle.
+# --dist loadgroup: the tests that share a module fixture stay on one worker (tests/conftest.py).
+PYTEST_ARGS ?= -n 2 --dist loadgroup
 test: $(STAMP) lint
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 format: $(STAMP)
 	$(BIN)/ruff format . && $(BIN)/ruff check --fix .

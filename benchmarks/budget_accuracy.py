@@ -148,12 +148,24 @@ NOTES = [
     "- DDP: the reducer's flat gradient bucket (allocated in C++, rebuilt in the second step's forward, kept "
     "after) is tracked as an external tensor from the step's start; MemTracker alone sees it only from the "
     "first gradient copied into it in backward. The prediction counts it as one more gradient-sized buffer.",
-    "- FSDP/FSDP2: parallelize makes every block its own unit, checkpointed or not (before, kept blocks "
-    "sat in the root unit, unsharded all step, and these rows were 8-24% under). With blocks kept the model "
-    "now predicts a few percent high (it counts two blocks' unsharded parameters and one block's gradients "
-    "at every peak): safe, but not within 3% yet.",
-    "- FSDP1: with every block checkpointed the prediction is 8-11% above the measure (not investigated; "
-    "FSDP1 unshards by resizing flat-parameter storages in place, which MemTracker may not follow: unverified).",
+    "- FSDP/FSDP2: parallelize makes every block its own unit, checkpointed or not. The model counts, phase "
+    "by phase, what FSDP holds unsharded beside the shards (distckpt/select/budget.py `_Sharded`, measured per "
+    "module and phase with MemTracker and read off torch's FSDP code): a block's parameters (FSDP2: and its "
+    "all-gather output) in its forward; in its backward its own and the prefetched previous block's parameters, "
+    "FSDP2 the reduce-scatter input of the block whose backward came before, and the gradients made so far "
+    "unsharded (the block's own and the root unit's); the last block's parameters during the head. Counting "
+    "two blocks' parameters and one block's gradients at every peak (before) was 4.6-10.6% high, and 1.2-1.3% "
+    "low under FSDP2 with a checkpointed block next to a kept one (its own gradients counted as shards).",
+    "- FSDP1: MemTracker follows its in-place storage resizes: on MultiTaskMLP the peak of the CPU allocator's "
+    "events (torch.profiler, profile_memory) equals MemTracker's with no block checkpointed; with checkpointing "
+    "the allocator also sees up to one 5056-byte CPU RNG state per checkpointed block (checkpoint's, made in "
+    "C++: MemTracker misses it under every strategy) and, varying from run to run, gloo's own buffers. The "
+    "rows stay MemTracker's.",
+    "- MultiTaskMLP rows are 0.5-1% high under every strategy: the prediction counts the batch, which this "
+    "measure does not track.",
+    "- gpt2 (HF) under FSDP1 is 0.2% (5.5 KB) under, by the same bytes at every block's backward peak: not "
+    "explained (FSDP2 on the same model is within 0.01%; GPT-2 ties its embedding to the head, the other "
+    "models do not).",
 ]
 STRATEGIES = ("ddp", "fsdp", "fsdp2")
 DIST_MODELS = ("MultiTaskGPT", "MultiTaskMLP", "gpt2 (HF)")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["RankFailure", "free_port", "init_rank", "run_ranks"]
+__all__ = ["RankFailure", "free_port", "host_store", "init_rank", "run_ranks"]
 
 # After one rank failed, the others may wait in a collective it never joined: give them this long.
 _AFTER_FAILURE_S = 10.0
@@ -29,10 +29,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def host_store() -> Any:
+    """A ``TCPStore`` served by this process on a port the kernel picks (its ``.port``), for ranks that it
+    spawns to rendezvous at (:func:`init_rank`). The port stays bound while the store lives: a
+    :func:`free_port` is free only until someone binds it, and a process that starts ranks at the same time
+    (another pytest-xdist worker, a second ``distckpt doctor``) could be handed the same one meanwhile.
+    """
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
 def init_rank(rank: int, world: int, port: int, *, path: list[str] | None = None, threads: int | None = None,
               timeout: float | None = None) -> None:
     """Set up a spawned process as rank ``rank`` of ``world``: torchrun's environment variables, the
-    parent's ``sys.path``, ``threads`` intra-op threads (default: the cores shared out), and a gloo group.
+    parent's ``sys.path``, ``threads`` intra-op threads (default: the cores shared out), and a gloo group
+    whose rendezvous is the parent's :func:`host_store` on ``port``.
 
     Args:
         timeout: seconds a collective may wait before gloo raises (default: torch's).
@@ -46,7 +58,8 @@ def init_rank(rank: int, world: int, port: int, *, path: list[str] | None = None
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) // world))
     kwargs = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
-    dist.init_process_group("gloo", rank=rank, world_size=world, **kwargs)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, **kwargs)  # as env:// would
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, **kwargs)
 
 
 @dataclass
@@ -89,8 +102,8 @@ def run_ranks(target: Callable[..., Any], world: int, *args: Any, timeout: float
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port, path = free_port(), [os.getcwd(), *sys.path]
-    procs = [ctx.Process(target=_entry, args=(r, world, port, path, threads, pg_timeout, target, args, out),
+    store, path = host_store(), [os.getcwd(), *sys.path]
+    procs = [ctx.Process(target=_entry, args=(r, world, store.port, path, threads, pg_timeout, target, args, out),
                          daemon=True) for r in range(world)]
     for p in procs:
         p.start()
@@ -110,4 +123,5 @@ def run_ranks(target: Callable[..., Any], world: int, *args: Any, timeout: float
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+        del store  # the rendezvous' port is released here, after the ranks
     return results

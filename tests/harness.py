@@ -24,7 +24,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from distckpt._spawn import free_port, init_rank
+from distckpt._spawn import host_store, init_rank
 
 __all__ = ["DistPool", "RankError"]
 
@@ -67,10 +67,12 @@ class DistPool:
         self.world_size = world_size
         self.timeout = timeout
         self._procs: list[Any] = []
+        self._store: Any = None
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
-        port = free_port()
+        self._store = host_store()  # held until close(): no other process is given its port meanwhile
+        port = self._store.port
         self._outbox = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(self.world_size)]
         self._procs = [
@@ -87,6 +89,7 @@ class DistPool:
                 p.kill()
             p.join(timeout=5)
         self._procs = []
+        self._store = None
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
         """Run ``fn(rank, world_size, *args, **kwargs)`` on every rank; return the per-rank results.

@@ -12,11 +12,28 @@ import torch
 import torch.nn as nn
 
 import distckpt
+import distckpt._spawn as spawn
 from distckpt.cli import main
 
 pytestmark = pytest.mark.dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+
+
+@pytest.fixture(autouse=True)
+def _pooled_ranks(dist_pool, monkeypatch):
+    """doctor's ranks, in this process's runs, are the session's 2-rank pool (tests/harness.py): a fresh
+    spawn per doctor run (several for a suggestion it re-verifies) cost seconds of imports each. The spawn
+    itself runs in test_console_script_on_flag_read_in_block (a fresh process) and in
+    tests/distributed/test_spawn.py; another world size still spawns."""
+    spawned = spawn.run_ranks
+
+    def run_ranks(target, world, *args, timeout=300.0, **kwargs):
+        if world != dist_pool.world_size:
+            return spawned(target, world, *args, timeout=timeout, **kwargs)
+        return dict(enumerate(dist_pool.run(target, *args, timeout=timeout)))
+
+    monkeypatch.setattr(spawn, "run_ranks", run_ranks)
 
 
 class Block(nn.Module):

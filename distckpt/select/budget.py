@@ -14,6 +14,10 @@ The memory model (all terms measured by :mod:`distckpt.select.profile` or counte
                     static + the embeddings' backward (after every block's),
                     static + optimizer-step temporaries )
 
+Under FSDP/FSDP2 ``static`` holds the shards, and each term adds what is unsharded in its phase (a
+block's parameters, the prefetched block's, FSDP2's collective buffers, the gradients made so far:
+:class:`_Sharded`).
+
 Each term pairs the activations measured at one instant with the gradients that existed then:
 a block's forward peak (no gradient yet), its backward peak (``overhead_i`` is the measured one for
 a kept block, the larger of its forward and backward ones for a checkpointed block, which
@@ -109,9 +113,10 @@ def static_bytes(mp: ModelProfile, *, strategy: str = "ddp", world_size: int = 1
 
     DDP keeps full replicas of parameters, gradients and optimizer state, plus its gradient buckets
     (one more gradient-sized buffer when ``world_size > 1``). FSDP/FSDP2 keep a ``1/world_size``
-    shard of each (HSDP: ``1/shard_size``), plus the unsharded parameters outside the blocks, two
-    blocks' unsharded parameters (the current one and the prefetched one) and one block's unsharded
-    gradients.
+    shard of each (HSDP: ``1/shard_size``), plus the unsharded parameters outside the blocks (the
+    root unit's, unsharded from its forward to its reduce-scatter); the blocks' unsharded parameters,
+    gradients and collective buffers depend on the phase of the step (:func:`_sharded_terms`, added
+    by :func:`_bounds`).
 
     Returns:
         ``(during forward/backward, during optimizer.step)`` in bytes, batch included.
@@ -126,7 +131,7 @@ def static_bytes(mp: ModelProfile, *, strategy: str = "ddp", world_size: int = 1
     params, grads = mp.param_bytes, mp.trainable_bytes
     if strategy in SHARDED:
         outside = max(0, params - mp.block_param_bytes * len(mp.blocks))
-        local = (params + grads + k * grads) // ws + outside + 3 * mp.block_param_bytes
+        local = (params + grads + k * grads) // ws + outside
         local_grads = grads // ws
     else:
         local = params + grads + k * grads + (grads if strategy == "ddp" and ws > 1 else 0)
@@ -161,6 +166,67 @@ class BudgetPlan:
     modes: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class _Sharded:
+    """What FSDP (FSDP1) and FSDP2/HSDP hold beside the shards of :func:`static_bytes`, per phase of the
+    step, with every candidate block its own unit and the root unit holding the rest (``parallelize``).
+
+    Measured per module and phase with MemTracker on 2 gloo ranks (torch 2.13, the MultiTaskMLP,
+    MultiTaskGPT and HF GPT-2 of ``benchmarks/budget_accuracy.py``) and read off the code
+    (``torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py``: ``wait_for_unshard``,
+    ``_backward_prefetch``, ``post_backward``; ``_fsdp_state.py``: ``_post_forward``,
+    ``_root_post_backward_final_callback``):
+
+    - a block's forward: its unsharded parameters (FSDP2: plus its all-gather output, kept as
+      ``comm_ctx.all_gather_state`` until the next unit's copy-out, to overlap the two when
+      ``world_size > 1``);
+    - its backward: its unsharded parameters, the previous block's prefetched (the next in
+      backward: none for the first block), FSDP2 the reduce-scatter input of the block whose
+      backward came before (``reduce_scatter_states``, freed at the next unit's post-backward;
+      none for the last block), and the gradients made so far unsharded: the block's own (partial)
+      and the root unit's, which are reduce-scattered only at the end of backward;
+    - the head (the root's forward after the last block, and its backward before the last
+      block's): the last block's parameters, prefetched by the root's pre-backward (FSDP2: its
+      all-gather output in the head's forward too);
+    - the embeddings' backward (after every block's): FSDP2 the first block's reduce-scatter
+      input, and the root's gradients unsharded; then the root's reduce-scatter, with its input.
+
+    The Python path is the same on CUDA (the streams and events order the same frees); whether
+    the caching allocator's cross-stream reuse keeps more alive there is unverified (no GPU here).
+    """
+
+    div: int
+    forward: int
+    backward: tuple[int, ...]
+    head: int
+    tail: int
+    reduce: int
+
+    def grads(self, unsharded: int) -> int:
+        """Bytes to add for ``unsharded`` gradient bytes that :func:`static_bytes` counted as shards."""
+        return unsharded - unsharded // self.div
+
+
+def _own_grads(mp: ModelProfile) -> tuple[list[int], list[int]]:
+    """Per block: the gradient bytes that existed when its backward began (the head's and the later
+    blocks'), and its own gradient bytes (with ``grads_ready_bytes`` of the block after it)."""
+    before = [b.grads_ready_bytes for b in mp.blocks[1:]] + [mp.head_grads_bytes]
+    return before, [max(0, b.grads_ready_bytes - g) for b, g in zip(mp.blocks, before)]
+
+
+def _sharded_terms(mp: ModelProfile, strategy: str, world_size: int, div: int) -> _Sharded | None:
+    """FSDP's per-phase working set (see :class:`_Sharded`); ``None`` for DDP and one process."""
+    if strategy not in SHARDED:
+        return None
+    two = strategy != "fsdp" and world_size > 1  # FSDP2 keeps the all-gather output and reduce-scatter inputs
+    unit, n = mp.block_param_bytes, len(mp.blocks)
+    _, own = _own_grads(mp)
+    backward = tuple(unit + (unit if i else 0) + (own[i + 1] if two and i + 1 < n else 0) for i in range(n))
+    root = max(0, mp.trainable_bytes - sum(own))  # the root unit's gradients
+    return _Sharded(div=div, forward=(2 if two else 1) * unit, backward=backward, head=unit if n else 0,
+                    tail=own[0] if two and n else 0, reduce=root if two else 0)
+
+
 def _bounds(mp: ModelProfile, static: int, *, strategy: str = "ddp", world_size: int = 1,
             grad_accumulation: bool = False, shard_size: int | None = None, recompute: str = "full"
             ) -> tuple[list[int], list[int], int]:
@@ -172,18 +238,30 @@ def _bounds(mp: ModelProfile, static: int, *, strategy: str = "ddp", world_size:
     PyTorch's default), backward creates them block by block from the last: while block i runs its
     backward, the gradients of the blocks before it (and of the embeddings) do not exist yet: the
     profile measured which gradients exist at each block's backward peak and at the head's peak.
+    Under FSDP/FSDP2 each phase adds what is unsharded then (:class:`_Sharded`).
     """
     div = shards(strategy, world_size, shard_size)
+    fs = _sharded_terms(mp, strategy, world_size, div)
+    if fs is not None and grad_accumulation:
+        # Gradients persist unsharded across micro-batches: not measured; two blocks' parameters and
+        # one block's gradients at every peak, as before the per-phase terms.
+        static, fs = static + 3 * mp.block_param_bytes, None
+    before, _ = _own_grads(mp)
 
     def absent(grads: int) -> int:
         return 0 if grad_accumulation else max(0, mp.trainable_bytes - grads) // div
 
+    def working(i: int, grads: int) -> int:  # FSDP's unsharded parameters, buffers and gradients at a backward peak
+        return 0 if fs is None else fs.backward[i] + fs.grads(mp.head_grads_bytes + max(0, grads - before[i]))
+
     split = not grad_accumulation and all(b.grads_at_peak_bytes >= 0 for b in mp.blocks)
     plain, ckpt = [], []
-    for b in mp.blocks:
+    for i, b in enumerate(mp.blocks):
         base = mp.pre_bytes + b.footprint_bytes
+        fw = 0 if fs is None else fs.forward
         if not split:
-            bound = static - absent(b.grads_ready_bytes) + base + b.overhead_bytes
+            bound = static - absent(b.grads_ready_bytes) + base + b.overhead_bytes + max(
+                fw, working(i, b.grads_ready_bytes))
             plain.append(bound)
             ckpt.append(bound)
             continue
@@ -195,35 +273,47 @@ def _bounds(mp: ModelProfile, static: int, *, strategy: str = "ddp", world_size:
         # the backward's own temporaries (the output's gradient) exist: its peak is measured in a
         # step with every block checkpointed (estimated from the first step's forward and backward
         # overheads when that step fails; the larger alone fell 512-10000 B short on HF models).
-        at_peak = static - absent(b.grads_at_peak_bytes) + base
-        forward = static - absent(0) + base + b.forward_overhead_bytes
+        at_peak = static - absent(b.grads_at_peak_bytes) + base + working(i, b.grads_at_peak_bytes)
+        forward = static - absent(0) + base + b.forward_overhead_bytes + fw
         plain.append(max(forward, at_peak + b.backward_overhead_bytes))
         grads, over = b.recompute_peak(recompute)
         if grads >= 0:
             # Measured in a sample step with every block checkpointed (its prefix: what they hold).
-            redo = static - absent(grads) + base + over
+            redo = static - absent(grads) + base + over + working(i, grads)
         else:
             redo = at_peak + max(0, b.backward_overhead_bytes) + max(0, b.forward_overhead_bytes)
         ckpt.append(max(forward, redo))
     head = mp.pre_bytes + mp.post_bytes
-    if grad_accumulation or mp.head_peak_grads_bytes < 0:
-        end = static - absent(mp.head_grads_bytes) + head + mp.head_overhead_bytes
-    else:
-        # The head's forward (no gradient yet) and its backward up to the last block's: one measured
-        # peak with the gradients that existed at that instant, instead of the forward's largest
-        # activations paired with the gradients present when the last block's backward begins.
-        end = static - absent(mp.head_peak_grads_bytes) + head + mp.head_peak_overhead_bytes
+    grads, over = ((mp.head_grads_bytes, mp.head_overhead_bytes)
+                   if grad_accumulation or mp.head_peak_grads_bytes < 0
+                   # The head's forward (no gradient yet) and its backward up to the last block's: one
+                   # measured peak with the gradients that existed at that instant, instead of the
+                   # forward's largest activations paired with the gradients when the last block's
+                   # backward begins.
+                   else (mp.head_peak_grads_bytes, mp.head_peak_overhead_bytes))
+    end = static - absent(grads) + head + over + (0 if fs is None else fs.head + fs.grads(grads))
     return plain, ckpt, end
 
 
 def _tail(mp: ModelProfile, static: int, step: int, *, strategy: str, world_size: int,
           grad_accumulation: bool, shard_size: int | None = None) -> int:
-    """``step`` raised to the measured peak after every block's backward (the embeddings'), if any."""
+    """``step`` raised to the measured peak after every block's backward (the embeddings'), if any,
+    and under FSDP2 to the root unit's reduce-scatter at the end of backward."""
+    div = shards(strategy, world_size, shard_size)
+    fs = None if grad_accumulation else _sharded_terms(mp, strategy, world_size, div)
+    if fs is not None and fs.reduce:
+        # Every block's gradients sharded, the root's unsharded and copied into the reduce-scatter input.
+        step = max(step, static + fs.grads(fs.reduce) + fs.reduce)
     if mp.tail_grads_bytes < 0:
         return step
-    div = shards(strategy, world_size, shard_size)
     absent = 0 if grad_accumulation else max(0, mp.trainable_bytes - mp.tail_grads_bytes) // div
-    return max(step, static - absent + mp.tail_peak_bytes)
+    extra = 0
+    if fs is not None:
+        blocks = max(0, mp.blocks[0].grads_ready_bytes - mp.head_grads_bytes) if mp.blocks else 0
+        extra = fs.tail + fs.grads(max(0, mp.tail_grads_bytes - blocks))
+    elif grad_accumulation and strategy in SHARDED:
+        extra = 3 * mp.block_param_bytes
+    return max(step, static - absent + mp.tail_peak_bytes + extra)
 
 
 Choice = tuple[int, int, int, int]  # (bytes held, bound on the prefix, recompute FLOPs, code in MODES)

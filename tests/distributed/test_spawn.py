@@ -1,11 +1,14 @@
 """The library's spawner (doctor, benchmarks): per-rank results, errors and hangs as RankFailure."""
 
+import os
+import socket
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
+import distckpt._spawn as spawn
 from distckpt._spawn import RankFailure, free_port, run_ranks
 
 pytestmark = pytest.mark.dist
@@ -29,11 +32,24 @@ def _body(rank, world, mode, until=0.0):
         return rank
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)
-    return t.item()
+    return t.item(), int(os.environ["MASTER_PORT"])
 
 
-def test_results_errors_and_hangs():
-    assert run_ranks(_body, 2, "sum", timeout=60) == {0: 3.0, 1: 3.0}
+def test_results_errors_and_hangs(monkeypatch):
+    # The ranks meet at a store this process serves (host_store), bound from before they start until they
+    # are done: a spawner starting at the same time (another pytest-xdist worker) is never handed its port.
+    held, host_store = [], spawn.host_store
+
+    def recording_host_store():
+        store = host_store()
+        held.append(store.port)
+        with socket.socket() as s, pytest.raises(OSError):
+            s.bind(("127.0.0.1", store.port))
+        return store
+
+    monkeypatch.setattr(spawn, "host_store", recording_host_store)
+    assert run_ranks(_body, 2, "sum", timeout=60) == {0: (3.0, held[0]), 1: (3.0, held[0])}
+    monkeypatch.undo()
     failed = run_ranks(_body, 2, "fail", timeout=60)
     assert failed[0] == 0 and isinstance(failed[1], RankFailure)
     assert failed[1].kind == "ValueError" and "boom on rank 1" in failed[1].message

@@ -14,8 +14,6 @@ from pathlib import Path
 
 import torch
 
-from distckpt._spawn import free_port  # noqa: F401 - re-exported for the launcher tests
-
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 

@@ -9,8 +9,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from launchkit import TINY, assert_params_equal, compose, final_params, free_port, kill_group, popen, torchrun_cmd
+from launchkit import TINY, assert_params_equal, compose, final_params, kill_group, popen, torchrun_cmd
 
+from distckpt._spawn import host_store
 from launch.run import train
 
 pytestmark = pytest.mark.launch
@@ -23,7 +24,10 @@ HSDP = [*STEPS, "strategy=hsdp", "trainer.guard_every=1"]  # shard_size: LOCAL_W
 
 def _two_nodes(overrides: list[str], run: Path, restarts: int = 0) -> list[tuple[str, str]]:
     """Two agents (--nnodes=2, 2 ranks each) meeting at a c10d rendezvous; their (stdout, stderr)."""
-    port = free_port()
+    # The rendezvous' store, served by this process: the agents find its port bound and join it as clients
+    # (torch's c10d backend). A free_port() could be bound by another process (an xdist worker) meanwhile.
+    store = host_store()
+    port = store.port
     agent = ["--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=hsdp{port}",
              f"--max-restarts={restarts}"]
     agents = [popen(torchrun_cmd(overrides, run, nproc=2, extra=agent)) for _ in range(2)]

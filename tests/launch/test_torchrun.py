@@ -18,7 +18,6 @@ from launchkit import (
     assert_params_equal,
     compose,
     final_params,
-    free_port,
     kill_group,
     popen,
     torchrun,
@@ -26,6 +25,7 @@ from launchkit import (
 )
 from torch.distributed.checkpoint import FileSystemReader
 
+from distckpt._spawn import host_store
 from launch.run import train
 
 pytestmark = pytest.mark.launch
@@ -143,7 +143,8 @@ def test_sigterm_saves_on_every_rank_at_the_same_step_then_resumes_bitwise(unint
 def test_two_torchrun_agents_as_two_nodes(single_process, tmp_path):
     ref_dir, _ = single_process
     run = tmp_path / "multinode"
-    port = free_port()
+    store = host_store()  # the rendezvous' store, served here (as in test_hsdp_nodes.py)
+    port = store.port
     agents = [
         popen(torchrun_cmd([*TINY, "strategy=ddp"], run, nproc=1, extra=[
             "--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=twonodes"]))

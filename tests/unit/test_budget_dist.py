@@ -67,14 +67,13 @@ def _accuracy_rows(rank: int, world_size: int, strategies: tuple[str, ...]):
 @pytest.mark.dist
 def test_predicted_peak_per_rank_within_three_percent(dist_pool):
     # Each rank's MemTracker peak of a steady-state AdamW step, DDP's C++ gradient bucket tracked from
-    # the step's start (MemTracker alone sees it only once backward writes into it). FSDP2 within 3% with
-    # every block checkpointed; with blocks kept never under and within 8% (the model counts two blocks'
-    # unsharded parameters and one block's gradients at every peak). Kept blocks used to stay unsharded in
-    # the root unit and were predicted 8-24% low: parallelize now shards every block.
-    for rows in dist_pool.run(_accuracy_rows, ("ddp", "fsdp2")):
-        assert len(rows) == 6
+    # the step's start (MemTracker alone sees it only once backward writes into it). FSDP and FSDP2 with
+    # none, every other and all blocks checkpointed: the per-phase unsharded working set (budget._Sharded)
+    # within 3% and not under by more than 0.1% (measured +0.8..+1.0%: the batch is predicted but not
+    # tracked here). Counting two blocks' parameters and one block's gradients at every peak was 5-8% high
+    # with blocks kept. (The other side, a block's own gradients counted as shards, 1.3% low on MultiTaskGPT
+    # with a checkpointed block next to a kept one: test_budget.py::test_sharded_working_set_per_phase.)
+    for rows in dist_pool.run(_accuracy_rows, ("ddp", "fsdp", "fsdp2")):
+        assert len(rows) == 9
         for where, label, pred, meas in rows:
-            if "ddp" in where or label == "all":
-                assert abs(pred - meas) <= 0.03 * meas, (where, label, pred, meas)
-            else:
-                assert meas <= pred <= 1.08 * meas, (where, label, pred, meas)
+            assert 0.999 * meas <= pred <= 1.03 * meas, (where, label, pred, meas)
