@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -125,7 +126,10 @@ def _profiled(make: Callable[[], nn.Module], inputs: Any, blocks: Any
     candidates = find_blocks(base, blocks)
     n = len(candidates)
     placements = [("none", []), ("every other", list(range(0, n, 2))), ("all", list(range(n)))]
-    return base, profile_model(base, candidates, inputs), placements
+    # MemTracker does not see the CPU RNG state each checkpointed block saves (5056 B, which the plan
+    # counts and the allocator holds): compared with it, the prediction leaves that state out.
+    mp = dataclasses.replace(profile_model(base, candidates, inputs), rng_state_bytes=0)
+    return base, mp, placements
 
 
 def measure(name: str, make: Callable[[], nn.Module], inputs: Any, blocks: Any) -> list[tuple[str, int, int]]:

@@ -31,7 +31,8 @@ from distckpt.apply.recompute import (
 )
 from distckpt.errors import ConfigError
 from distckpt.select.blocks import BlockSpec, find_blocks
-from distckpt.select.policies import Budget, Candidates, Policy, parse_policy, select_blocks
+from distckpt.select.policies import CHECKPOINT_MODES, Budget, Candidates, Policy, parse_policy, select_blocks
+from distckpt.select.selective import OP_MODES, context_mode, mode_context_fn
 
 __all__ = ["checkpoint_mode", "checkpointed", "checkpointing_disabled", "is_checkpointed", "unwrap", "wrap"]
 
@@ -106,10 +107,12 @@ def _clean_fqn(name: str) -> str:
 
 
 def checkpoint_mode(module: nn.Module) -> str:
-    """``"full"``, ``"selective"`` (op-level) or ``"none"``: how distckpt checkpoints ``module``."""
+    """``"full"``, ``"selective"`` or ``"pointwise"`` (op-level; see
+    :func:`distckpt.select.selective.context_mode`) or ``"none"``: how distckpt checkpoints ``module``."""
     if not is_checkpointed(module):
         return "none"
-    return "selective" if module._distckpt_options.context_fn else "full"
+    fn = module._distckpt_options.context_fn
+    return context_mode(fn) if fn else "full"
 
 
 def checkpointed(model: nn.Module, *, modes: bool = False) -> list[str] | dict[str, str]:
@@ -120,8 +123,8 @@ def checkpointed(model: nn.Module, *, modes: bool = False) -> list[str] | dict[s
 
     Args:
         model: the model (possibly inside DDP/FSDP).
-        modes: return ``{fqn: "full" | "selective"}`` instead: how each block is checkpointed (a
-            ``budget`` plan mixes them).
+        modes: return ``{fqn: "full" | "selective" | "pointwise"}`` instead: how each block is
+            checkpointed (a ``budget`` plan mixes them).
     """
     if modes:
         return {_clean_fqn(n): checkpoint_mode(m) for n, m in model.named_modules() if is_checkpointed(m)}
@@ -361,45 +364,53 @@ def _apply_plan(model: nn.Module, pol: Policy, candidates: list[tuple[str, nn.Mo
     modes = _block_modes(pol, Candidates(model, candidates, example_inputs, world), opts)
     if record is not None and isinstance(pol, Budget):
         record.planned_for = (pol.strategy_for(world), world, pol.shard_size)
-    selective = None
+    made: dict[str, Any] = {}  # one context_fn per op-level mode, shared by its blocks
     for i, mode in sorted(modes.items()):
         block = candidates[i][1]
         block.__class__ = _checkpointed_class(type(block))
-        if mode == "selective" and opts.context_fn is None:
-            if selective is None:
-                from distckpt.select.selective import selective_context_fn
-
-                selective = selective_context_fn()
-            block._distckpt_options = dataclasses.replace(opts, context_fn=selective)
-        else:
-            block._distckpt_options = opts if mode == "selective" else dataclasses.replace(opts, context_fn=None)
+        block._distckpt_options = dataclasses.replace(opts, context_fn=_mode_context_fn(mode, opts, made))
         block._distckpt_norms = stateful_norms(block)  # found once, not on every forward
         block._distckpt_cache_slots = cache_positions(type(block)._distckpt_orig_class)
         if block._distckpt_norms:
             prepare_eager_run()
-    counts = ", ".join(f"{sum(m == k for m in modes.values())} {k}" for k in ("full", "selective")
+    counts = ", ".join(f"{sum(m == k for m in modes.values())} {k}" for k in CHECKPOINT_MODES[1:]
                        if k in modes.values()) or "none"
     logger.info("distckpt.apply.wrap: policy %s checkpoints %d of %d blocks (%s)", pol, len(modes), len(candidates),
                 counts)
 
 
+def _mode_context_fn(mode: str, opts: CheckpointOptions, made: dict[str, Any]) -> Any:
+    """The ``context_fn`` a block checkpointed in ``mode`` runs under: none for full, the policy's own
+    for its own op-level mode (a ``Selective`` with its ops), else the named mode's (made once)."""
+    if mode == "full":
+        return None
+    if opts.context_fn is not None and context_mode(opts.context_fn) == mode:
+        return opts.context_fn
+    if mode not in made:
+        made[mode] = mode_context_fn(mode)
+    return made[mode]
+
+
 def _block_modes(pol: Policy, candidates: Candidates, opts: CheckpointOptions) -> dict[int, str]:
-    """``{index: "full" | "selective"}`` for the blocks ``pol`` checkpoints: its ``modes`` when it has
-    them (a budget plan), else its selection, all in the policy's own mode.
+    """``{index: mode}`` for the blocks ``pol`` checkpoints: its ``modes`` when it has them (a budget
+    plan, a placement), else its selection, all in the policy's own mode.
 
     Raises:
-        ConfigError: a mode other than full or selective, or selective with reentrant checkpointing.
+        ConfigError: a mode that is not a checkpointing one, or an op-level mode with reentrant checkpointing.
     """
     if not callable(getattr(pol, "modes", None)):
-        return dict.fromkeys(select_blocks(pol, candidates), "selective" if opts.context_fn else "full")
+        own = context_mode(opts.context_fn) if opts.context_fn else "full"
+        return dict.fromkeys(select_blocks(pol, candidates), own)
     modes = dict(pol.modes(candidates))
     assert all(0 <= i < len(candidates.blocks) for i in modes), modes  # internal invariant
-    bad = {m for m in modes.values() if m not in ("full", "selective")}
+    allowed = CHECKPOINT_MODES[1:]
+    bad = {m for m in modes.values() if m not in allowed}
     if bad:
-        raise ConfigError(f"policy {pol} returned checkpoint modes {sorted(bad)}; each must be 'full' or 'selective' "
+        raise ConfigError(f"policy {pol} returned checkpoint modes {sorted(bad)}; each must be one of {allowed} "
                           "(leave a block out to keep it unchecked).")
-    if opts.reentrant and "selective" in modes.values():
-        raise ConfigError("selective (op-level) checkpointing needs reentrant=False.")
+    op_level = sorted({m for m in modes.values() if m in OP_MODES})
+    if opts.reentrant and op_level:
+        raise ConfigError(f"{' and '.join(op_level)} (op-level) checkpointing needs reentrant=False.")
     return modes
 
 

@@ -144,7 +144,7 @@ def _estimate(model: nn.Module, loss_fn: Callable, batch: Any) -> list[tuple[str
 
     blocks = [(n, m) for n, m in zip(checkpointed(model), [m for m in model.modules() if is_checkpointed(m)])]
     with checkpointing_disabled(model):
-        profiles = profile_blocks(_Loss(), blocks, (batch,))
+        profiles = profile_blocks(_Loss(), blocks, (batch,), modes=())  # activations and FLOPs: no recompute steps
     # A checkpointed block frees what it saved except its input, which checkpointing keeps.
     return [(p.fqn, p.activation_bytes - p.saved_input_bytes, p.forward_flops) for p in profiles]
 
@@ -171,7 +171,7 @@ def _diagnose(rank: int, world: int, opts: DoctorOptions) -> list[Finding]:
             "reentrant": used.reentrant, "preserve_rng_state": used.preserve_rng_state, "blocks": blocks,
             "by_doctor": by_doctor}))
     modes = checkpointed(model, modes=True)
-    shown = [f"{b} (selective)" if modes.get(b) == "selective" else b for b in blocks[:4]]  # else full
+    shown = [f"{b} ({modes[b]})" if modes.get(b, "full") != "full" else b for b in blocks[:4]]  # op-level modes named
     findings.append(Finding("blocks", bool(blocks), f"{len(blocks)} checkpointed block(s)"
                             + (f": {', '.join(shown)}{' ...' if len(blocks) > 4 else ''}" if blocks else ""),
                             "" if blocks else "nothing is checkpointed: pass --policy, or wrap blocks in the factory"))

@@ -5,8 +5,9 @@ The memory model (all terms measured by :mod:`distckpt.select.profile` or counte
 
     static   = params + grads + optimizer state (as the strategy places them) + buffers + batch
                (minus the gradients backward has not produced yet at that point)
-    held_i   = activation_bytes_i (none), selective_held_bytes_i (selective: its input plus the op
-               outputs it keeps) or input_bytes_i (full): one of three choices per block
+    held_i   = activation_bytes_i (none), pointwise_held_bytes_i / selective_held_bytes_i (its input
+               plus the op outputs it keeps) or input_bytes_i (full): one of four choices per block,
+               a checkpointed one plus the RNG state it saves (rng_state_bytes: on the CPU)
     P_i      = held_0 + ... + held_i                      (what the blocks keep, in forward order)
     peak     = max( static + pre + P_{i-1} + footprint_i + overhead_i   for every block i,
                     static + pre + P_{n-1} + post + head_overhead,
@@ -29,8 +30,10 @@ upper bound on the prefix ``P_{i-1}`` (one for each choice of that block); the p
 after block, every non-dominated (bytes held, recompute FLOPs) pair that meets those bounds. The
 recompute FLOPs of a choice are measured (``FlopCounterMode`` around each recompute): ``full`` re-runs
 the block's forward (up to where backward has what it needs), ``selective`` only its pointwise ops and
-every other matmul, so between ``selective`` and ``full`` for every block there are placements that
-hold less than all-``selective`` at less recompute than all-``full``.
+every other matmul, ``pointwise`` only the ops that count no FLOPs (it keeps every matmul, attention
+and convolution output: 0 FLOPs measured on GPT-2, at less memory than no checkpointing), so between
+the modes for every block there are placements that hold less than one mode everywhere at less
+recompute than the next one everywhere.
 """
 
 from __future__ import annotations
@@ -45,7 +48,9 @@ import torch
 
 from distckpt.errors import ConfigError
 from distckpt.options import SHARDED, STRATEGIES, check_shard_size
-from distckpt.select.profile import ModelProfile, _as_args, _tensors, step_device
+from distckpt.select.policies import CHECKPOINT_MODES
+from distckpt.select.profile import RECOMPUTE_MODES, ModelProfile, _as_args, _tensors, step_device
+from distckpt.select.selective import OP_MODES
 
 if TYPE_CHECKING:
     from distckpt.select.policies import Candidates
@@ -55,8 +60,11 @@ __all__ = ["BudgetPlan", "MODES", "OPTIMIZER_STATES", "budget_profile", "plan_bu
 
 logger = logging.getLogger("distckpt")
 
-# What the planner chooses from for each block, by code (the dynamic program's trail keeps the code).
-MODES = ("none", "selective", "full")
+# What the planner chooses from for each block, by code (the dynamic program's trail keeps the code), in
+# order of decreasing memory: "pointwise" keeps every matmul/attention/conv output and recomputes only
+# the FLOP-free ops, "selective" recomputes every other matmul too, "full" the whole block.
+MODES = CHECKPOINT_MODES  # ("none", "pointwise", "selective", "full")
+_FULL = MODES.index("full")
 
 # Optimizer state per parameter byte (AdamW: exp_avg and exp_avg_sq in the parameter's dtype).
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1, "none": 0}
@@ -144,11 +152,11 @@ class BudgetPlan:
     """The outcome of :func:`plan_budget`.
 
     Attributes:
-        selected: indices of the blocks to checkpoint (selective or full).
+        selected: indices of the blocks to checkpoint (in any mode but none).
         peak_bytes: predicted peak training memory with that choice.
         recompute_flops: the chosen blocks' measured recompute FLOPs.
         min_budget_bytes: the smallest budget any choice fits in.
-        modes: per block, ``"none"``, ``"selective"`` or ``"full"``.
+        modes: per block, one of :data:`MODES` (``"none"``, ``"pointwise"``, ``"selective"``, ``"full"``).
     """
 
     selected: tuple[int, ...]
@@ -223,8 +231,8 @@ def _bounds(mp: ModelProfile, static: int, *, strategy: str = "ddp", world_size:
             grad_accumulation: bool = False, shard_size: int | None = None, recompute: str = "full"
             ) -> tuple[list[int], list[int], int]:
     """Per-block offsets with ``peak >= static + P_{i-1} + c_i`` when block i is kept (``plain``)
-    and when it is checkpointed (``ckpt``; ``recompute="selective"``: the selective recompute's
-    measured peaks), and the end offset (``peak >= static + P_{n-1} + end``).
+    and when it is checkpointed (``ckpt``; ``recompute="selective"`` or ``"pointwise"``: that op-level
+    recompute's measured peaks), and the end offset (``peak >= static + P_{n-1} + end``).
 
     ``static`` counts every gradient. Without gradient accumulation (``zero_grad(set_to_none=True)``,
     PyTorch's default), backward creates them block by block from the last: while block i runs its
@@ -268,8 +276,7 @@ def _bounds(mp: ModelProfile, static: int, *, strategy: str = "ddp", world_size:
         at_peak = static - absent(b.grads_at_peak_bytes) + base + working(i, b.grads_at_peak_bytes)
         forward = static - absent(0) + base + b.forward_overhead_bytes + fw
         plain.append(max(forward, at_peak + b.backward_overhead_bytes))
-        grads, over = ((b.selective_recompute_grads_bytes, b.selective_recompute_overhead_bytes)
-                       if recompute == "selective" else (b.recompute_grads_bytes, b.recompute_overhead_bytes))
+        grads, over = b.recompute_peak(recompute)
         if grads >= 0:
             # Measured in a sample step with every block checkpointed (its prefix: what they hold).
             redo = static - absent(grads) + base + over + working(i, grads)
@@ -314,15 +321,21 @@ Choice = tuple[int, int, int, int]  # (bytes held, bound on the prefix, recomput
 
 def _choices(mp: ModelProfile, static: int, *, selective: bool = True, **kw: Any) -> tuple[list[list[Choice]], int]:
     """Per block, what each choice holds, the bound it puts on the bytes held before it and its
-    recompute FLOPs (``selective`` where the profile measured it and ``selective`` is allowed);
-    and the end offset (see :func:`_bounds`)."""
+    recompute FLOPs (the op-level modes where the profile measured them and ``selective`` allows
+    them); and the end offset (see :func:`_bounds`). A checkpointed block also holds the RNG state
+    its checkpoint saved (``preserve_rng_state``; counted whether or not it is on: a few KiB)."""
     plain, ckpt, end = _bounds(mp, static, **kw)
-    sel = _bounds(mp, static, recompute="selective", **kw)[1]
+    op_modes = OP_MODES if selective else ()
+    op_bounds = {m: _bounds(mp, static, recompute=m, **kw)[1] for m in op_modes}
+    rng = mp.rng_state_bytes
     out = []
     for i, b in enumerate(mp.blocks):
-        options = [(b.activation_bytes, plain[i], 0, 0), (b.input_bytes, ckpt[i], b.full_flops, 2)]
-        if selective and b.selective_held_bytes >= 0:
-            options.insert(1, (b.selective_held_bytes, sel[i], b.selective_flops, 1))
+        options = [(b.activation_bytes, plain[i], 0, 0)]
+        for mode in op_modes:
+            held, flops = b.mode_held_flops(mode)
+            if held >= 0:
+                options.append((held + rng, op_bounds[mode][i] + rng, flops, MODES.index(mode)))
+        options.append((b.input_bytes + rng, ckpt[i] + rng, b.full_flops, _FULL))
         out.append(options)
     return out, end
 
@@ -332,7 +345,7 @@ def _codes(mp: ModelProfile, choice: Any) -> list[int]:
     sequence of one mode per block, or (the original form) the indices of the fully checkpointed blocks.
 
     Raises:
-        ConfigError: an unknown mode, or ``selective`` on a block whose profile did not measure it.
+        ConfigError: an unknown mode, or an op-level mode on a block whose profile did not measure it.
     """
     n = len(mp.blocks)
     if isinstance(choice, Mapping):
@@ -345,9 +358,10 @@ def _codes(mp: ModelProfile, choice: Any) -> list[int]:
     for i, m in enumerate(modes):
         if m not in MODES:
             raise ConfigError(f"block {i}: checkpoint mode must be one of {MODES}, got {m!r}.")
-        if m == "selective" and mp.blocks[i].selective_held_bytes < 0:
-            raise ConfigError(f"block {i} ({mp.blocks[i].fqn}): the profile has no selective measurement "
-                              "(its selective sample step failed); choose none or full for it.")
+        if m in OP_MODES and mp.blocks[i].mode_held_flops(m)[0] < 0:
+            raise ConfigError(f"block {i} ({mp.blocks[i].fqn}): the profile has no {m} measurement (its {m} "
+                              "sample step failed, or the profile was made without that mode); choose none or "
+                              "full for it, or profile with that mode.")
     return [MODES.index(m) for m in modes]
 
 
@@ -359,7 +373,7 @@ def predicted_peak(mp: ModelProfile, selected: Any, *, strategy: str = "ddp", wo
     Args:
         mp: the profile.
         selected: the indices of the fully checkpointed blocks (a list, set or range), or a mapping
-            ``{index: "none" | "selective" | "full"}`` (blocks not in it: none), or one mode per block.
+            ``{index: mode}`` (a mode of :data:`MODES`; blocks not in it: none), or one mode per block.
 
     Returns:
         The predicted peak in bytes.
@@ -392,7 +406,7 @@ def _fits(options: list[list[Choice]], end: int, step: int, budget: int) -> bool
 
 def _min_peak(options: list[list[Choice]], end: int, step: int) -> int:
     """The smallest predicted peak over every choice of blocks (a search over the budget)."""
-    full = [next(o for o in opts if o[3] == 2) for opts in options]
+    full = [next(o for o in opts if o[3] == _FULL) for opts in options]
     hi = max(step, *(full[i][1] + sum(h for h, *_ in full[:i]) for i in range(len(full))),
              sum(h for h, *_ in full) + end)  # checkpointing every block fits this
     lo = step
@@ -425,15 +439,29 @@ def _pareto(p: torch.Tensor, f: torch.Tensor, quantum: int) -> torch.Tensor:
     return order[front.nonzero().flatten()]
 
 
+def _costs(options: list[list[Choice]]) -> list[list[Choice]]:
+    """The choices with the program's cost in place of their FLOPs: recompute FLOPs first and, at equal
+    FLOPs, fewer checkpointed blocks. A ``pointwise`` recompute counts 0 FLOPs but still takes time
+    (it re-runs the pointwise ops): without the tie-break a budget that fits no checkpointing would
+    get every block ``pointwise`` (fewer bytes at the same FLOPs). Both fit one int64 (FLOPs times
+    ``blocks + 1`` plus the count) unless the FLOPs are near 2**62 / blocks; then FLOPs alone."""
+    scale = len(options) + 1
+    if (sum(max(o[2] for o in opts) for opts in options) + 1) * scale >= 2**62:
+        return options
+    return [[(held, bound, flops * scale + (code != 0), code) for held, bound, flops, code in opts] for opts in options]
+
+
 def plan_budget(mp: ModelProfile, budget: int, *, strategy: str = "ddp", world_size: int = 1,
                 optimizer: str = "adamw", grad_accumulation: bool = False, shard_size: int | None = None,
                 selective: bool = True) -> BudgetPlan:
-    """The per-block choice (none, selective or full) with the least recompute FLOPs whose predicted
-    peak is <= ``budget``.
+    """The per-block choice (none, pointwise, selective or full) with the least recompute FLOPs whose
+    predicted peak is <= ``budget``.
 
-    Exact (a Pareto dynamic program over (bytes held, FLOPs) per block prefix) up to the merging of
+    Exact (a Pareto dynamic program over (bytes held, FLOPs) per block prefix; at equal FLOPs the
+    fewest checkpointed blocks) up to the merging of
     states closer than ``budget / 4096`` bytes when more than 4096 remain. ``selective=False``
-    chooses between none and full only (as for reentrant checkpointing, which takes no op policy).
+    chooses between none and full only (as for reentrant checkpointing, which takes no op policy);
+    otherwise the op-level modes (``pointwise``, ``selective``) too, where the profile measured them.
 
     Returns:
         A :class:`BudgetPlan`.
@@ -454,16 +482,16 @@ def plan_budget(mp: ModelProfile, budget: int, *, strategy: str = "ddp", world_s
             "more, shard with FSDP, or use a smaller batch."
         )
     p = torch.zeros(1, dtype=torch.int64)  # bytes held by the blocks so far
-    f = torch.zeros(1, dtype=torch.int64)  # recompute FLOPs so far
+    f = torch.zeros(1, dtype=torch.int64)  # cost so far: recompute FLOPs, then checkpointed blocks (_costs)
     trail: list[tuple[torch.Tensor, torch.Tensor]] = []  # per block: (parent index, code in MODES)
     quantum = max(1, budget // _MAX_STATES)
-    for opts in options:
+    for opts in _costs(options):
         # Each choice of block i bounds the bytes held before it; the states that meet it go on with it.
-        parts = [((p <= budget - bound).nonzero().flatten(), held, flops, code) for held, bound, flops, code in opts]
+        parts = [((p <= budget - bound).nonzero().flatten(), held, cost, code) for held, bound, cost, code in opts]
         parent = torch.cat([ok for ok, *_ in parts])
         code = torch.cat([torch.full((len(ok),), c, dtype=torch.int8) for ok, _, _, c in parts])
         p = torch.cat([p[ok] + held for ok, held, _, _ in parts])
-        f = torch.cat([f[ok] + flops for ok, _, flops, _ in parts])
+        f = torch.cat([f[ok] + cost for ok, _, cost, _ in parts])
         sel = _pareto(p, f, quantum)
         p, f = p[sel], f[sel]
         trail.append((parent[sel], code[sel]))
@@ -499,7 +527,7 @@ def auto_budget(device_type: str) -> int:
 
 
 def budget_profile(candidates: Candidates, device_type: str, budget_bytes: int | None, *,
-                   estimate: bool = False) -> tuple[ModelProfile, int]:
+                   estimate: bool = False, selective: bool = True) -> tuple[ModelProfile, int]:
     """The profile a budget plans on, and the budget in bytes.
 
     ``budget:SIZE`` plans on a real sample step (:meth:`Candidates.model_profile`: exact on this
@@ -507,7 +535,9 @@ def budget_profile(candidates: Candidates, device_type: str, budget_bytes: int |
     what this process already holds there (:func:`auto_budget`), and the profile is the estimator of
     ``distckpt plan`` (:func:`distckpt.select.estimate.estimate_profile`, fake tensors): a real step of a
     model near the device's size could run out of the very memory being planned. ``estimate=True``
-    takes that path with an explicit budget (on any device).
+    takes that path with an explicit budget (on any device). The real step measures only the recompute
+    modes the plan can choose: full, and the op-level ones only with ``selective`` (two sample steps
+    each; the profile cache serves the plan redone at ``parallelize`` from the same measurement).
 
     Raises:
         ConfigError: ``budget:auto`` off CUDA, or (estimator) a model that cannot run on fake tensors.
@@ -515,7 +545,7 @@ def budget_profile(candidates: Candidates, device_type: str, budget_bytes: int |
     if budget_bytes is None:
         budget_bytes, estimate = auto_budget(device_type), True
     if not estimate:
-        return candidates.model_profile(), budget_bytes
+        return candidates.model_profile(RECOMPUTE_MODES if selective else ("full",)), budget_bytes
     from distckpt.select.estimate import estimate_profile  # estimate imports this module
 
     if candidates.example_inputs is None:
@@ -539,24 +569,25 @@ def select_for_budget(candidates: Candidates, budget_bytes: int | None, *, strat
             forward); by default they are created block by block in backward.
         shard_size: ``"hsdp"``: the ranks that shard between them (default: ``LOCAL_WORLD_SIZE``, as
             ``parallelize`` uses).
-        selective: offer op-level selective checkpointing per block, besides none and full.
+        selective: offer the op-level modes (``pointwise``, ``selective``) per block, besides none and
+            full (``False``: the profile does not measure them either).
 
     Returns:
-        A :class:`BudgetPlan` (``modes``: one of ``"none"``, ``"selective"``, ``"full"`` per block of
-        ``candidates.blocks``).
+        A :class:`BudgetPlan` (``modes``: one of :data:`MODES` per block of ``candidates.blocks``).
 
     Raises:
         ConfigError: no sample batch, no placement fits, or ``budget:auto`` off CUDA.
     """
     batch = _tensors(_as_args(candidates.example_inputs)) if candidates.example_inputs is not None else []
-    mp, budget_bytes = budget_profile(candidates, step_device(candidates.model, batch).type, budget_bytes)
+    mp, budget_bytes = budget_profile(candidates, step_device(candidates.model, batch).type, budget_bytes,
+                                      selective=selective)
     if strategy == "hsdp" and shard_size is None and os.environ.get("LOCAL_WORLD_SIZE"):
         shard_size = int(os.environ["LOCAL_WORLD_SIZE"])
     result = plan_budget(mp, budget_bytes, strategy=strategy, world_size=candidates.world_size, optimizer=optimizer,
                          grad_accumulation=grad_accumulation, shard_size=shard_size, selective=selective)
     logger.info(
-        "distckpt budget %s: %d of %d blocks full, %d selective, predicted peak %s, recompute %.3g GFLOP",
-        _gib(budget_bytes), result.modes.count("full"), len(mp.blocks), result.modes.count("selective"),
-        _gib(result.peak_bytes), result.recompute_flops / 1e9,
+        "distckpt budget %s: %d of %d blocks full, %d selective, %d pointwise, predicted peak %s, recompute "
+        "%.3g GFLOP", _gib(budget_bytes), result.modes.count("full"), len(mp.blocks), result.modes.count("selective"),
+        result.modes.count("pointwise"), _gib(result.peak_bytes), result.recompute_flops / 1e9,
     )
     return result

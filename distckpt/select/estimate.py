@@ -39,7 +39,7 @@ class PolicyEstimate:
     peak_bytes: int
     recompute_flops: int
     checkpointed: tuple[int, ...]
-    modes: tuple[str, ...] = ()  # per block: "none", "selective" or "full"
+    modes: tuple[str, ...] = ()  # per block: "none", "pointwise", "selective" or "full"
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,8 @@ def _stretch(mp: ModelProfile, blocks: list[tuple[str, nn.Module]], kept: list[i
         out.append(dataclasses.replace(
             b, fqn=name, grads_ready_bytes=shift(b.grads_ready_bytes),
             grads_at_peak_bytes=shift(b.grads_at_peak_bytes), recompute_grads_bytes=shift(b.recompute_grads_bytes),
-            selective_recompute_grads_bytes=shift(b.selective_recompute_grads_bytes)))
+            selective_recompute_grads_bytes=shift(b.selective_recompute_grads_bytes),
+            pointwise_recompute_grads_bytes=shift(b.pointwise_recompute_grads_bytes)))
     lost = sum(size) - sum(size[k] for k in kept)
     tail = mp.tail_grads_bytes + lost if mp.tail_grads_bytes >= 0 else -1
     return dataclasses.replace(mp, blocks=tuple(out), tail_grads_bytes=tail, **whole)
@@ -406,7 +407,7 @@ def _ranges(idx: tuple[int, ...]) -> str:
 
 def _blocks(p: PolicyEstimate) -> str:
     """The checkpointed blocks, by mode when a plan mixes them (``full 0-3, selective 4-79``)."""
-    used = [m for m in ("full", "selective") if m in p.modes]
+    used = [m for m in ("full", "selective", "pointwise") if m in p.modes]
     if len(used) < 2:
         return _ranges(p.checkpointed)
     return ", ".join(f"{m} {_ranges(tuple(i for i, x in enumerate(p.modes) if x == m))}" for m in used)

@@ -25,6 +25,7 @@ __all__ = [
     "FirstN",
     "Fraction",
     "Full",
+    "CHECKPOINT_MODES",
     "Candidates",
     "Placement",
     "Policy",
@@ -32,6 +33,9 @@ __all__ = [
     "parse_policy",
     "parse_size",
 ]
+
+# How a block can be checkpointed, in order of decreasing memory (a budget plan chooses one per block).
+CHECKPOINT_MODES = ("none", "pointwise", "selective", "full")
 
 SPEC_FORMS = (
     '"none", "full", "every:N" (N >= 1), "first:N" (N >= 0), "fraction:F" (0 <= F <= 1), '
@@ -52,21 +56,25 @@ class Candidates:
     example_inputs: Any = None
     world_size: int = 1
     _profile: ModelProfile | None = field(default=None, repr=False)
+    _profile_modes: frozenset[str] = field(default=frozenset(), repr=False)
 
     def profile(self) -> list[BlockProfile]:
         return list(self.model_profile().blocks)
 
-    def model_profile(self) -> ModelProfile:
-        """The whole-step profile (blocks plus parameters, head, temporaries); see distckpt.select.profile."""
-        if self._profile is None:
-            from distckpt.select.profile import profile_model
+    def model_profile(self, modes: Any = None) -> ModelProfile:
+        """The whole-step profile (blocks plus parameters, head, temporaries); see distckpt.select.profile.
+        ``modes``: the recompute modes to measure (default: every one, ``RECOMPUTE_MODES``)."""
+        from distckpt.select.profile import RECOMPUTE_MODES, profile_model
 
+        wanted = frozenset(RECOMPUTE_MODES if modes is None else modes)
+        if self._profile is None or not wanted <= self._profile_modes:
             if self.example_inputs is None:
                 raise ConfigError(
                     "this policy needs a sample batch to measure activation memory; pass "
                     "example_inputs=(args...) or {kwargs} to distckpt.wrap."
                 )
-            self._profile = profile_model(self.model, self.blocks, self.example_inputs)
+            self._profile = profile_model(self.model, self.blocks, self.example_inputs, modes=wanted)
+            self._profile_modes = wanted
         return self._profile
 
 
@@ -77,8 +85,8 @@ class Policy(Protocol):
     ``context_fn`` (optional) returns the ``(forward, recompute)`` context pair that
     ``torch.utils.checkpoint`` runs each checkpointed block under (op-level selective
     checkpointing); ``None`` means plain full recompute. ``modes`` (optional) returns
-    ``{index: "selective" | "full"}`` instead, one mode per checkpointed block (the budget mixes
-    them); ``wrap`` then ignores ``select`` and ``context_fn``.
+    ``{index: "pointwise" | "selective" | "full"}`` instead, one mode per checkpointed block (the
+    budget mixes them); ``wrap`` then ignores ``select`` and ``context_fn``.
     """
 
     def select(self, candidates: Candidates) -> list[int]: ...
@@ -149,9 +157,11 @@ class Budget:
     the real strategy, world size and shard size. An explicit strategy that ``parallelize``
     contradicts is refused. ``optimizer`` (``"adamw"``, ``"sgd"``, ``"sgd_momentum"``, ...) says
     how much optimizer state to count; ``grad_accumulation=True`` counts gradients as present from
-    the first forward (they persist across micro-batches). Each block gets none, ``selective``
-    (op-level: keep matmul/attention outputs, recompute pointwise ops) or full checkpointing
-    (``selective=False``: none or full). The selection itself lives in :mod:`distckpt.select.budget`.
+    the first forward (they persist across micro-batches). Each block gets none, ``pointwise``
+    (op-level: keep every matmul/attention output, recompute only the FLOP-free ops), ``selective``
+    (recompute every other matmul too) or full checkpointing (``selective=False``: none or full, and
+    the profile skips the op-level sample steps). The selection itself lives in
+    :mod:`distckpt.select.budget`.
     """
 
     bytes: int | None
@@ -159,7 +169,7 @@ class Budget:
     optimizer: str = "adamw"
     grad_accumulation: bool = False
     shard_size: int | None = None  # "hsdp": ranks per shard group (default: LOCAL_WORLD_SIZE)
-    selective: bool = True  # offer op-level selective checkpointing per block (False: none or full)
+    selective: bool = True  # offer the op-level modes (pointwise, selective) per block (False: none or full)
 
     def __post_init__(self) -> None:
         if self.bytes is not None and (not isinstance(self.bytes, int) or self.bytes <= 0):
@@ -183,7 +193,7 @@ class Budget:
         return list(self.plan(candidates).selected)
 
     def modes(self, candidates: Candidates) -> dict[int, str]:
-        """``{index: "selective" | "full"}`` for the blocks to checkpoint."""
+        """``{index: "pointwise" | "selective" | "full"}`` for the blocks to checkpoint."""
         plan = self.plan(candidates)
         return {i: plan.modes[i] for i in plan.selected}
 
@@ -194,7 +204,8 @@ class Selective:
     (matmuls, attention) and recompute the cheap pointwise ones.
 
     ``save_ops`` overrides the default list of ops whose outputs are kept (aten ops or names);
-    ``every_other_matmul=False`` keeps every matmul output instead of every other one.
+    ``every_other_matmul=False`` keeps every matmul output instead of every other one (with the
+    default ops: the ``pointwise`` mode, which recomputes only ops that count no FLOPs).
     """
 
     save_ops: tuple[Any, ...] | None = None
@@ -211,7 +222,8 @@ class Selective:
 
 @dataclass(frozen=True)
 class Placement:
-    """Checkpoint each block in the mode given for it: ``"none"``, ``"selective"`` or ``"full"``.
+    """Checkpoint each block in the mode given for it: ``"none"``, ``"pointwise"``, ``"selective"`` or
+    ``"full"`` (:data:`CHECKPOINT_MODES`).
 
     ``choice`` holds one mode per candidate block (in forward order), or ``{fqn: mode}`` (blocks not
     named: none). It is how a benchmark or a test places mixed modes by hand, as a budget plan does.
@@ -221,15 +233,15 @@ class Placement:
 
     def __post_init__(self) -> None:
         values = self.choice.values() if isinstance(self.choice, dict) else self.choice
-        bad = sorted({m for m in values if m not in ("none", "selective", "full")})
+        bad = sorted({m for m in values if m not in CHECKPOINT_MODES})
         if bad:
-            raise ConfigError(f"Placement modes must be 'none', 'selective' or 'full', got {bad}.")
+            raise ConfigError(f"Placement modes must be among {', '.join(map(repr, CHECKPOINT_MODES))}, got {bad}.")
 
     def select(self, candidates: Candidates) -> list[int]:
         return sorted(self.modes(candidates))
 
     def modes(self, candidates: Candidates) -> dict[int, str]:
-        """``{index: "selective" | "full"}`` for the blocks to checkpoint.
+        """``{index: mode}`` for the blocks to checkpoint (every mode but none).
 
         Raises:
             ConfigError: a tuple of modes whose length is not the number of candidate blocks.

@@ -19,9 +19,10 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from distckpt import _torch_compat as compat
+from distckpt.errors import ConfigError
 
-__all__ = ["BlockProfile", "ModelProfile", "adam_step_temp_bytes", "memory_tracker", "profile_blocks", "profile_model",
-           "scalar_loss"]
+__all__ = ["RECOMPUTE_MODES", "BlockProfile", "ModelProfile", "adam_step_temp_bytes", "memory_tracker",
+           "profile_blocks", "profile_model", "scalar_loss"]
 
 logger = logging.getLogger("distckpt")
 
@@ -68,6 +69,9 @@ class BlockProfile:
         selective_recompute_overhead_bytes, selective_recompute_grads_bytes: like
             ``recompute_overhead_bytes`` and ``recompute_grads_bytes``, in a sample step with every
             block selective (the prefix: the selective blocks' held bytes).
+        pointwise_held_bytes, pointwise_flops, pointwise_recompute_overhead_bytes,
+            pointwise_recompute_grads_bytes: the same for ``pointwise`` (every matmul/attention/conv
+            output kept, only FLOP-free ops recomputed), in sample steps with every block pointwise.
     """
 
     fqn: str
@@ -87,6 +91,28 @@ class BlockProfile:
     selective_flops: int = 0
     selective_recompute_overhead_bytes: int = 0
     selective_recompute_grads_bytes: int = -1
+    pointwise_held_bytes: int = -1
+    pointwise_flops: int = 0
+    pointwise_recompute_overhead_bytes: int = 0
+    pointwise_recompute_grads_bytes: int = -1
+
+    def mode_held_flops(self, mode: str) -> tuple[int, int]:
+        """``(bytes held from forward to backward, recompute FLOPs)`` of a checkpointed ``mode``
+        (``"selective"``, ``"pointwise"`` or ``"full"``); held ``-1``: the profile did not measure it."""
+        if mode == "selective":
+            return self.selective_held_bytes, self.selective_flops
+        if mode == "pointwise":
+            return self.pointwise_held_bytes, self.pointwise_flops
+        return self.input_bytes, self.full_flops
+
+    def recompute_peak(self, mode: str) -> tuple[int, int]:
+        """``(gradient bytes, overhead bytes)`` at the block's measured recompute peak in a step with
+        every block checkpointed in ``mode``; gradient bytes ``-1``: not measured."""
+        if mode == "selective":
+            return self.selective_recompute_grads_bytes, self.selective_recompute_overhead_bytes
+        if mode == "pointwise":
+            return self.pointwise_recompute_grads_bytes, self.pointwise_recompute_overhead_bytes
+        return self.recompute_grads_bytes, self.recompute_overhead_bytes
 
     @property
     def full_flops(self) -> int:
@@ -134,6 +160,11 @@ class ModelProfile:
         tail_grads_bytes: gradient bytes at that peak; ``-1`` when not measured.
         measured_peak_bytes: peak of the sample step without checkpointing (MemTracker on CPU,
             ``torch.cuda.max_memory_allocated`` on CUDA), without optimizer state.
+        rng_state_bytes: what a checkpointed block keeps of the RNG state from its forward to its
+            backward (``preserve_rng_state``), in the memory the peak is measured in: the CPU
+            generator's state (5056 bytes on torch 2.13) for a step on the CPU, which the allocator (and
+            the profiler) sees but MemTracker does not; 0 on CUDA, whose RNG state (seed and offset)
+            is kept in host memory, not in the device memory ``max_memory_allocated`` counts.
         device: the device type the sample step ran on.
     """
 
@@ -155,6 +186,7 @@ class ModelProfile:
     tail_peak_bytes: int = 0
     tail_grads_bytes: int = -1
     measured_peak_bytes: int = 0
+    rng_state_bytes: int = 0
     device: str = "cpu"
 
     @property
@@ -273,6 +305,10 @@ def memory_tracker(*external: Any) -> Any:
     tracker.track_external(*external)
     return tracker
 
+
+# The recompute modes a profile can measure, each in sample steps of its own ("full": plain recompute;
+# the op-level ones: distckpt.select.selective.OP_MODES).
+RECOMPUTE_MODES = ("full", "selective", "pointwise")
 
 _CACHE_OFF = {"use_cache": False, "past_key_values": None, "past_key_value": None, "layer_past": None}
 
@@ -640,20 +676,21 @@ def _over_prediction(peaks: list[tuple[int, int, int]], rec: _StepRecorder, att:
 
 def _recompute_profile(model: nn.Module, rec: _StepRecorder, att: _Attribution, args: tuple[Any, ...],
                        kwargs: dict[str, Any], batch: list[torch.Tensor], batch_keys: set[tuple[str, int]],
-                       device: torch.device, dev: torch.device) -> dict[str, list[int]]:
-    """The recompute side of every block, full and selective (as :class:`BlockProfile` fields):
-    backward peaks in a step with every block checkpointed (one per mode), what a selective block
-    holds over a full one (the bytes its forward leaves alive beyond full's: the op outputs it keeps,
-    as ``distckpt plan`` counts them), and the recompute FLOPs (one FLOP-only step per mode)."""
-    from distckpt.select.selective import selective_context_fn
+                       device: torch.device, dev: torch.device, modes: frozenset[str]) -> dict[str, list[int]]:
+    """The recompute side of every block in each of ``modes`` ("full", "selective", "pointwise"; full
+    is measured whenever another one is, as their reference), as :class:`BlockProfile` fields: backward
+    peaks in a step with every block checkpointed (one per mode), what an op-level block holds over a
+    full one (the bytes its forward leaves alive beyond full's: the op outputs it keeps, as ``distckpt
+    plan`` counts them), and the recompute FLOPs (one FLOP-only step per mode)."""
+    from distckpt.select.selective import OP_MODES, mode_context_fn
 
     n = rec.n
-    out = {"recompute_overhead_bytes": [0] * n, "recompute_grads_bytes": [-1] * n, "recompute_flops": [-1] * n,
-           "selective_held_bytes": [-1] * n, "selective_flops": [0] * n,
-           "selective_recompute_overhead_bytes": [0] * n, "selective_recompute_grads_bytes": [-1] * n}
-    if not n:
+    out = {"recompute_overhead_bytes": [0] * n, "recompute_grads_bytes": [-1] * n, "recompute_flops": [-1] * n}
+    for mode in OP_MODES:
+        out.update({f"{mode}_held_bytes": [-1] * n, f"{mode}_flops": [0] * n,
+                    f"{mode}_recompute_overhead_bytes": [0] * n, f"{mode}_recompute_grads_bytes": [-1] * n})
+    if not n or not modes:
         return out
-    sel = selective_context_fn()
     with _preserved_state(model, device):
         full = _checkpointed_peaks(model, rec.blocks, args, kwargs, batch, dev)
         full_flops = _recompute_flops(model, rec.blocks, args, kwargs, None)
@@ -663,16 +700,18 @@ def _recompute_profile(model: nn.Module, rec: _StepRecorder, att: _Attribution, 
                                                                                      [0] * n)
     if full_flops is not None:
         out["recompute_flops"] = full_flops
-    with _preserved_state(model, device):
-        selective = _checkpointed_peaks(model, rec.blocks, args, kwargs, batch, dev, sel)
-        sel_flops = _recompute_flops(model, rec.blocks, args, kwargs, sel) if selective is not None else None
-    if selective is None or sel_flops is None:
-        return out  # selective cannot run on this model: the budget chooses between none and full
-    extra = [max(0, s[2] - f[2]) for s, f in zip(selective, full)]
-    out["selective_held_bytes"] = [att.in_bytes[i] + extra[i] for i in range(n)]
-    out["selective_flops"] = sel_flops
-    out["selective_recompute_overhead_bytes"], out["selective_recompute_grads_bytes"] = _over_prediction(
-        selective, rec, att, batch_keys, extra)
+    for mode in (m for m in OP_MODES if m in modes):
+        fn = mode_context_fn(mode)
+        with _preserved_state(model, device):
+            peaks = _checkpointed_peaks(model, rec.blocks, args, kwargs, batch, dev, fn)
+            flops = _recompute_flops(model, rec.blocks, args, kwargs, fn) if peaks is not None else None
+        if peaks is None or flops is None:
+            continue  # this mode cannot run on this model: the budget does not offer it
+        extra = [max(0, s[2] - f[2]) for s, f in zip(peaks, full)]
+        out[f"{mode}_held_bytes"] = [att.in_bytes[i] + extra[i] for i in range(n)]
+        out[f"{mode}_flops"] = flops
+        out[f"{mode}_recompute_overhead_bytes"], out[f"{mode}_recompute_grads_bytes"] = _over_prediction(
+            peaks, rec, att, batch_keys, extra)
     return out
 
 
@@ -723,9 +762,10 @@ def parameter_fields(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> d
     )
 
 
-def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inputs: Any) -> ModelProfile:
+def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inputs: Any,
+             modes: frozenset[str] = frozenset(RECOMPUTE_MODES)) -> ModelProfile:
     """One sample step in passes: record (hooks + MemTracker + FLOPs), attribute saved storages to blocks,
-    derive each block's and the head's overheads, measure recompute peaks in a checkpointed step."""
+    derive each block's and the head's overheads, measure recompute peaks in checkpointed steps (``modes``)."""
     args, kwargs = _as_args(example_inputs)
     batch = _tensors((args, kwargs))
     params = list(model.parameters())
@@ -738,7 +778,7 @@ def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inpu
     att = _attribute(rec, batch_keys)
     ov = _block_overheads(rec, att, dev)
     head = _head_and_tail(rec, model, att, ov["measured_blocks"], dev)
-    redo = _recompute_profile(model, rec, att, args, kwargs, batch, batch_keys, device, dev)
+    redo = _recompute_profile(model, rec, att, args, kwargs, batch, batch_keys, device, dev, modes)
     ready, head_grads = _grads_ready(rec, params, dev)
 
     held = att.held
@@ -761,9 +801,20 @@ def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inpu
         post_bytes=att.post,
         head_grads_bytes=head_grads,
         measured_peak_bytes=int(cuda_peak if device.type == "cuda" else measured_total),
+        rng_state_bytes=_rng_state_bytes(device),
         device=device.type,
         **head,
     )
+
+
+def _rng_state_bytes(device: torch.device) -> int:
+    """Bytes of RNG state that non-reentrant checkpoint saves per block in ``device``'s memory (see
+    :attr:`ModelProfile.rng_state_bytes`): ``torch.get_rng_state()`` on the CPU; none on an accelerator
+    (``torch.cuda.get_rng_state()`` is a 16-byte CPU tensor, the device memory holds nothing of it)."""
+    if device.type != "cpu":
+        return 0
+    state = torch.get_rng_state()
+    return state.numel() * state.element_size()
 
 
 def adam_step_temp_bytes(params: list[torch.Tensor]) -> int:
@@ -806,56 +857,83 @@ def _agree(profile: ModelProfile) -> ModelProfile:
     return ModelProfile(blocks=blocks, device=profile.device, **rest)
 
 
-_CACHE: weakref.WeakKeyDictionary[nn.Module, dict[Any, ModelProfile]] = weakref.WeakKeyDictionary()
+# Per model: {(blocks, input shapes, training, world size): (the modes measured, the profile)}.
+_CACHE: weakref.WeakKeyDictionary[nn.Module, dict[Any, tuple[frozenset[str], ModelProfile]]] = (
+    weakref.WeakKeyDictionary())
 
 
-def profile_model(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inputs: Any) -> ModelProfile:
+def _recompute_modes(modes: Any) -> frozenset[str]:
+    """``modes`` as a set, with ``"full"`` added when an op-level mode is asked (its reference step).
+
+    Raises:
+        ConfigError: a mode not in :data:`RECOMPUTE_MODES`.
+    """
+    wanted = frozenset(modes)
+    bad = sorted(wanted - set(RECOMPUTE_MODES))
+    if bad:
+        raise ConfigError(f"profile modes must be among {RECOMPUTE_MODES}, got {bad}.")
+    return wanted | {"full"} if wanted else wanted
+
+
+def profile_model(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inputs: Any, *,
+                  modes: Any = RECOMPUTE_MODES) -> ModelProfile:
     """Measure one training step (forward and backward, no checkpointing) of ``model`` on
     ``example_inputs`` and return what each block holds for backward and costs to recompute.
 
     Saved tensors are counted with ``torch.autograd.graph.saved_tensors_hooks`` by storage (shared
     storages once, parameters and buffers excluded); FLOPs with ``FlopCounterMode``; temporaries and
-    the measured peak with ``MemTracker`` (and ``torch.cuda.max_memory_allocated`` on CUDA); steps with
-    every block checkpointed, full then selective (one for memory, one for FLOPs each), measure each
-    block's recompute peak, what a selective block holds and each recompute's FLOPs. The
+    the measured peak with ``MemTracker`` (and ``torch.cuda.max_memory_allocated`` on CUDA); for each
+    recompute mode in ``modes``, two steps with every block checkpointed in that mode (one for memory,
+    one for FLOPs) measure each block's recompute peak, what it holds and its recompute FLOPs. The
     model's gradients, buffers and RNG state are left as they were. Results are cached per model,
-    block list and input shapes; under ``torch.distributed`` every rank gets the same numbers (the
-    maximum over ranks, one ``all_reduce``: every rank must call it).
+    block list and input shapes (a profile that measured more modes serves a request for fewer);
+    under ``torch.distributed`` every rank gets the same numbers (the maximum over ranks, one
+    ``all_reduce``: every rank must call it).
 
     Args:
         model: the model, with none of ``blocks`` checkpointed.
         blocks: the candidate blocks ``[(fqn, module), ...]`` in forward order.
         example_inputs: a tuple of positional arguments, a dict of keyword arguments, one tensor, or
             a :class:`Call` holding both.
+        modes: the recompute modes to measure, among :data:`RECOMPUTE_MODES` (``"full"`` is measured
+            with any of them); only those a budget can choose (``Budget(selective=False)`` and
+            reentrant checkpointing: ``("full",)``); ``()``: none (activations and FLOPs only).
 
     Returns:
-        A :class:`ModelProfile`.
+        A :class:`ModelProfile` (a mode not measured has ``-1`` held bytes / gradient counts).
 
     Raises:
         ValueError: when the model's output holds nothing to call backward on.
+        ConfigError: an unknown mode.
     """
     import torch.distributed as dist
 
+    wanted = _recompute_modes(modes)
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     # The world size is part of the key: a profile measured before the process group existed was not
     # agreed between the ranks (a plan redone at parallelize must not use it as is).
     key = (tuple(name for name, _ in blocks), _signature(_as_args(example_inputs)), model.training, world)
     cache = _CACHE.setdefault(model, {})
-    if key not in cache:
-        cache[key] = _agree(_measure(model, blocks, example_inputs))
-        mp = cache[key]
+    measured, mp = cache.get(key, (frozenset(), None))
+    if mp is None or not wanted <= measured:
+        # Measure what was asked and what the cached profile had, so a later request for either is served.
+        measured = wanted | measured
+        mp = _agree(_measure(model, blocks, example_inputs, measured))
+        cache[key] = (measured, mp)
         logger.info(
-            "distckpt profile: %d blocks, %.1f MiB activations (%.1f MiB in blocks), %.3g GFLOP forward in blocks",
+            "distckpt profile: %d blocks, %.1f MiB activations (%.1f MiB in blocks), %.3g GFLOP forward in blocks"
+            " (recompute measured: %s)",
             len(blocks), mp.activation_bytes / 2**20, sum(b.activation_bytes for b in mp.blocks) / 2**20,
-            sum(b.forward_flops for b in mp.blocks) / 1e9,
+            sum(b.forward_flops for b in mp.blocks) / 1e9, ", ".join(sorted(measured)) or "none",
         )
-    return cache[key]
+    return mp
 
 
-def profile_blocks(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inputs: Any) -> list[BlockProfile]:
+def profile_blocks(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inputs: Any, *,
+                   modes: Any = RECOMPUTE_MODES) -> list[BlockProfile]:
     """Per-block part of :func:`profile_model` (same arguments, same cache).
 
     Returns:
         One :class:`BlockProfile` per block, in forward order.
     """
-    return list(profile_model(model, blocks, example_inputs).blocks)
+    return list(profile_model(model, blocks, example_inputs, modes=modes).blocks)

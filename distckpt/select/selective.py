@@ -1,6 +1,12 @@
 """Op-level (selective) activation checkpointing: inside each checkpointed block, keep the outputs of
 expensive ops (matmuls, attention, convolutions) and recompute the cheap pointwise ones, through
 PyTorch's ``torch.utils.checkpoint.create_selective_checkpoint_contexts``.
+
+Two op-level modes have names (a budget chooses among them per block, besides none and full):
+``"selective"`` (torchtitan's: keep those outputs but recompute every other matmul) and
+``"pointwise"`` (keep every matmul/attention/conv output: the recompute re-runs only the ops that
+``FlopCounterMode`` counts no FLOPs for, the pointwise ops, norms and softmax, as torch.compile's
+min-cut partitioner does at ``activation_memory_budget=1``).
 """
 
 from __future__ import annotations
@@ -15,7 +21,8 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from distckpt import _torch_compat as compat
 from distckpt.errors import ConfigError
 
-__all__ = ["DEFAULT_SAVE_OPS", "MATMUL_OPS", "resolve_ops", "selective_context_fn"]
+__all__ = ["DEFAULT_SAVE_OPS", "MATMUL_OPS", "OP_MODES", "context_mode", "mode_context_fn", "resolve_ops",
+           "selective_context_fn"]
 
 aten = torch.ops.aten
 
@@ -107,3 +114,29 @@ def selective_context_fn(save_ops: Any = None, every_other_matmul: bool = True) 
     """
     save = resolve_ops(DEFAULT_SAVE_OPS if save_ops is None else save_ops)
     return functools.partial(_contexts, save, every_other_matmul)
+
+
+# The named op-level checkpoint modes, in order of decreasing recompute (and increasing memory).
+OP_MODES = ("selective", "pointwise")
+
+
+def mode_context_fn(mode: str) -> Callable[[], tuple[Any, Any]]:
+    """The ``context_fn`` of a named op-level mode: ``"selective"`` (recompute every other matmul
+    too) or ``"pointwise"`` (keep every matmul, recompute only the FLOP-free ops).
+
+    Raises:
+        ConfigError: a mode not in :data:`OP_MODES`.
+    """
+    if mode not in OP_MODES:
+        raise ConfigError(f"op-level checkpoint mode must be one of {OP_MODES}, got {mode!r}.")
+    return selective_context_fn(every_other_matmul=mode == "selective")
+
+
+def context_mode(context_fn: Callable[[], tuple[Any, Any]]) -> str:
+    """The named mode a ``context_fn`` runs: ``"pointwise"`` for the default saved ops without
+    every-other-matmul recompute, else ``"selective"`` (any other op-level policy, user-made too)."""
+    if isinstance(context_fn, functools.partial) and context_fn.func is _contexts:
+        save, every_other = context_fn.args
+        if not every_other and save == resolve_ops(DEFAULT_SAVE_OPS):
+            return "pointwise"
+    return "selective"

@@ -1,4 +1,4 @@
-"""A mixed placement (none, selective and full blocks) under DDP on 2 gloo ranks: loss and gradients
+"""A mixed placement (none, pointwise, selective and full blocks) under DDP on 2 gloo ranks: loss and gradients
 equal a single-process model without checkpointing on the same global batch (issue 10)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from benchmarks.models import GPT, GPTConfig, batch  # noqa: E402
 from distckpt.select.policies import Placement  # noqa: E402
 
 CFG = GPTConfig(vocab=64, seq=16, dim=32, heads=2, layers=4)
-MIXED = ("selective", "none", "full", "selective")
+MIXED = ("selective", "none", "full", "pointwise")
 
 
 def _ddp_step(rank: int, world_size: int):
@@ -38,7 +38,7 @@ def test_mixed_placement_under_ddp_equals_no_checkpointing(dist_pool):
     ref = GPT(CFG)
     loss = ref(*batch(CFG, 4, seed=0))
     loss.backward()
-    expected = {"h.0": "selective", "h.2": "full", "h.3": "selective"}
+    expected = {"h.0": "selective", "h.2": "full", "h.3": "pointwise"}
     # The global loss is the mean of the two ranks' means (equal halves); DDP averages the gradients:
     # equal up to the order of float sums (all-reduce vs one batch), hence the tight tolerances.
     torch.testing.assert_close((out[0][2] + out[1][2]) / 2, loss.detach(), rtol=1e-6, atol=1e-7)

@@ -67,6 +67,8 @@ def test_launcher_plan_counts_the_configs_optimizer(capsys):
 def test_summary_says_each_blocks_mode():
     from launch.run import _checkpointed_by_mode
 
-    modes = {"h.0": "full", "h.1": "selective", "h.2": "full", **{f"g.{i}": "selective" for i in range(5)}}
-    assert _checkpointed_by_mode(modes) == "full: h.0, h.2; selective: h.1, g.0, g.1, g.2, ... (6 blocks)"
+    modes = {"h.0": "full", "h.1": "selective", "h.2": "full", **{f"g.{i}": "selective" for i in range(5)},
+             "h.3": "pointwise"}
+    assert _checkpointed_by_mode(modes) == ("full: h.0, h.2; selective: h.1, g.0, g.1, g.2, ... (6 blocks); "
+                                            "pointwise: h.3")
     assert _checkpointed_by_mode({}) == ""

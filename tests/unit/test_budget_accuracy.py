@@ -53,8 +53,9 @@ def test_adam_step_temporaries_match_memtracker():
 
 @pytest.mark.parametrize("name", ["MultiTaskGPT", "two-tower (CLIP-like)"])
 def test_mixed_placement_predicted_within_three_percent(name):
-    # None, selective and full blocks in one model (what a budget plan places), in two orders.
+    # None, pointwise, selective and full blocks in one model (what a budget plan places), in two orders.
     import copy
+    import dataclasses
 
     import distckpt
     from benchmarks.budget_accuracy import steady_peak
@@ -68,10 +69,11 @@ def test_mixed_placement_predicted_within_three_percent(name):
     base = make()
     base.train()
     batch = inputs()
-    mp = profile_model(base, find_blocks(base, blocks), batch)
+    # MemTracker does not see the RNG state checkpointed blocks save (see benchmarks.budget_accuracy._profiled).
+    mp = dataclasses.replace(profile_model(base, find_blocks(base, blocks), batch), rng_state_bytes=0)
     n = len(mp.blocks)
-    for order in (("selective", "full", "none"), ("none", "selective", "full")):
-        modes = tuple(order[i % 3] for i in range(n))
+    for order in (("selective", "full", "pointwise", "none"), ("pointwise", "none", "selective", "full")):
+        modes = tuple(order[i % 4] for i in range(n))
         model = distckpt.wrap(copy.deepcopy(base), Placement(modes), blocks=blocks)
         predicted, measured = predicted_peak(mp, modes, strategy="none", optimizer="adamw"), steady_peak(model, batch)
         assert abs(predicted - measured) <= 0.03 * measured, (modes, predicted, measured)

@@ -37,7 +37,7 @@ def _rank_step(rank: int, world_size: int, budget: int):
     local = (idx[rank::world_size], tgt[rank::world_size])  # different data on each rank, same shapes
     # Every rank profiles its own data; the profile's all_reduce makes them agree.
     distckpt.wrap(model, Budget(budget, strategy="ddp"), example_inputs=local)
-    chosen = distckpt.checkpointed(model)
+    chosen = distckpt.checkpointed(model, modes=True)  # {fqn: mode}
     ddp = DDP(model)
     ddp(*local).backward()
     return chosen, {n: p.grad for n, p in model.named_parameters()}
@@ -50,7 +50,8 @@ def test_same_choice_on_every_rank_and_exact_gradients(dist_pool):
     idx, tgt = batch(CFG, 4, seed=0)
     budget = _budget(copy.deepcopy(ref), (idx[:2], tgt[:2]), world_size=2)
     (c0, g0), (c1, g1) = dist_pool.run(_rank_step, budget)
-    assert c0 == c1 and 0 < len(c0) < CFG.layers
+    # The same blocks in the same modes on both ranks; a midpoint budget: neither none nor all full.
+    assert c0 == c1 and c0 and list(c0.values()) != ["full"] * CFG.layers, c0
     ref(idx, tgt).backward()  # mean loss over the global batch == DDP's average of the two halves
     for n, p in ref.named_parameters():
         torch.testing.assert_close(g0[n], p.grad, rtol=1e-5, atol=1e-6, msg=n)
