@@ -460,6 +460,7 @@ class _StepRecorder:
         self.head: dict[str, Any] = {}
         self.tail: dict[str, Any] = {}
         self.pending_inputs = 0  # block inputs whose gradient backward has not made yet
+        self.grad_hooks: list[Any] = []  # removed after the step: an input may be the caller's own leaf tensor
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         key = _storage_key(t)
@@ -478,7 +479,7 @@ class _StepRecorder:
                 self.keep.append(t)
             if t.requires_grad:
                 self.pending_inputs += 1
-                t.register_hook(self._input_grad)
+                self.grad_hooks.append(t.register_hook(self._input_grad))
         self.flop_start[i] = self.counter.get_total_flops()
 
     def _input_grad(self, _: torch.Tensor) -> None:
@@ -552,6 +553,9 @@ class _StepRecorder:
         finally:
             for h in handles:
                 h.remove()
+            for h in self.grad_hooks:
+                h.remove()
+            self.grad_hooks.clear()
             self.keep.clear()
 
 

@@ -68,6 +68,17 @@ def test_profile_leaves_the_model_as_it_was():
     assert torch.equal(torch.get_rng_state(), rng)
 
 
+def test_profile_leaves_no_hook_of_its_own_on_the_callers_inputs():
+    # The tail window's gradient hooks go on every block input that requires grad, which for the first
+    # block can be the caller's own leaf tensor (a gradient penalty's input). (torch's ModTracker, inside
+    # MemTracker, leaves multi-grad hooks there too: those are not distckpt's to remove.)
+    model = nn.Sequential(nn.Linear(D, H), nn.Linear(H, D))
+    x = torch.randn(B, D, requires_grad=True)  # block 0's input itself
+    profile_model(model, [("0", model[0]), ("1", model[1])], (x,), modes=())
+    ours = [h for h in (x._backward_hooks or {}).values() if getattr(h, "__module__", "").startswith("distckpt")]
+    assert not ours, ours
+
+
 def test_cached_per_model_and_input_shape():
     model = Net()
     blocks = _blocks(model, "blocks")
