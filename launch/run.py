@@ -21,6 +21,7 @@ import distckpt
 from distckpt._dist import broadcast_object, rank_world
 from distckpt._spawn import free_port
 from distckpt.errors import ConfigError, first_lines
+from distckpt.select.policies import CHECKPOINT_MODES
 from distckpt.train import Callback, LoopOptions, LoopResult, MetricSink, TrainState, fit, format_summary
 from distckpt.train.data import TaskBatches
 from launch.build import (
@@ -249,7 +250,7 @@ def _guard_report(guard: Any, checks: int, verified: str) -> str:
 def _checkpointed_by_mode(modes: dict[str, str]) -> str:
     """``full: h.0, h.1; selective: h.2, ... (9 blocks)``: what each checkpointed block got (a budget mixes)."""
     parts = []
-    for mode in ("full", "selective", "pointwise"):
+    for mode in reversed(CHECKPOINT_MODES[1:]):  # full, selective, pointwise
         blocks = [b for b, m in modes.items() if m == mode]
         if blocks:
             more = f", ... ({len(blocks)} blocks)" if len(blocks) > 4 else ""

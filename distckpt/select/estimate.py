@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_map
 from distckpt import _torch_compat as compat
 from distckpt.errors import ConfigError
 from distckpt.select import profile as _profile
-from distckpt.select.budget import optimizer_terms, plan_budget, predicted_peak, shards, static_bytes
+from distckpt.select.budget import MODES, optimizer_terms, plan_budget, predicted_peak, shards, static_bytes
 from distckpt.select.profile import ModelProfile
 
 __all__ = ["PlanReport", "PolicyEstimate", "estimate_profile", "plan_at_scale", "render"]
@@ -407,7 +407,7 @@ def _ranges(idx: tuple[int, ...]) -> str:
 
 def _blocks(p: PolicyEstimate) -> str:
     """The checkpointed blocks, by mode when a plan mixes them (``full 0-3, selective 4-79``)."""
-    used = [m for m in ("full", "selective", "pointwise") if m in p.modes]
+    used = [m for m in reversed(MODES[1:]) if m in p.modes]  # full first, as the budget orders them
     if len(used) < 2:
         return _ranges(p.checkpointed)
     return ", ".join(f"{m} {_ranges(tuple(i for i, x in enumerate(p.modes) if x == m))}" for m in used)

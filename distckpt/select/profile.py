@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten
 
 from distckpt import _torch_compat as compat
 from distckpt.errors import ConfigError
+from distckpt.select.selective import OP_MODES, mode_context_fn
 
 __all__ = ["RECOMPUTE_MODES", "BlockProfile", "ModelProfile", "adam_step_temp_bytes", "memory_tracker",
            "profile_blocks", "profile_model", "scalar_loss"]
@@ -308,7 +309,7 @@ def memory_tracker(*external: Any) -> Any:
 
 # The recompute modes a profile can measure, each in sample steps of its own ("full": plain recompute;
 # the op-level ones: distckpt.select.selective.OP_MODES).
-RECOMPUTE_MODES = ("full", "selective", "pointwise")
+RECOMPUTE_MODES = ("full", *OP_MODES)
 
 _CACHE_OFF = {"use_cache": False, "past_key_values": None, "past_key_value": None, "layer_past": None}
 
@@ -686,8 +687,6 @@ def _recompute_profile(model: nn.Module, rec: _StepRecorder, att: _Attribution, 
     peaks in a step with every block checkpointed (one per mode), what an op-level block holds over a
     full one (the bytes its forward leaves alive beyond full's: the op outputs it keeps, as ``distckpt
     plan`` counts them), and the recompute FLOPs (one FLOP-only step per mode)."""
-    from distckpt.select.selective import OP_MODES, mode_context_fn
-
     n = rec.n
     out = {"recompute_overhead_bytes": [0] * n, "recompute_grads_bytes": [-1] * n, "recompute_flops": [-1] * n}
     for mode in OP_MODES:
