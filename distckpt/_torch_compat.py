@@ -22,6 +22,7 @@ __all__ = [
     "mem_tracker_states",
     "op_overload_types",
     "queue_after_backward",
+    "stop_recomputation_error",
     "storage_id",
     "to_local",
     "torch_dispatch_mode",
@@ -216,3 +217,13 @@ def storage_id(t: torch.Tensor) -> int:
     """An identity of ``t``'s storage that also tells fake storages apart: the address of its
     ``StorageImpl`` (the private ``_cdata``); ``data_ptr()`` is 0 for every fake tensor. torch 2.13."""
     return t.untyped_storage()._cdata
+
+
+def stop_recomputation_error() -> type:
+    """The exception non-reentrant checkpoint raises to stop a recompute early
+    (``torch.utils.checkpoint._StopRecomputationError``): a recompute context exits with it when
+    backward has every saved tensor, and the op-level policies learn how far it got
+    (:class:`distckpt.select.selective._Reach`). No public name for it. torch 2.13."""
+    from torch.utils.checkpoint import _StopRecomputationError
+
+    return _StopRecomputationError
