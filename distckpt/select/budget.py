@@ -41,7 +41,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -227,6 +227,20 @@ def _sharded_terms(mp: ModelProfile, strategy: str, world_size: int, div: int) -
                     tail=own[0] if two and n else 0, reduce=root if two else 0)
 
 
+def _accumulated(mp: ModelProfile, static: int, fs: _Sharded | None, grad_accumulation: bool
+                 ) -> tuple[int, _Sharded | None]:
+    """``static`` and the per-phase terms under gradient accumulation. Inside ``accumulate`` (FSDP1
+    ``no_sync``, FSDP2 ``set_requires_gradient_sync(False)``) every block's gradients stay unsharded
+    until the last micro-batch reduce-scatters them block by block: counted unsharded throughout (the
+    peak, measured on 2 gloo ranks: the second micro-batch's forward end, every gradient unsharded
+    and its activations held); the phases' unsharded parameters and collective buffers stay, their
+    gradient terms go (``div=1``: nothing counted twice). DDP and one process: unchanged (``static``
+    counts every gradient already)."""
+    if fs is None or not grad_accumulation:
+        return static, fs
+    return static + fs.grads(mp.trainable_bytes), replace(fs, div=1)
+
+
 def _bounds(mp: ModelProfile, static: int, *, strategy: str = "ddp", world_size: int = 1,
             grad_accumulation: bool = False, shard_size: int | None = None, recompute: str = "full"
             ) -> tuple[list[int], list[int], int]:
@@ -241,11 +255,7 @@ def _bounds(mp: ModelProfile, static: int, *, strategy: str = "ddp", world_size:
     Under FSDP/FSDP2 each phase adds what is unsharded then (:class:`_Sharded`).
     """
     div = shards(strategy, world_size, shard_size)
-    fs = _sharded_terms(mp, strategy, world_size, div)
-    if fs is not None and grad_accumulation:
-        # Gradients persist unsharded across micro-batches: not measured; two blocks' parameters and
-        # one block's gradients at every peak, as before the per-phase terms.
-        static, fs = static + 3 * mp.block_param_bytes, None
+    static, fs = _accumulated(mp, static, _sharded_terms(mp, strategy, world_size, div), grad_accumulation)
     before, _ = _own_grads(mp)
 
     def absent(grads: int) -> int:
@@ -300,7 +310,7 @@ def _tail(mp: ModelProfile, static: int, step: int, *, strategy: str, world_size
     """``step`` raised to the measured peak after every block's backward (the embeddings'), if any,
     and under FSDP2 to the root unit's reduce-scatter at the end of backward."""
     div = shards(strategy, world_size, shard_size)
-    fs = None if grad_accumulation else _sharded_terms(mp, strategy, world_size, div)
+    static, fs = _accumulated(mp, static, _sharded_terms(mp, strategy, world_size, div), grad_accumulation)
     if fs is not None and fs.reduce:
         # Every block's gradients sharded, the root's unsharded and copied into the reduce-scatter input.
         step = max(step, static + fs.grads(fs.reduce) + fs.reduce)
@@ -311,8 +321,6 @@ def _tail(mp: ModelProfile, static: int, step: int, *, strategy: str, world_size
     if fs is not None:
         blocks = max(0, mp.blocks[0].grads_ready_bytes - mp.head_grads_bytes) if mp.blocks else 0
         extra = fs.tail + fs.grads(max(0, mp.tail_grads_bytes - blocks))
-    elif grad_accumulation and strategy in SHARDED:
-        extra = 3 * mp.block_param_bytes
     return max(step, static - absent + mp.tail_peak_bytes + extra)
 
 
