@@ -24,6 +24,7 @@ __all__ = [
     "op_overload_types",
     "queue_after_backward",
     "sdpa_flop_count_fns",
+    "stop_recomputation_error",
     "storage_id",
     "to_local",
     "torch_dispatch_mode",
@@ -244,3 +245,13 @@ def cpu_flash_attention_ops() -> tuple[Any, Any] | None:
                 aten._scaled_dot_product_flash_attention_for_cpu_backward)
     except AttributeError:  # pragma: no cover - a build without the CPU flash kernel
         return None
+
+
+def stop_recomputation_error() -> type:
+    """The exception non-reentrant checkpoint raises to stop a recompute early
+    (``torch.utils.checkpoint._StopRecomputationError``): a recompute context exits with it when
+    backward has every saved tensor, and the op-level policies learn how far it got
+    (:class:`distckpt.select.selective._Reach`). No public name for it. torch 2.13."""
+    from torch.utils.checkpoint import _StopRecomputationError
+
+    return _StopRecomputationError
