@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten
 
 from distckpt import _torch_compat as compat
 from distckpt.errors import ConfigError
+from distckpt.select.flops import flop_counter
 from distckpt.select.selective import OP_MODES, bind, mode_context_fn
 
 __all__ = ["RECOMPUTE_MODES", "BlockProfile", "ModelProfile", "adam_step_temp_bytes", "memory_tracker",
@@ -36,7 +37,8 @@ class BlockProfile:
         fqn: the block's name.
         activation_bytes: bytes the block keeps for backward when it is NOT checkpointed (distinct
             storages saved by its ops, parameters excluded), its saved input included.
-        forward_flops: FLOPs of one forward of the block (``FlopCounterMode``): the most a
+        forward_flops: FLOPs of one forward of the block (``FlopCounterMode`` with CPU attention,
+            :func:`distckpt.select.flops.flop_counter`): the most a
             recompute costs (non-reentrant checkpoint may stop earlier).
         input_bytes: bytes of the block's tensor inputs, which a checkpointed block keeps.
         saved_input_bytes: the part of ``activation_bytes`` that is the block's input.
@@ -395,9 +397,7 @@ def _recompute_flops(model: nn.Module, blocks: list[tuple[str, nn.Module]], args
     """FLOPs each block's recompute really runs, every block checkpointed (``context_fn``: selective),
     counted by ``FlopCounterMode`` around each recompute, in a step of its own (a memory peak measured
     inside ``FlopCounterMode`` is inflated under checkpointing). ``None`` when the step fails."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    counter = FlopCounterMode(display=False)
+    counter = flop_counter()
     flops = [0] * len(blocks)
 
     def counting(i: int) -> Callable[[], tuple[Any, Any]]:
@@ -443,8 +443,6 @@ class _StepRecorder:
     forward, before its backward)."""
 
     def __init__(self, model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> None:
-        from torch.utils.flop_counter import FlopCounterMode
-
         self.n = n = len(blocks)
         self.blocks = blocks
         self.static_keys = {_storage_key(t) for t in [*model.parameters(), *model.buffers()]}
@@ -457,7 +455,7 @@ class _StepRecorder:
         # a freed input's address reused by a later saved tensor would otherwise be taken for that input.
         self.keep: list[torch.Tensor] = []
         self.flops = [0] * n
-        self.counter = FlopCounterMode(display=False)
+        self.counter = flop_counter()  # counts CPU attention too (torch 2.13 has no formula for it)
         self.flop_start: dict[int, int] = {}
         self.tracker: Any = None
         self.head: dict[str, Any] = {}

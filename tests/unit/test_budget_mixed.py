@@ -18,7 +18,6 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.distributed._tools.mem_tracker import MemTracker
-from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for benchmarks.models
 
@@ -28,6 +27,7 @@ from benchmarks.models import GPT, GPTConfig, batch  # noqa: E402
 from distckpt import Budget, ConfigError  # noqa: E402
 from distckpt.select.blocks import find_blocks  # noqa: E402
 from distckpt.select.budget import plan_budget, predicted_peak  # noqa: E402
+from distckpt.select.flops import flop_counter  # noqa: E402
 from distckpt.select.policies import Placement  # noqa: E402
 from distckpt.select.profile import profile_model  # noqa: E402
 
@@ -109,7 +109,7 @@ def _measure(model: nn.Module, x: torch.Tensor) -> tuple[int, int]:
     with mt:
         model(x).backward()
     model.zero_grad(set_to_none=True)
-    with FlopCounterMode(display=False) as fc:
+    with flop_counter() as fc:
         model(x).backward()
     model.zero_grad(set_to_none=True)
     return mt.get_tracker_snapshot("peak")[CPU]["Total"], fc.get_total_flops()
