@@ -21,6 +21,7 @@ __all__ = [
     "mem_tracker",
     "mem_tracker_states",
     "op_overload_types",
+    "saved_tensors_of",
     "queue_after_backward",
     "storage_id",
     "to_local",
@@ -216,3 +217,25 @@ def storage_id(t: torch.Tensor) -> int:
     """An identity of ``t``'s storage that also tells fake storages apart: the address of its
     ``StorageImpl`` (the private ``_cdata``); ``data_ptr()`` is 0 for every fake tensor. torch 2.13."""
     return t.untyped_storage()._cdata
+
+
+def saved_tensors_of(node: Any) -> list[torch.Tensor]:
+    """The tensors an autograd node saved for its backward, read through the generated private
+    ``_saved_<name>`` attributes (tensors, or tuples of them; ``None`` for an undefined one).
+
+    Why: a Python number passed where an op takes a tensor (``0.5 * x``) becomes a 0-dim CPU
+    tensor (a "wrapped number") made by the argument parser, outside any dispatch mode, and autograd
+    saves it without calling saved-tensor hooks (``SavedVariable``: "avoid wrapped numbers from being
+    leaked to the user"), so neither the profile's hooks nor MemTracker see it; only the node holds
+    it. Reading an attribute unpacks it (the hooks' unpack, if any). torch 2.13."""
+    out: list[torch.Tensor] = []
+    for name in dir(node):
+        if not name.startswith("_saved_"):
+            continue
+        try:
+            value = getattr(node, name)
+        except RuntimeError:  # freed already (after its backward), or not readable
+            continue
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        out.extend(v for v in values if isinstance(v, torch.Tensor))
+    return out

@@ -7,7 +7,8 @@ The memory model (all terms measured by :mod:`distckpt.select.profile` or counte
                (minus the gradients backward has not produced yet at that point)
     held_i   = activation_bytes_i (none), pointwise_held_bytes_i / selective_held_bytes_i (its input
                plus the op outputs it keeps) or input_bytes_i (full): one of four choices per block,
-               a checkpointed one plus the RNG state it saves (rng_state_bytes: on the CPU)
+               a checkpointed one plus the RNG state it saves (rng_state_bytes: on the CPU); every
+               one plus the Python numbers its autograd nodes saved (scalar_saved_bytes: on the CPU)
     P_i      = held_0 + ... + held_i                      (what the blocks keep, in forward order)
     peak     = max( static + pre + P_{i-1} + footprint_i + overhead_i   for every block i,
                     static + pre + P_{n-1} + post + head_overhead,
@@ -313,7 +314,8 @@ def _tail(mp: ModelProfile, static: int, step: int, *, strategy: str, world_size
         extra = fs.tail + fs.grads(max(0, mp.tail_grads_bytes - blocks))
     elif grad_accumulation and strategy in SHARDED:
         extra = 3 * mp.block_param_bytes
-    return max(step, static - absent + mp.tail_peak_bytes + extra)
+    # The wrapped numbers saved outside the blocks (the embeddings': see _choices) are alive until theirs runs.
+    return max(step, static - absent + mp.tail_peak_bytes + extra + mp.scalar_saved_bytes)
 
 
 Choice = tuple[int, int, int, int]  # (bytes held, bound on the prefix, recompute FLOPs, code in MODES)
@@ -323,21 +325,31 @@ def _choices(mp: ModelProfile, static: int, *, selective: bool = True, **kw: Any
     """Per block, what each choice holds, the bound it puts on the bytes held before it and its
     recompute FLOPs (the op-level modes where the profile measured them and ``selective`` allows
     them); and the end offset (see :func:`_bounds`). A checkpointed block also holds the RNG state
-    its checkpoint saved (``preserve_rng_state``; counted whether or not it is on: a few KiB)."""
+    its checkpoint saved (``preserve_rng_state``; counted whether or not it is on: a few KiB). Per
+    block, not once: every block's state lives from its forward to its backward (``full`` on HF GPT-2
+    peaks in the first block's backward, once the later blocks' states are freed: one state counted
+    there, as measured; ``selective`` peaks where every block's state is alive: 8 measured).
+
+    Every block, in every mode, also holds its wrapped numbers (``scalar_saved_bytes``: Python numbers
+    autograd saved as 8-byte CPU tensors, 24 B per HF GPT-2 block) from its forward to its backward,
+    as does the rest of the model (``ModelProfile.scalar_saved_bytes``, in every term of backward):
+    the CPU allocator holds them, MemTracker (which measured every other term) does not see them. Without
+    them the smallest budget accepted on HF GPT-2 (full's allocator peak less 24 B) was exceeded by 24 B."""
     plain, ckpt, end = _bounds(mp, static, **kw)
     op_modes = OP_MODES if selective else ()
     op_bounds = {m: _bounds(mp, static, recompute=m, **kw)[1] for m in op_modes}
-    rng = mp.rng_state_bytes
+    rng, outside = mp.rng_state_bytes, mp.scalar_saved_bytes
     out = []
     for i, b in enumerate(mp.blocks):
-        options = [(b.activation_bytes, plain[i], 0, 0)]
+        w = b.scalar_saved_bytes
+        options = [(b.activation_bytes + w, plain[i] + w + outside, 0, 0)]
         for mode in op_modes:
             held, flops = b.mode_held_flops(mode)
             if held >= 0:
-                options.append((held + rng, op_bounds[mode][i] + rng, flops, MODES.index(mode)))
-        options.append((b.input_bytes + rng, ckpt[i] + rng, b.full_flops, _FULL))
+                options.append((held + rng + w, op_bounds[mode][i] + rng + w + outside, flops, MODES.index(mode)))
+        options.append((b.input_bytes + rng + w, ckpt[i] + rng + w + outside, b.full_flops, _FULL))
         out.append(options)
-    return out, end
+    return out, end + outside
 
 
 def _codes(mp: ModelProfile, choice: Any) -> list[int]:

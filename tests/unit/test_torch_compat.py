@@ -175,3 +175,17 @@ def test_outside_fake_mode_makes_real_tensors():
         with compat.outside_fake_mode():
             real = torch.randperm(4, generator=torch.Generator().manual_seed(0))
             assert type(real) is torch.Tensor and sorted(real.tolist()) == [0, 1, 2, 3]
+
+
+def test_saved_tensors_of_sees_the_wrapped_numbers_hooks_skip():
+    packed = []
+    x = torch.randn(4, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        y = 0.5 * x.pow(3)  # PowBackward0 saves x (through the hooks), MulBackward0 the number 0.5 (not)
+    assert len(packed) == 1 and packed[0] is x
+    scalars = compat.saved_tensors_of(y.grad_fn)
+    assert [(t.dim(), t.dtype, t.item()) for t in scalars] == [(0, torch.float64, 0.5)]
+    pow_node = y.grad_fn.next_functions[0][0]
+    assert [t.data_ptr() for t in compat.saved_tensors_of(pow_node)] == [x.data_ptr()]
+    y.sum().backward()
+    assert compat.saved_tensors_of(y.grad_fn) == []  # freed by the backward: nothing to read
