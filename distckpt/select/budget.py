@@ -228,12 +228,19 @@ def _sharded_terms(mp: ModelProfile, strategy: str, world_size: int, div: int) -
                     tail=own[0] if two and n else 0, reduce=root if two else 0)
 
 
-def _bounds(mp: ModelProfile, static: int, *, strategy: str = "ddp", world_size: int = 1,
-            grad_accumulation: bool = False, shard_size: int | None = None, recompute: str = "full"
-            ) -> tuple[list[int], list[int], int]:
+def _bounds(mp: ModelProfile, static: int, *, recompute: str = "full", **kw: Any) -> tuple[list[int], list[int], int]:
+    """:func:`_mode_bounds` for one recompute mode: ``(plain, ckpt, end)``."""
+    plain, ckpt, end = _mode_bounds(mp, static, (recompute,), **kw)
+    return plain, ckpt[recompute], end
+
+
+def _mode_bounds(mp: ModelProfile, static: int, recompute: tuple[str, ...], *, strategy: str = "ddp",
+                 world_size: int = 1, grad_accumulation: bool = False, shard_size: int | None = None
+                 ) -> tuple[list[int], dict[str, list[int]], int]:
     """Per-block offsets with ``peak >= static + P_{i-1} + c_i`` when block i is kept (``plain``)
-    and when it is checkpointed (``ckpt``; ``recompute="selective"`` or ``"pointwise"``: that op-level
-    recompute's measured peaks), and the end offset (``peak >= static + P_{n-1} + end``).
+    and when it is checkpointed in each mode of ``recompute`` (``ckpt[mode]``; ``"selective"`` or
+    ``"pointwise"``: that op-level recompute's measured peaks), and the end offset
+    (``peak >= static + P_{n-1} + end``); the terms every mode shares are computed once.
 
     ``static`` counts every gradient. Without gradient accumulation (``zero_grad(set_to_none=True)``,
     PyTorch's default), backward creates them block by block from the last: while block i runs its
@@ -256,7 +263,8 @@ def _bounds(mp: ModelProfile, static: int, *, strategy: str = "ddp", world_size:
         return 0 if fs is None else fs.backward[i] + fs.grads(mp.head_grads_bytes + max(0, grads - before[i]))
 
     split = not grad_accumulation and all(b.grads_at_peak_bytes >= 0 for b in mp.blocks)
-    plain, ckpt = [], []
+    plain: list[int] = []
+    ckpt: dict[str, list[int]] = {m: [] for m in recompute}
     for i, b in enumerate(mp.blocks):
         base = mp.pre_bytes + b.footprint_bytes
         fw = 0 if fs is None else fs.forward
@@ -264,7 +272,8 @@ def _bounds(mp: ModelProfile, static: int, *, strategy: str = "ddp", world_size:
             bound = static - absent(b.grads_ready_bytes) + base + b.overhead_bytes + max(
                 fw, working(i, b.grads_ready_bytes))
             plain.append(bound)
-            ckpt.append(bound)
+            for m in recompute:
+                ckpt[m].append(bound)
             continue
         # Measured split: the forward peak has no gradient yet; the backward peak has the gradients
         # that existed at that instant (pairing the largest activations with the gradients at the
@@ -277,13 +286,14 @@ def _bounds(mp: ModelProfile, static: int, *, strategy: str = "ddp", world_size:
         at_peak = static - absent(b.grads_at_peak_bytes) + base + working(i, b.grads_at_peak_bytes)
         forward = static - absent(0) + base + b.forward_overhead_bytes + fw
         plain.append(max(forward, at_peak + b.backward_overhead_bytes))
-        grads, over = b.recompute_peak(recompute)
-        if grads >= 0:
-            # Measured in a sample step with every block checkpointed (its prefix: what they hold).
-            redo = static - absent(grads) + base + over + working(i, grads)
-        else:
-            redo = at_peak + max(0, b.backward_overhead_bytes) + max(0, b.forward_overhead_bytes)
-        ckpt.append(max(forward, redo))
+        for m in recompute:
+            grads, over = b.recompute_peak(m)
+            if grads >= 0:
+                # Measured in a sample step with every block checkpointed (its prefix: what they hold).
+                redo = static - absent(grads) + base + over + working(i, grads)
+            else:
+                redo = at_peak + max(0, b.backward_overhead_bytes) + max(0, b.forward_overhead_bytes)
+            ckpt[m].append(max(forward, redo))
     head = mp.pre_bytes + mp.post_bytes
     grads, over = ((mp.head_grads_bytes, mp.head_overhead_bytes)
                    if grad_accumulation or mp.head_peak_grads_bytes < 0
@@ -325,7 +335,8 @@ def _choices(mp: ModelProfile, static: int, *, selective: bool = True, **kw: Any
     """Per block, what each choice holds, the bound it puts on the bytes held before it and its
     recompute FLOPs (the op-level modes where the profile measured them and ``selective`` allows
     them); and the end offset (see :func:`_bounds`). A checkpointed block also holds the RNG state
-    its checkpoint saved (``preserve_rng_state``; counted whether or not it is on: a few KiB). Per
+    its checkpoint saved (``preserve_rng_state``: ``wrap(preserve_rng_state=False)`` plans on a profile
+    with ``rng_state_bytes=0``, :meth:`Candidates.model_profile`). Per
     block, not once: every block's state lives from its forward to its backward (``full`` on HF GPT-2
     peaks in the first block's backward, once the later blocks' states are freed: one state counted
     there, as measured; ``selective`` peaks where every block's state is alive: 8 measured).
@@ -335,9 +346,8 @@ def _choices(mp: ModelProfile, static: int, *, selective: bool = True, **kw: Any
     as does the rest of the model (``ModelProfile.scalar_saved_bytes``, in every term of backward):
     the CPU allocator holds them, MemTracker (which measured every other term) does not see them. Without
     them the smallest budget accepted on HF GPT-2 (full's allocator peak less 24 B) was exceeded by 24 B."""
-    plain, ckpt, end = _bounds(mp, static, **kw)
     op_modes = OP_MODES if selective else ()
-    op_bounds = {m: _bounds(mp, static, recompute=m, **kw)[1] for m in op_modes}
+    plain, bounds, end = _mode_bounds(mp, static, ("full", *op_modes), **kw)
     rng, outside = mp.rng_state_bytes, mp.scalar_saved_bytes
     out = []
     for i, b in enumerate(mp.blocks):
@@ -346,8 +356,8 @@ def _choices(mp: ModelProfile, static: int, *, selective: bool = True, **kw: Any
         for mode in op_modes:
             held, flops = b.mode_held_flops(mode)
             if held >= 0:
-                options.append((held + rng + w, op_bounds[mode][i] + rng + w + outside, flops, MODES.index(mode)))
-        options.append((b.input_bytes + rng + w, ckpt[i] + rng + w + outside, b.full_flops, _FULL))
+                options.append((held + rng + w, bounds[mode][i] + rng + w + outside, flops, MODES.index(mode)))
+        options.append((b.input_bytes + rng + w, bounds["full"][i] + rng + w + outside, b.full_flops, _FULL))
         out.append(options)
     return out, end + outside
 
