@@ -21,8 +21,9 @@ __all__ = [
     "mem_tracker",
     "mem_tracker_states",
     "op_overload_types",
-    "saved_tensors_of",
     "queue_after_backward",
+    "saved_tensors_of",
+    "stop_recomputation_error",
     "storage_id",
     "to_local",
     "torch_dispatch_mode",
@@ -239,3 +240,13 @@ def saved_tensors_of(node: Any) -> list[torch.Tensor]:
         values = value if isinstance(value, (tuple, list)) else (value,)
         out.extend(v for v in values if isinstance(v, torch.Tensor))
     return out
+
+
+def stop_recomputation_error() -> type:
+    """The exception non-reentrant checkpoint raises to stop a recompute early
+    (``torch.utils.checkpoint._StopRecomputationError``): a recompute context exits with it when
+    backward has every saved tensor, and the op-level policies learn how far it got
+    (:class:`distckpt.select.selective._Reach`). No public name for it. torch 2.13."""
+    from torch.utils.checkpoint import _StopRecomputationError
+
+    return _StopRecomputationError

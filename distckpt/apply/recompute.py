@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.utils.checkpoint as tuc
 
 from distckpt.errors import ConfigError
+from distckpt.select.selective import bind
 
 __all__ = ["EAGER_RUN", "CheckpointOptions", "cache_positions", "prepare_eager_run", "run_checkpointed",
            "stateful_norms", "without_cache"]
@@ -120,12 +121,14 @@ def _keep_running_stats(norms: list[nn.Module]) -> Iterator[None]:
             m._buffers.update(bufs)
 
 
-def _context_fn(opts: CheckpointOptions, norms: list[nn.Module]) -> Callable[[], tuple[Any, Any]]:
+def _context_fn(opts: CheckpointOptions, module: nn.Module) -> Callable[[], tuple[Any, Any]]:
+    own = bind(opts.context_fn, module) if opts.context_fn else None  # op-level: this block's own reach
+    norms = module._distckpt_norms
     if not norms:
-        return opts.context_fn or tuc.noop_context_fn
+        return own or tuc.noop_context_fn
 
     def context_fn() -> tuple[Any, Any]:
-        fwd, rec = opts.context_fn() if opts.context_fn else (contextlib.nullcontext(), contextlib.nullcontext())
+        fwd, rec = own() if own else (contextlib.nullcontext(), contextlib.nullcontext())
         stack = contextlib.ExitStack()
 
         @contextlib.contextmanager
@@ -245,7 +248,7 @@ def run_checkpointed(module: nn.Module, inner: Callable[..., Any], opts: Checkpo
 
             args = (*args, *(kwargs[k] for k in tensor_keys))
             kwargs = {}
-        context_fn = _context_fn(opts, module._distckpt_norms)
+        context_fn = _context_fn(opts, module)
         if context_fn is not tuc.noop_context_fn:
             # Passed only when needed: torch.compile traces checkpoint without a context_fn argument.
             kwargs = {**kwargs, "context_fn": context_fn}

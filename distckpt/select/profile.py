@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_flatten
 
 from distckpt import _torch_compat as compat
 from distckpt.errors import ConfigError
-from distckpt.select.selective import OP_MODES, mode_context_fn
+from distckpt.select.selective import OP_MODES, bind, mode_context_fn
 
 __all__ = ["RECOMPUTE_MODES", "BlockProfile", "ModelProfile", "adam_step_temp_bytes", "memory_tracker",
            "profile_blocks", "profile_model", "scalar_loss"]
@@ -402,8 +402,11 @@ def _checkpointed_peaks(model: nn.Module, blocks: list[tuple[str, nn.Module]], a
     in_recompute = [-1] * len(blocks)
 
     def windowed(i: int) -> Callable[[], tuple[Any, Any]]:
+        # Bound here, as _recompute_flops does: the wrapper's own bind passes a function like this one as is.
+        own = bind(context_fn, blocks[i][1]) if context_fn else None  # the block's reach (selective._Reach)
+
         def pair() -> tuple[Any, Any]:
-            fwd, rec = context_fn() if context_fn else (contextlib.nullcontext(), contextlib.nullcontext())
+            fwd, rec = own() if own else (contextlib.nullcontext(), contextlib.nullcontext())
             return fwd, _RecomputeWindow(tracker, rec, dev, in_recompute, i)
 
         return pair
@@ -452,8 +455,10 @@ def _recompute_flops(model: nn.Module, blocks: list[tuple[str, nn.Module]], args
     flops = [0] * len(blocks)
 
     def counting(i: int) -> Callable[[], tuple[Any, Any]]:
+        own = bind(context_fn, blocks[i][1]) if context_fn else None  # the block's reach, learned here
+
         def pair() -> tuple[Any, Any]:
-            fwd, rec = context_fn() if context_fn else (contextlib.nullcontext(), contextlib.nullcontext())
+            fwd, rec = own() if own else (contextlib.nullcontext(), contextlib.nullcontext())
 
             @contextlib.contextmanager
             def recompute() -> Iterator[None]:
@@ -801,8 +806,10 @@ def _recompute_profile(model: nn.Module, rec: _StepRecorder, att: _Attribution, 
     for mode in (m for m in OP_MODES if m in modes):
         fn = mode_context_fn(mode)
         with _preserved_state(model, device):
-            peaks = _checkpointed_peaks(model, rec.blocks, args, kwargs, batch, dev, fn)
-            flops = _recompute_flops(model, rec.blocks, args, kwargs, fn) if peaks is not None else None
+            # FLOPs first: that step's recompute teaches each block what it reads (selective._Reach),
+            # so the peaks are those of every later step (and of training, which keeps the reach).
+            flops = _recompute_flops(model, rec.blocks, args, kwargs, fn)
+            peaks = _checkpointed_peaks(model, rec.blocks, args, kwargs, batch, dev, fn) if flops is not None else None
         if peaks is None or flops is None:
             continue  # this mode cannot run on this model: the budget does not offer it
         extra = [max(0, s[2] - f[2]) for s, f in zip(peaks, full)]

@@ -11,6 +11,7 @@ min-cut partitioner does at ``activation_memory_budget=1``).
 
 from __future__ import annotations
 
+import collections
 import functools
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -21,7 +22,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from distckpt import _torch_compat as compat
 from distckpt.errors import ConfigError
 
-__all__ = ["DEFAULT_SAVE_OPS", "MATMUL_OPS", "OP_MODES", "context_mode", "mode_context_fn", "resolve_ops",
+__all__ = ["DEFAULT_SAVE_OPS", "MATMUL_OPS", "OP_MODES", "bind", "context_mode", "mode_context_fn", "resolve_ops",
            "selective_context_fn"]
 
 aten = torch.ops.aten
@@ -70,27 +71,110 @@ def resolve_ops(ops: Iterable[Any]) -> frozenset[Any]:
     return frozenset(p for p in (_packet(op) for op in ops) if p is not None)
 
 
-def _policy(save: frozenset[Any], every_other_matmul: bool) -> Callable[..., CheckpointPolicy]:
-    # One counter per forward and per recompute, so both see the same sequence of matmuls.
-    counts = {"forward": 0, "recompute": 0}
+class _Reach:
+    """How far a block's recompute gets, learned from its recomputes: for each kept op, how many of
+    its calls the recompute re-ran (``None`` until one has run).
+
+    Non-reentrant checkpoint stops its recompute as soon as backward has every tensor it saved
+    (early stop), so an output kept for an op beyond that point is never read: in a transformer
+    block, the MLP's output projection (its output only feeds the residual add). Once learned, a
+    forward keeps only what the recompute reads: the same recompute, less memory. Learned as the
+    most any recompute re-ran, so a call whose recompute reaches further re-runs those ops once
+    (correct, a little more FLOPs) and widens the reach. Kept on the block (:func:`bind`), so that
+    what a budget's profile learned holds from the first training step.
+    """
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] | None = None  # op name ("aten.mm.default"): picklable
+
+    def kept(self, op: Any, index: int) -> bool:
+        """Whether the ``index``-th call of ``op`` in a forward is read by the recompute."""
+        return self.calls is None or index < self.calls.get(str(op), 0)
+
+    def learn(self, seen: collections.Counter) -> None:
+        """Widen the reach to what one recompute re-ran (``{op name: calls}``)."""
+        self.calls = dict(seen) if self.calls is None else {
+            op: max(n, seen.get(op, 0)) for op, n in {**seen, **self.calls}.items()}
+
+
+def _policy(save: frozenset[Any], every_other_matmul: bool, reach: _Reach | None) -> Callable[..., CheckpointPolicy]:
+    # Per forward: calls of each kept op (the recompute counts the same way), matmuls for the parity.
+    calls: collections.Counter = collections.Counter()
     matmuls = resolve_ops(MATMUL_OPS)
+    count = [0]
 
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         packet = op.overloadpacket
         if packet not in save:
             return CheckpointPolicy.PREFER_RECOMPUTE
+        index = calls[op]
+        calls[op] += 1
         if every_other_matmul and packet in matmuls:
-            mode = "recompute" if ctx.is_recompute else "forward"
-            counts[mode] += 1
-            if counts[mode] % 2 == 0:
+            count[0] += 1
+            if count[0] % 2 == 0:
                 return CheckpointPolicy.PREFER_RECOMPUTE
+        if reach is not None and not reach.kept(op, index):
+            return CheckpointPolicy.PREFER_RECOMPUTE  # beyond the recompute's reach: never read, never re-run
         return CheckpointPolicy.MUST_SAVE
 
     return policy
 
 
-def _contexts(save: frozenset[Any], every_other_matmul: bool) -> tuple[Any, Any]:
-    return create_selective_checkpoint_contexts(_policy(save, every_other_matmul))
+def _reach_mode(inner: Any, reach: _Reach, save: frozenset[Any]) -> Any:
+    """The recompute context: torch's (``inner``) under a dispatch mode that counts the kept ops the
+    recompute re-runs, then teaches ``reach`` on a completed recompute (or an early stop)."""
+    mode_cls = compat.torch_dispatch_mode()
+    stop = compat.stop_recomputation_error()
+
+    class Counting(mode_cls):  # type: ignore[misc, valid-type]
+        @classmethod
+        def ignore_compile_internals(cls) -> bool:
+            return True  # as torch's own SAC modes: compiled code is not counted op by op
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: collections.Counter = collections.Counter()
+
+        def __enter__(self) -> Any:
+            inner.__enter__()
+            return super().__enter__()
+
+        def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Any:
+            try:
+                super().__exit__(exc_type, exc, tb)
+            finally:
+                done = inner.__exit__(exc_type, exc, tb)
+            if exc_type is None or issubclass(exc_type, stop):
+                reach.learn(self.seen)
+            return done
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func.overloadpacket in save:
+                self.seen[str(func)] += 1
+            return func(*args, **(kwargs or {}))
+
+    return Counting()
+
+
+def _contexts(save: frozenset[Any], every_other_matmul: bool, reach: _Reach | None = None) -> tuple[Any, Any]:
+    fwd, rec = create_selective_checkpoint_contexts(_policy(save, every_other_matmul, reach))
+    return fwd, (rec if reach is None else _reach_mode(rec, reach, save))
+
+
+# The block attribute holding the reach of each op-level policy it ran under:
+# {(save ops, every_other_matmul): _Reach}; a copy of the block (deepcopy, pickle) keeps what it learned.
+_REACH = "_distckpt_reach"
+
+
+def bind(context_fn: Callable[[], tuple[Any, Any]], block: Any) -> Callable[[], tuple[Any, Any]]:
+    """``context_fn`` for checkpointing ``block``: one of distckpt's op-level policies gets the
+    block's own :class:`_Reach` (what its recompute reads), any other is returned as it is."""
+    if not (isinstance(context_fn, functools.partial) and context_fn.func is _contexts):
+        return context_fn
+    save, every_other = context_fn.args[:2]
+    key = (tuple(sorted(str(p) for p in save)), every_other)
+    reach = block.__dict__.setdefault(_REACH, {}).setdefault(key, _Reach())
+    return functools.partial(_contexts, save, every_other, reach)
 
 
 def selective_context_fn(save_ops: Any = None, every_other_matmul: bool = True) -> Callable[[], tuple[Any, Any]]:

@@ -266,3 +266,39 @@ def test_plan_counts_no_rng_state_without_preserve_rng_state():
     chosen = [b for b in model.blocks if hasattr(b, "_distckpt_options")]
     assert chosen and all(b._distckpt_options.preserve_rng_state is False for b in chosen)
     assert _allocator_peak(model, x) <= no_rng
+
+
+class Three(Pointwise):
+    """fc3's output only feeds the residual add: the recompute (which stops after the last op that saves a
+    tensor, the GELU after fc2) never reads it."""
+
+    def __init__(self, d: int):
+        super().__init__(d)
+        self.fc3 = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.gelu(self.fc2(torch.tanh(self.fc1(x))))
+        return x + self.fc3(h)
+
+
+def test_budget_plan_holds_from_the_first_step_what_the_profile_learned():
+    # Pointwise keeps fc1's, fc2's and fc3's outputs; once a recompute has run, fc3's is not kept
+    # (selective._Reach). The profile's FLOP step is that first recompute: the plan counts the trimmed
+    # bytes, and training, on the same blocks, holds them from its first step (never over on step one).
+    torch.manual_seed(0)
+    base, x = Stack(block=Three), torch.randn(256, 32)
+    n = len(base.blocks)
+    kw = dict(strategy="none", optimizer="none")
+    untrimmed = distckpt.wrap(copy.deepcopy(base), Placement(("pointwise",) * n), blocks=_is_block)
+    first, second = _measure(untrimmed, x)[0], _measure(untrimmed, x)[0]
+    assert second < first  # trimmed from the second step on
+    probe = copy.deepcopy(base)
+    mp = profile_model(probe, find_blocks(probe, _is_block), (x,))
+    assert all(b.pointwise_flops == 0 for b in mp.blocks)
+    budget = (predicted_peak(mp, ("pointwise",) * n, **kw) + predicted_peak(mp, [], **kw)) // 2
+    model = distckpt.wrap(copy.deepcopy(base), Budget(budget, **kw), blocks=_is_block, example_inputs=(x,))
+    assert "pointwise" in distckpt.checkpointed(model, modes=True).values()
+    steps = [_measure(model, x)[0] for _ in range(2)]
+    assert steps[0] == steps[1] <= budget, (steps, budget)
+    # The profile measured the trimmed steps: all-pointwise predicted between the trimmed and untrimmed peaks.
+    assert second <= predicted_peak(mp, ("pointwise",) * n, **kw) < first

@@ -112,3 +112,88 @@ def test_selective_with_batchnorm_keeps_running_stats_exact():
         assert torch.equal(a.grad, b.grad)
     with pytest.raises(ConfigError, match="reentrant=False"):
         distckpt.wrap(copy.deepcopy(ref), "selective", blocks=ConvBN, reentrant=True)
+
+
+class PostNorm(nn.Module):
+    """A block whose last matmul's output is read by the recompute: the LayerNorm after it saves its input."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.fc1, self.fc2, self.norm = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim), nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + self.fc2(torch.nn.functional.gelu(self.fc1(x))))
+
+
+def _steps(model: nn.Module, x: torch.Tensor, n: int) -> list[tuple[int, list[torch.Tensor]]]:
+    """Per step: activation bytes left alive by the forward (MemTracker) and the gradients."""
+    out = []
+    for _ in range(n):
+        mt = MemTracker()
+        mt.track_external(model)
+        with mt:
+            before = mt.get_tracker_snapshot()[CPU]["Activation"]
+            y = model(x)
+            held = mt.get_tracker_snapshot()[CPU]["Activation"] - before
+            y.float().pow(2).mean().backward()
+        out.append((held, [p.grad.clone() for p in model.parameters()]))
+        model.zero_grad(set_to_none=True)
+    return out
+
+
+def _recompute_flops(model: nn.Module, x: torch.Tensor) -> int:
+    with FlopCounterMode(display=False) as counter:
+        model(x).float().pow(2).mean().backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("every_other", [False, True])
+def test_outputs_beyond_the_recompute_are_not_kept_after_the_first_step(every_other):
+    # pointwise keeps every matmul output; the MLP's output projection is the last op whose output a
+    # block's recompute never reads (nothing after it saves a tensor: checkpoint stops before it). From
+    # the second step on it is no longer kept: exactly its output less per block, gradients bitwise
+    # those of no checkpointing, the same recompute FLOPs. selective already recomputes it (2nd, 4th
+    # matmul): nothing changes.
+    torch.manual_seed(0)
+    cfg = GPTConfig(dim=32, heads=2, seq=16, layers=2, vocab=64)
+    plain = GPT(cfg)
+    idx, _ = batch(cfg, 2)
+    wrapped = distckpt.wrap(copy.deepcopy(plain), Selective(every_other_matmul=every_other))
+    ref = _steps(plain, idx, 1)[0][1]
+    flops = [_recompute_flops(copy.deepcopy(wrapped), idx)]
+    steps = _steps(wrapped, idx, 3)
+    flops.append(_recompute_flops(wrapped, idx))
+    for _, grads in steps:
+        for a, b in zip(ref, grads):
+            assert torch.equal(a, b)
+    last_output = 2 * cfg.seq * cfg.dim * 4  # (batch, seq, dim) fp32, per block
+    drop = 0 if every_other else cfg.layers * last_output
+    assert [held for held, _ in steps] == [steps[0][0], steps[0][0] - drop, steps[0][0] - drop]
+    assert flops[0] == flops[1]
+
+
+def test_an_output_the_recompute_reads_stays_kept():
+    torch.manual_seed(0)
+    model = nn.Sequential(PostNorm(16), PostNorm(16))
+    x = torch.randn(4, 16)
+    plain = copy.deepcopy(model)
+    distckpt.wrap(model, Selective(every_other_matmul=False), blocks=lambda m: isinstance(m, PostNorm))
+    ref = _steps(plain, x, 1)[0][1]
+    steps = _steps(model, x, 2)
+    assert steps[0][0] == steps[1][0] > 0
+    for _, grads in steps:
+        for a, b in zip(ref, grads):
+            assert torch.equal(a, b)
+
+
+def test_a_copy_keeps_what_the_block_learned():
+    # The reach lives on the block: a deepcopy (or pickle) after one step holds the trimmed bytes from its
+    # first step, as a budget's profile hands what it learned on to training.
+    torch.manual_seed(0)
+    cfg = GPTConfig(dim=32, heads=2, seq=16, layers=2, vocab=64)
+    idx, _ = batch(cfg, 2)
+    model = distckpt.wrap(GPT(cfg), Selective(every_other_matmul=False))
+    first, second = (held for held, _ in _steps(model, idx, 2))
+    assert second < first
+    assert _steps(copy.deepcopy(model), idx, 1)[0][0] == second

@@ -3,6 +3,8 @@ fails here, by name, before it fails dozens of other tests."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -189,3 +191,26 @@ def test_saved_tensors_of_sees_the_wrapped_numbers_hooks_skip():
     assert [t.data_ptr() for t in compat.saved_tensors_of(pow_node)] == [x.data_ptr()]
     y.sum().backward()
     assert compat.saved_tensors_of(y.grad_fn) == []  # freed by the backward: nothing to read
+
+
+def test_stop_recomputation_error_is_what_checkpoint_stops_a_recompute_with():
+    stop = compat.stop_recomputation_error()
+    assert issubclass(stop, Exception)
+    seen = []
+
+    class Rec:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, exc_type, *exc):
+            seen.append(exc_type)
+
+    def fn(x):
+        return (x.sin() * 2).cos()  # the recompute stops after cos saves its input, before the end
+
+    x = torch.randn(3, requires_grad=True)
+    y = torch.utils.checkpoint.checkpoint(fn, x, use_reentrant=False,
+                                          context_fn=lambda: (contextlib.nullcontext(), Rec()))
+    y.sum().backward()
+    assert seen and all(t is None or issubclass(t, stop) for t in seen), seen
+    assert any(t is not None for t in seen), seen  # an early stop went through the recompute context
