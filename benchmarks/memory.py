@@ -546,7 +546,8 @@ def _write(args: argparse.Namespace, device: torch.device, rounds: int, started:
                 "for every row (MemTracker cannot see a compiled step: under its dispatch mode the compiled "
                 "module runs its eager code; on the eager rows the column MemTracker - profiler checks the "
                 "two agree: the profiler also sees the 5056-byte CPU RNG state that checkpointing saves per "
-                "checkpointed block, MemTracker does not)")
+                "checkpointed block, and on HF GPT-2 the three Python numbers (8 bytes each) that autograd "
+                "saves per block for `NewGELUActivation`'s `0.5 * x`: MemTracker sees neither)")
     lines = [
         f"# Memory vs recompute ({tag})",
         "",

@@ -24,6 +24,7 @@ __all__ = [
     "op_overload_types",
     "queue_after_backward",
     "sdpa_flop_count_fns",
+    "saved_tensors_of",
     "stop_recomputation_error",
     "storage_id",
     "to_local",
@@ -245,6 +246,28 @@ def cpu_flash_attention_ops() -> tuple[Any, Any] | None:
                 aten._scaled_dot_product_flash_attention_for_cpu_backward)
     except AttributeError:  # pragma: no cover - a build without the CPU flash kernel
         return None
+
+
+def saved_tensors_of(node: Any) -> list[torch.Tensor]:
+    """The tensors an autograd node saved for its backward, read through the generated private
+    ``_saved_<name>`` attributes (tensors, or tuples of them; ``None`` for an undefined one).
+
+    Why: a Python number passed where an op takes a tensor (``0.5 * x``) becomes a 0-dim CPU
+    tensor (a "wrapped number") made by the argument parser, outside any dispatch mode, and autograd
+    saves it without calling saved-tensor hooks (``SavedVariable``: "avoid wrapped numbers from being
+    leaked to the user"), so neither the profile's hooks nor MemTracker see it; only the node holds
+    it. Reading an attribute unpacks it (the hooks' unpack, if any). torch 2.13."""
+    out: list[torch.Tensor] = []
+    for name in dir(node):
+        if not name.startswith("_saved_"):
+            continue
+        try:
+            value = getattr(node, name)
+        except RuntimeError:  # freed already (after its backward), or not readable
+            continue
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        out.extend(v for v in values if isinstance(v, torch.Tensor))
+    return out
 
 
 def stop_recomputation_error() -> type:

@@ -252,6 +252,22 @@ def test_plan_report_names_the_pointwise_mode():
     assert _blocks(PolicyEstimate("budget", 0, 0, (0, 1, 2, 4), modes)) == "full 0, selective 4, pointwise 1-2"
 
 
+def test_plan_counts_no_rng_state_without_preserve_rng_state():
+    torch.manual_seed(0)
+    model, x = Stack(), torch.randn(64, 32)
+    mp = profile_model(model, find_blocks(model, _is_block), (x,))  # the profile wrap finds in the cache
+    kw = dict(strategy="none", optimizer="none")
+    no_rng = plan_budget(dataclasses.replace(mp, rng_state_bytes=0), 10**12, **kw).min_budget_bytes
+    assert no_rng < plan_budget(mp, 10**12, **kw).min_budget_bytes
+    with pytest.raises(ConfigError, match="no choice of checkpointed blocks fits"):  # counting the RNG state
+        distckpt.wrap(copy.deepcopy(model), Budget(no_rng, **kw), blocks=_is_block, example_inputs=(x,))
+    # The checkpoints keep no RNG state: the plan does not count it, and the allocator's peak stays within.
+    distckpt.wrap(model, Budget(no_rng, **kw), blocks=_is_block, example_inputs=(x,), preserve_rng_state=False)
+    chosen = [b for b in model.blocks if hasattr(b, "_distckpt_options")]
+    assert chosen and all(b._distckpt_options.preserve_rng_state is False for b in chosen)
+    assert _allocator_peak(model, x) <= no_rng
+
+
 class Three(Pointwise):
     """fc3's output only feeds the residual add: the recompute (which stops after the last op that saves a
     tensor, the GELU after fc2) never reads it."""

@@ -198,6 +198,20 @@ def test_sdpa_flop_count_fns_and_cpu_flash_attention_ops():
     assert fwd in seen and bwd in seen  # what sdpa dispatches to on CPU
 
 
+def test_saved_tensors_of_sees_the_wrapped_numbers_hooks_skip():
+    packed = []
+    x = torch.randn(4, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        y = 0.5 * x.pow(3)  # PowBackward0 saves x (through the hooks), MulBackward0 the number 0.5 (not)
+    assert len(packed) == 1 and packed[0] is x
+    scalars = compat.saved_tensors_of(y.grad_fn)
+    assert [(t.dim(), t.dtype, t.item()) for t in scalars] == [(0, torch.float64, 0.5)]
+    pow_node = y.grad_fn.next_functions[0][0]
+    assert [t.data_ptr() for t in compat.saved_tensors_of(pow_node)] == [x.data_ptr()]
+    y.sum().backward()
+    assert compat.saved_tensors_of(y.grad_fn) == []  # freed by the backward: nothing to read
+
+
 def test_stop_recomputation_error_is_what_checkpoint_stops_a_recompute_with():
     stop = compat.stop_recomputation_error()
     assert issubclass(stop, Exception)
