@@ -11,6 +11,7 @@ Writes ``benchmarks/results/budget_accuracy.md``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import sys
@@ -198,15 +199,20 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
 
 
-def dist_steady_peak(model: nn.Module, strategy: str, inputs: Any) -> int:
+def dist_steady_peak(model: nn.Module, strategy: str, inputs: Any, micro_batches: int = 1) -> int:
     """This rank's MemTracker peak of a steady-state AdamW step under ``distckpt.parallelize(strategy)``
-    (DDP's buckets counted from the step's start, see :func:`_ddp_buckets`)."""
+    (DDP's buckets counted from the step's start, see :func:`_ddp_buckets`); with ``micro_batches > 1``
+    gradients are accumulated (``distckpt.accumulate`` around all but the last micro-batch)."""
     args, kwargs = _as_args(inputs)
     pm = distckpt.parallelize(model, strategy)
     opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-4)
 
-    def step() -> None:
-        scalar_loss(pm(*args, **kwargs)).backward()
+    def step(mt: Any = None) -> None:
+        for k in range(micro_batches):
+            with distckpt.accumulate(pm) if k < micro_batches - 1 else contextlib.nullcontext():
+                scalar_loss(pm(*args, **kwargs)).backward()
+            if mt is not None and k < micro_batches - 1:
+                mt.reset_mod_stats()  # MemTracker refuses a module's second forward otherwise; its peak stays
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -214,11 +220,12 @@ def dist_steady_peak(model: nn.Module, strategy: str, inputs: Any) -> int:
     buckets = _ddp_buckets(step)  # the second step: DDP rebuilds its buckets in its forward
     mt = memory_tracker(pm, opt, *buckets)
     with mt:
-        step()
+        step(mt)
     return mt.get_tracker_snapshot("peak")[CPU]["Total"]
 
 
-def _dist_rank(rank: int, world: int, names: tuple[str, ...], strategies: tuple[str, ...]) -> list[tuple]:
+def _dist_rank(rank: int, world: int, names: tuple[str, ...], strategies: tuple[str, ...],
+               micro_batches: int = 1) -> list[tuple]:
     rows = []
     models = _models()
     for name in names:
@@ -229,8 +236,11 @@ def _dist_rank(rank: int, world: int, names: tuple[str, ...], strategies: tuple[
             for label, chosen in placements:
                 model = copy.deepcopy(base)
                 distckpt.wrap(model, Subset(chosen), blocks=blocks)
-                pred = predicted_peak(mp, chosen, strategy=strategy, world_size=world, optimizer="adamw")
-                rows.append((f"{name}, {strategy}, 2 ranks", label, pred, dist_steady_peak(model, strategy, inp)))
+                pred = predicted_peak(mp, chosen, strategy=strategy, world_size=world, optimizer="adamw",
+                                      grad_accumulation=micro_batches > 1)
+                accum = f", {micro_batches} micro-batches" if micro_batches > 1 else ""
+                where = f"{name}, {strategy}, 2 ranks{accum}"
+                rows.append((where, label, pred, dist_steady_peak(model, strategy, inp, micro_batches)))
     return rows
 
 

@@ -12,7 +12,9 @@ in steady state (the optimizer state exists), each quantity in its own pass:
   its dispatch mode the compiled module runs its eager code). On CUDA ``max_memory_allocated``.
 - recompute FLOPs: ``FlopCounterMode`` of forward+backward minus that of the run without
   checkpointing; for torch.compile rows a ``FlopCounterMode`` entered inside the compiled forward
-  and backward graphs (around the call it would see the eager code, as MemTracker does).
+  and backward graphs (around the call it would see the eager code, as MemTracker does). Every
+  counter is ``distckpt.select.flops.flop_counter()``, which adds FLOP formulas for the CPU attention
+  kernel (torch 2.13 has none); the compiled graphs keep that kernel too, so both count attention.
 - step time as a ratio to no checkpointing (all configurations interleaved round by round, medians).
 
 Writes ``benchmarks/results/memory_<device>.md`` and ``memory_<device>.png``.
@@ -40,6 +42,7 @@ import distckpt
 from benchmarks.models import GPT, SIZES, Block, GPTConfig, batch, hf_gpt2
 from distckpt import ConfigError
 from distckpt.apply.wrap import is_checkpointed
+from distckpt.select.flops import flop_counter
 from distckpt.select.profile import scalar_loss
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -91,7 +94,7 @@ class _GraphFlops:
 
     def __enter__(self) -> _GraphFlops:
         if self.on:
-            counter = FlopCounterMode(display=False)
+            counter = flop_counter()
             counter.__enter__()
             self._open.append(counter)
         return self
@@ -192,7 +195,7 @@ def _fwd_bwd_flops(model: nn.Module, inputs: tuple, kwargs: dict) -> int:
             counter.on = False
         model.zero_grad(set_to_none=True)
         return counter.total
-    with FlopCounterMode(display=False) as counter:
+    with flop_counter() as counter:
         scalar_loss(model(*inputs, **kwargs)).backward()
     model.zero_grad(set_to_none=True)
     return counter.get_total_flops()
@@ -543,7 +546,8 @@ def _write(args: argparse.Namespace, device: torch.device, rounds: int, started:
                 "for every row (MemTracker cannot see a compiled step: under its dispatch mode the compiled "
                 "module runs its eager code; on the eager rows the column MemTracker - profiler checks the "
                 "two agree: the profiler also sees the 5056-byte CPU RNG state that checkpointing saves per "
-                "checkpointed block, MemTracker does not)")
+                "checkpointed block, and on HF GPT-2 the three Python numbers (8 bytes each) that autograd "
+                "saves per block for `NewGELUActivation`'s `0.5 * x`: MemTracker sees neither)")
     lines = [
         f"# Memory vs recompute ({tag})",
         "",
@@ -555,7 +559,9 @@ def _write(args: argparse.Namespace, device: torch.device, rounds: int, started:
         f"in steady state, each quantity in its own pass. Peak memory: {peak_how}. Recompute FLOPs: "
         "FlopCounterMode of forward+backward minus the run without checkpointing; for `compile F` rows a "
         "FlopCounterMode entered inside the compiled forward and backward graphs (around the compiled call "
-        "it counts the eager code, as MemTracker does).",
+        "it counts the eager code, as MemTracker does). Attention's FLOPs are counted on CPU too "
+        "(`distckpt.select.flops.flop_counter`: torch's CUDA formulas for the CPU kernel, which the compiled "
+        "graphs keep as well).",
         "",
         f"`budget X MiB`: `wrap(model, \"budget:SIZE\")` at {args.budget_points} sizes from the smallest it "
         "accepts (the size its ConfigError names) to the peak without checkpointing, and at the measured peak "

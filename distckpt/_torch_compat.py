@@ -15,6 +15,7 @@ import torch
 __all__ = [
     "checkpoint_wrapper_class",
     "composable_checkpoint_fqns",
+    "cpu_flash_attention_ops",
     "current_graph_task_id",
     "fake_mode",
     "is_plain_backward",
@@ -22,6 +23,8 @@ __all__ = [
     "mem_tracker_states",
     "op_overload_types",
     "queue_after_backward",
+    "sdpa_flop_count_fns",
+    "saved_tensors_of",
     "stop_recomputation_error",
     "storage_id",
     "to_local",
@@ -217,6 +220,54 @@ def storage_id(t: torch.Tensor) -> int:
     """An identity of ``t``'s storage that also tells fake storages apart: the address of its
     ``StorageImpl`` (the private ``_cdata``); ``data_ptr()`` is 0 for every fake tensor. torch 2.13."""
     return t.untyped_storage()._cdata
+
+
+def sdpa_flop_count_fns() -> tuple[Callable[..., int], Callable[..., int]]:
+    """torch's own FLOP arithmetic for attention, ``sdpa_flop_count(q, k, v)`` and
+    ``sdpa_backward_flop_count(grad_out, q, k, v)`` (shapes ``[batch, heads, seq, dim]``; GQA: fewer
+    key/value heads), from ``torch.utils.flop_counter`` outside its ``__all__``. They are what
+    ``FlopCounterMode`` uses for the CUDA attention kernels; reusing them keeps CPU counts equal to
+    CUDA ones. torch 2.13."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    return sdpa_flop_count, sdpa_backward_flop_count
+
+
+def cpu_flash_attention_ops() -> tuple[Any, Any] | None:
+    """The CPU attention kernel and its backward as op packets,
+    ``aten._scaled_dot_product_flash_attention_for_cpu`` and ``..._backward`` (private aten ops: what
+    ``F.scaled_dot_product_attention`` dispatches to on CPU), or ``None`` on a build without them.
+    ``FlopCounterMode`` has no formula for them in torch 2.13. Schemas (torch 2.13):
+    ``(query, key, value, dropout_p, is_causal, *, attn_mask, scale)`` and
+    ``(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask, scale)``."""
+    aten = torch.ops.aten
+    try:
+        return (aten._scaled_dot_product_flash_attention_for_cpu,
+                aten._scaled_dot_product_flash_attention_for_cpu_backward)
+    except AttributeError:  # pragma: no cover - a build without the CPU flash kernel
+        return None
+
+
+def saved_tensors_of(node: Any) -> list[torch.Tensor]:
+    """The tensors an autograd node saved for its backward, read through the generated private
+    ``_saved_<name>`` attributes (tensors, or tuples of them; ``None`` for an undefined one).
+
+    Why: a Python number passed where an op takes a tensor (``0.5 * x``) becomes a 0-dim CPU
+    tensor (a "wrapped number") made by the argument parser, outside any dispatch mode, and autograd
+    saves it without calling saved-tensor hooks (``SavedVariable``: "avoid wrapped numbers from being
+    leaked to the user"), so neither the profile's hooks nor MemTracker see it; only the node holds
+    it. Reading an attribute unpacks it (the hooks' unpack, if any). torch 2.13."""
+    out: list[torch.Tensor] = []
+    for name in dir(node):
+        if not name.startswith("_saved_"):
+            continue
+        try:
+            value = getattr(node, name)
+        except RuntimeError:  # freed already (after its backward), or not readable
+            continue
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        out.extend(v for v in values if isinstance(v, torch.Tensor))
+    return out
 
 
 def stop_recomputation_error() -> type:

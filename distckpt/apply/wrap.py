@@ -361,7 +361,7 @@ def _apply_plan(model: nn.Module, pol: Policy, candidates: list[tuple[str, nn.Mo
     if record is not None and record.handed_over is not None:
         strategy, world, shard_size = record.handed_over
         pol = dataclasses.replace(record.policy, strategy=strategy, shard_size=shard_size)
-    modes = _block_modes(pol, Candidates(model, candidates, example_inputs, world), opts)
+    modes = _block_modes(pol, Candidates(model, candidates, example_inputs, world, opts.preserve_rng_state), opts)
     if record is not None and isinstance(pol, Budget):
         record.planned_for = (pol.strategy_for(world), world, pol.shard_size)
     made: dict[str, Any] = {}  # one context_fn per op-level mode, shared by its blocks

@@ -7,7 +7,8 @@ The memory model (all terms measured by :mod:`distckpt.select.profile` or counte
                (minus the gradients backward has not produced yet at that point)
     held_i   = activation_bytes_i (none), pointwise_held_bytes_i / selective_held_bytes_i (its input
                plus the op outputs it keeps) or input_bytes_i (full): one of four choices per block,
-               a checkpointed one plus the RNG state it saves (rng_state_bytes: on the CPU)
+               a checkpointed one plus the RNG state it saves (rng_state_bytes: on the CPU); every
+               one plus the Python numbers its autograd nodes saved (scalar_saved_bytes: on the CPU)
     P_i      = held_0 + ... + held_i                      (what the blocks keep, in forward order)
     peak     = max( static + pre + P_{i-1} + footprint_i + overhead_i   for every block i,
                     static + pre + P_{n-1} + post + head_overhead,
@@ -41,7 +42,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -227,12 +228,33 @@ def _sharded_terms(mp: ModelProfile, strategy: str, world_size: int, div: int) -
                     tail=own[0] if two and n else 0, reduce=root if two else 0)
 
 
-def _bounds(mp: ModelProfile, static: int, *, strategy: str = "ddp", world_size: int = 1,
-            grad_accumulation: bool = False, shard_size: int | None = None, recompute: str = "full"
-            ) -> tuple[list[int], list[int], int]:
+def _accumulated(mp: ModelProfile, static: int, fs: _Sharded | None, grad_accumulation: bool
+                 ) -> tuple[int, _Sharded | None]:
+    """``static`` and the per-phase terms under gradient accumulation. Inside ``accumulate`` (FSDP1
+    ``no_sync``, FSDP2 ``set_requires_gradient_sync(False)``) every block's gradients stay unsharded
+    until the last micro-batch reduce-scatters them block by block: counted unsharded throughout (the
+    peak, measured on 2 gloo ranks: the second micro-batch's forward end, every gradient unsharded
+    and its activations held); the phases' unsharded parameters and collective buffers stay, their
+    gradient terms go (``div=1``: nothing counted twice). DDP and one process: unchanged (``static``
+    counts every gradient already)."""
+    if fs is None or not grad_accumulation:
+        return static, fs
+    return static + fs.grads(mp.trainable_bytes), replace(fs, div=1)
+
+
+def _bounds(mp: ModelProfile, static: int, *, recompute: str = "full", **kw: Any) -> tuple[list[int], list[int], int]:
+    """:func:`_mode_bounds` for one recompute mode: ``(plain, ckpt, end)``."""
+    plain, ckpt, end = _mode_bounds(mp, static, (recompute,), **kw)
+    return plain, ckpt[recompute], end
+
+
+def _mode_bounds(mp: ModelProfile, static: int, recompute: tuple[str, ...], *, strategy: str = "ddp",
+                 world_size: int = 1, grad_accumulation: bool = False, shard_size: int | None = None
+                 ) -> tuple[list[int], dict[str, list[int]], int]:
     """Per-block offsets with ``peak >= static + P_{i-1} + c_i`` when block i is kept (``plain``)
-    and when it is checkpointed (``ckpt``; ``recompute="selective"`` or ``"pointwise"``: that op-level
-    recompute's measured peaks), and the end offset (``peak >= static + P_{n-1} + end``).
+    and when it is checkpointed in each mode of ``recompute`` (``ckpt[mode]``; ``"selective"`` or
+    ``"pointwise"``: that op-level recompute's measured peaks), and the end offset
+    (``peak >= static + P_{n-1} + end``); the terms every mode shares are computed once.
 
     ``static`` counts every gradient. Without gradient accumulation (``zero_grad(set_to_none=True)``,
     PyTorch's default), backward creates them block by block from the last: while block i runs its
@@ -241,11 +263,7 @@ def _bounds(mp: ModelProfile, static: int, *, strategy: str = "ddp", world_size:
     Under FSDP/FSDP2 each phase adds what is unsharded then (:class:`_Sharded`).
     """
     div = shards(strategy, world_size, shard_size)
-    fs = _sharded_terms(mp, strategy, world_size, div)
-    if fs is not None and grad_accumulation:
-        # Gradients persist unsharded across micro-batches: not measured; two blocks' parameters and
-        # one block's gradients at every peak, as before the per-phase terms.
-        static, fs = static + 3 * mp.block_param_bytes, None
+    static, fs = _accumulated(mp, static, _sharded_terms(mp, strategy, world_size, div), grad_accumulation)
     before, _ = _own_grads(mp)
 
     def absent(grads: int) -> int:
@@ -255,7 +273,8 @@ def _bounds(mp: ModelProfile, static: int, *, strategy: str = "ddp", world_size:
         return 0 if fs is None else fs.backward[i] + fs.grads(mp.head_grads_bytes + max(0, grads - before[i]))
 
     split = not grad_accumulation and all(b.grads_at_peak_bytes >= 0 for b in mp.blocks)
-    plain, ckpt = [], []
+    plain: list[int] = []
+    ckpt: dict[str, list[int]] = {m: [] for m in recompute}
     for i, b in enumerate(mp.blocks):
         base = mp.pre_bytes + b.footprint_bytes
         fw = 0 if fs is None else fs.forward
@@ -263,7 +282,8 @@ def _bounds(mp: ModelProfile, static: int, *, strategy: str = "ddp", world_size:
             bound = static - absent(b.grads_ready_bytes) + base + b.overhead_bytes + max(
                 fw, working(i, b.grads_ready_bytes))
             plain.append(bound)
-            ckpt.append(bound)
+            for m in recompute:
+                ckpt[m].append(bound)
             continue
         # Measured split: the forward peak has no gradient yet; the backward peak has the gradients
         # that existed at that instant (pairing the largest activations with the gradients at the
@@ -276,13 +296,14 @@ def _bounds(mp: ModelProfile, static: int, *, strategy: str = "ddp", world_size:
         at_peak = static - absent(b.grads_at_peak_bytes) + base + working(i, b.grads_at_peak_bytes)
         forward = static - absent(0) + base + b.forward_overhead_bytes + fw
         plain.append(max(forward, at_peak + b.backward_overhead_bytes))
-        grads, over = b.recompute_peak(recompute)
-        if grads >= 0:
-            # Measured in a sample step with every block checkpointed (its prefix: what they hold).
-            redo = static - absent(grads) + base + over + working(i, grads)
-        else:
-            redo = at_peak + max(0, b.backward_overhead_bytes) + max(0, b.forward_overhead_bytes)
-        ckpt.append(max(forward, redo))
+        for m in recompute:
+            grads, over = b.recompute_peak(m)
+            if grads >= 0:
+                # Measured in a sample step with every block checkpointed (its prefix: what they hold).
+                redo = static - absent(grads) + base + over + working(i, grads)
+            else:
+                redo = at_peak + max(0, b.backward_overhead_bytes) + max(0, b.forward_overhead_bytes)
+            ckpt[m].append(max(forward, redo))
     head = mp.pre_bytes + mp.post_bytes
     grads, over = ((mp.head_grads_bytes, mp.head_overhead_bytes)
                    if grad_accumulation or mp.head_peak_grads_bytes < 0
@@ -300,7 +321,7 @@ def _tail(mp: ModelProfile, static: int, step: int, *, strategy: str, world_size
     """``step`` raised to the measured peak after every block's backward (the embeddings'), if any,
     and under FSDP2 to the root unit's reduce-scatter at the end of backward."""
     div = shards(strategy, world_size, shard_size)
-    fs = None if grad_accumulation else _sharded_terms(mp, strategy, world_size, div)
+    static, fs = _accumulated(mp, static, _sharded_terms(mp, strategy, world_size, div), grad_accumulation)
     if fs is not None and fs.reduce:
         # Every block's gradients sharded, the root's unsharded and copied into the reduce-scatter input.
         step = max(step, static + fs.grads(fs.reduce) + fs.reduce)
@@ -311,9 +332,8 @@ def _tail(mp: ModelProfile, static: int, step: int, *, strategy: str, world_size
     if fs is not None:
         blocks = max(0, mp.blocks[0].grads_ready_bytes - mp.head_grads_bytes) if mp.blocks else 0
         extra = fs.tail + fs.grads(max(0, mp.tail_grads_bytes - blocks))
-    elif grad_accumulation and strategy in SHARDED:
-        extra = 3 * mp.block_param_bytes
-    return max(step, static - absent + mp.tail_peak_bytes + extra)
+    # The wrapped numbers saved outside the blocks (the embeddings': see _choices) are alive until theirs runs.
+    return max(step, static - absent + mp.tail_peak_bytes + extra + mp.scalar_saved_bytes)
 
 
 Choice = tuple[int, int, int, int]  # (bytes held, bound on the prefix, recompute FLOPs, code in MODES)
@@ -323,21 +343,31 @@ def _choices(mp: ModelProfile, static: int, *, selective: bool = True, **kw: Any
     """Per block, what each choice holds, the bound it puts on the bytes held before it and its
     recompute FLOPs (the op-level modes where the profile measured them and ``selective`` allows
     them); and the end offset (see :func:`_bounds`). A checkpointed block also holds the RNG state
-    its checkpoint saved (``preserve_rng_state``; counted whether or not it is on: a few KiB)."""
-    plain, ckpt, end = _bounds(mp, static, **kw)
+    its checkpoint saved (``preserve_rng_state``: ``wrap(preserve_rng_state=False)`` plans on a profile
+    with ``rng_state_bytes=0``, :meth:`Candidates.model_profile`). Per
+    block, not once: every block's state lives from its forward to its backward (``full`` on HF GPT-2
+    peaks in the first block's backward, once the later blocks' states are freed: one state counted
+    there, as measured; ``selective`` peaks where every block's state is alive: 8 measured).
+
+    Every block, in every mode, also holds its wrapped numbers (``scalar_saved_bytes``: Python numbers
+    autograd saved as 8-byte CPU tensors, 24 B per HF GPT-2 block) from its forward to its backward,
+    as does the rest of the model (``ModelProfile.scalar_saved_bytes``, in every term of backward):
+    the CPU allocator holds them, MemTracker (which measured every other term) does not see them. Without
+    them the smallest budget accepted on HF GPT-2 (full's allocator peak less 24 B) was exceeded by 24 B."""
     op_modes = OP_MODES if selective else ()
-    op_bounds = {m: _bounds(mp, static, recompute=m, **kw)[1] for m in op_modes}
-    rng = mp.rng_state_bytes
+    plain, bounds, end = _mode_bounds(mp, static, ("full", *op_modes), **kw)
+    rng, outside = mp.rng_state_bytes, mp.scalar_saved_bytes
     out = []
     for i, b in enumerate(mp.blocks):
-        options = [(b.activation_bytes, plain[i], 0, 0)]
+        w = b.scalar_saved_bytes
+        options = [(b.activation_bytes + w, plain[i] + w + outside, 0, 0)]
         for mode in op_modes:
             held, flops = b.mode_held_flops(mode)
             if held >= 0:
-                options.append((held + rng, op_bounds[mode][i] + rng, flops, MODES.index(mode)))
-        options.append((b.input_bytes + rng, ckpt[i] + rng, b.full_flops, _FULL))
+                options.append((held + rng + w, bounds[mode][i] + rng + w + outside, flops, MODES.index(mode)))
+        options.append((b.input_bytes + rng + w, bounds["full"][i] + rng + w + outside, b.full_flops, _FULL))
         out.append(options)
-    return out, end
+    return out, end + outside
 
 
 def _codes(mp: ModelProfile, choice: Any) -> list[int]:

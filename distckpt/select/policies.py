@@ -6,6 +6,7 @@ rest of the library only sees objects. "Off" is ``None``, as in torchtitan.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Callable
@@ -48,13 +49,16 @@ class Candidates:
     """What a policy sees when it chooses: the candidate blocks in forward order.
 
     ``profile()`` measures activation bytes and recompute cost per block on ``example_inputs``
-    (only the budget policy needs it; it runs at most once per ``wrap`` call).
+    (only the budget policy needs it; it runs at most once per ``wrap`` call). ``preserve_rng_state``:
+    whether the checkpoints will save the RNG state (``wrap``'s option); without it the profile
+    counts none held per checkpointed block.
     """
 
     model: nn.Module
     blocks: list[tuple[str, nn.Module]]
     example_inputs: Any = None
     world_size: int = 1
+    preserve_rng_state: bool = True
     _profile: ModelProfile | None = field(default=None, repr=False)
     _profile_modes: frozenset[str] = field(default=frozenset(), repr=False)
 
@@ -75,6 +79,8 @@ class Candidates:
                 )
             self._profile = profile_model(self.model, self.blocks, self.example_inputs, modes=wanted)
             self._profile_modes = wanted
+        if not self.preserve_rng_state:  # a checkpoint keeps no RNG state from its forward to its backward
+            return dataclasses.replace(self._profile, rng_state_bytes=0)
         return self._profile
 
 

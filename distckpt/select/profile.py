@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten
 
 from distckpt import _torch_compat as compat
 from distckpt.errors import ConfigError
+from distckpt.select.flops import flop_counter
 from distckpt.select.selective import OP_MODES, bind, mode_context_fn
 
 __all__ = ["RECOMPUTE_MODES", "BlockProfile", "ModelProfile", "adam_step_temp_bytes", "memory_tracker",
@@ -36,7 +37,8 @@ class BlockProfile:
         fqn: the block's name.
         activation_bytes: bytes the block keeps for backward when it is NOT checkpointed (distinct
             storages saved by its ops, parameters excluded), its saved input included.
-        forward_flops: FLOPs of one forward of the block (``FlopCounterMode``): the most a
+        forward_flops: FLOPs of one forward of the block (``FlopCounterMode`` with CPU attention,
+            :func:`distckpt.select.flops.flop_counter`): the most a
             recompute costs (non-reentrant checkpoint may stop earlier).
         input_bytes: bytes of the block's tensor inputs, which a checkpointed block keeps.
         saved_input_bytes: the part of ``activation_bytes`` that is the block's input.
@@ -73,6 +75,15 @@ class BlockProfile:
         pointwise_held_bytes, pointwise_flops, pointwise_recompute_overhead_bytes,
             pointwise_recompute_grads_bytes: the same for ``pointwise`` (every matmul/attention/conv
             output kept, only FLOP-free ops recomputed), in sample steps with every block pointwise.
+        scalar_saved_bytes: bytes of the Python numbers the block's autograd nodes save as 0-dim CPU
+            tensors ("wrapped numbers": ``0.5 * x`` in HF's ``NewGELUActivation``, three of 8 bytes
+            per GPT-2 block), on a CPU step. Saved-tensor hooks skip them and MemTracker never sees
+            them (the argument parser makes them, outside any dispatch mode), so no other field counts
+            them; the CPU allocator does. The forward's nodes keep them until the block's backward,
+            checkpointed or not (a checkpoint's hooks replace the other saved tensors, not these); a
+            recompute's own nodes hold a second copy while it runs, and ``fork_rng`` a copy of the RNG
+            state: the ``*_recompute_overhead_bytes`` include those where the measured recompute peak
+            lies inside the recompute (as far as they could lift the allocator's peak above it).
     """
 
     fqn: str
@@ -96,6 +107,7 @@ class BlockProfile:
     pointwise_flops: int = 0
     pointwise_recompute_overhead_bytes: int = 0
     pointwise_recompute_grads_bytes: int = -1
+    scalar_saved_bytes: int = 0
 
     def mode_held_flops(self, mode: str) -> tuple[int, int]:
         """``(bytes held from forward to backward, recompute FLOPs)`` of a checkpointed ``mode``
@@ -166,6 +178,8 @@ class ModelProfile:
             generator's state (5056 bytes on torch 2.13) for a step on the CPU, which the allocator (and
             the profiler) sees but MemTracker does not; 0 on CUDA, whose RNG state (seed and offset)
             is kept in host memory, not in the device memory ``max_memory_allocated`` counts.
+        scalar_saved_bytes: like :attr:`BlockProfile.scalar_saved_bytes`, for the autograd nodes made
+            outside the blocks (embeddings, head, loss): alive from the forward to the end of backward.
         device: the device type the sample step ran on.
     """
 
@@ -188,6 +202,7 @@ class ModelProfile:
     tail_grads_bytes: int = -1
     measured_peak_bytes: int = 0
     rng_state_bytes: int = 0
+    scalar_saved_bytes: int = 0
     device: str = "cpu"
 
     @property
@@ -340,6 +355,35 @@ def _all_checkpointed(model: nn.Module, blocks: list[tuple[str, nn.Module]],
             p.grad = None
 
 
+class _RecomputeWindow:
+    """A recompute context around ``inner`` that restarts MemTracker's running peak for the recompute
+    and stores the activations and temporaries at the peak inside it in ``peaks[i]`` (``2**62`` when
+    the window cannot be read: as if the block's peak lay inside it). A class, not a
+    ``contextlib.contextmanager``: a generator around the selective contexts changed the measured
+    recompute peak (64 KiB lower on HF GPT-2's first block with pointwise: checkpoint stops the
+    recompute early by raising through this context, and the generator changes what the exception
+    keeps alive), so the step measured would not be the one a plan runs."""
+
+    def __init__(self, tracker: Any, inner: Any, dev: torch.device, peaks: list[int], i: int) -> None:
+        self.tracker, self.inner, self.dev, self.peaks, self.i = tracker, inner, dev, peaks, i
+        self.saved: Any = None
+
+    def __enter__(self) -> Any:
+        self.saved = compat.mem_tracker_restart_peak(self.tracker)
+        return self.inner.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return self.inner.__exit__(*exc)
+        finally:
+            if self.saved is None:
+                self.peaks[self.i] = 2**62
+            else:
+                snap = compat.mem_tracker_peak_snapshot(self.tracker)
+                self.peaks[self.i] = max(self.peaks[self.i], _act(_at(snap, self.dev)) if snap else 0)
+                compat.mem_tracker_merge_peak(self.tracker, self.saved)
+
+
 def _checkpointed_peaks(model: nn.Module, blocks: list[tuple[str, nn.Module]], args: tuple[Any, ...],
                         kwargs: dict[str, Any], batch: list[torch.Tensor], dev: torch.device,
                         context_fn: Callable[[], tuple[Any, Any]] | None = None
@@ -349,13 +393,25 @@ def _checkpointed_peaks(model: nn.Module, blocks: list[tuple[str, nn.Module]], a
     ``context_fn``: selective), and the bytes each block leaves alive after its forward.
 
     Returns:
-        ``[(activation and temporary bytes, gradient bytes, bytes left by the forward), ...]`` per
-        block, or ``None`` when the step fails (then the budget bounds a recompute from the first
-        step alone, and offers no selective choice).
+        ``[(activation and temporary bytes, gradient bytes, bytes left by the forward, activation and
+        temporary bytes at the peak inside the block's recompute), ...]`` per block (the last: the
+        first if the window could not be read), or ``None`` when the step fails (then the budget
+        bounds a recompute from the first step alone, and offers no selective choice).
     """
     tracker = memory_tracker(model, *batch)
     before: dict[int, int] = {}
     left = [0] * len(blocks)
+    in_recompute = [-1] * len(blocks)
+
+    def windowed(i: int) -> Callable[[], tuple[Any, Any]]:
+        # Bound here, as _recompute_flops does: the wrapper's own bind passes a function like this one as is.
+        own = bind(context_fn, blocks[i][1]) if context_fn else None  # the block's reach (selective._Reach)
+
+        def pair() -> tuple[Any, Any]:
+            fwd, rec = own() if own else (contextlib.nullcontext(), contextlib.nullcontext())
+            return fwd, _RecomputeWindow(tracker, rec, dev, in_recompute, i)
+
+        return pair
 
     def total() -> int:
         return sum(d.get("Total", 0) for d in tracker.get_tracker_snapshot().values())
@@ -365,7 +421,7 @@ def _checkpointed_peaks(model: nn.Module, blocks: list[tuple[str, nn.Module]], a
         hooks.append(m.register_forward_pre_hook(lambda mod, a, i=i: before.__setitem__(i, total())))
         hooks.append(m.register_forward_hook(lambda mod, a, o, i=i: left.__setitem__(i, total() - before[i])))
     try:
-        with _all_checkpointed(model, blocks, [context_fn] * len(blocks)), tracker:
+        with _all_checkpointed(model, blocks, [windowed(i) for i in range(len(blocks))]), tracker:
             loss = scalar_loss(model(*args, **kwargs))
             loss.backward()
             del loss
@@ -386,7 +442,7 @@ def _checkpointed_peaks(model: nn.Module, blocks: list[tuple[str, nn.Module]], a
                 best, grads = act, d.get("Gradient", 0)
         if best < 0:
             return None
-        out.append((best, grads, left[i]))
+        out.append((best, grads, left[i], min(in_recompute[i], best) if in_recompute[i] >= 0 else best))
     return out
 
 
@@ -395,9 +451,7 @@ def _recompute_flops(model: nn.Module, blocks: list[tuple[str, nn.Module]], args
     """FLOPs each block's recompute really runs, every block checkpointed (``context_fn``: selective),
     counted by ``FlopCounterMode`` around each recompute, in a step of its own (a memory peak measured
     inside ``FlopCounterMode`` is inflated under checkpointing). ``None`` when the step fails."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    counter = FlopCounterMode(display=False)
+    counter = flop_counter()
     flops = [0] * len(blocks)
 
     def counting(i: int) -> Callable[[], tuple[Any, Any]]:
@@ -437,14 +491,33 @@ def _act(d: dict[str, int]) -> int:
     return d.get("Activation", 0) + d.get("Temp", 0)
 
 
+def _unhooked_saved_bytes(roots: list[Any], stop: set[Any], seen: set[Any],
+                          packed: Callable[[tuple[str, int]], bool], device: torch.device) -> int:
+    """Bytes in ``device``'s memory of the tensors that the autograd nodes reachable from ``roots`` saved
+    without the saved-tensor hooks packing them (``packed(key)`` false): the wrapped numbers of
+    :attr:`BlockProfile.scalar_saved_bytes`. The walk stops at the nodes in ``stop`` (a block's
+    inputs') and in ``seen`` (walked for an earlier block), and adds the nodes it walks to ``seen``."""
+    found: dict[tuple[str, int], int] = {}
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen or node in stop:
+            continue
+        seen.add(node)
+        for t in compat.saved_tensors_of(node):
+            key = _storage_key(t)
+            if t.device == device and not packed(key):
+                found[key] = _storage_bytes(t)
+        stack.extend(n for n, _ in node.next_functions)
+    return sum(found.values())
+
+
 class _StepRecorder:
     """The hooks of the profiled sample step: which block saves each storage for backward, each
     block's inputs and forward FLOPs, and MemTracker's peak of the head (after the last block's
     forward, before its backward)."""
 
     def __init__(self, model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> None:
-        from torch.utils.flop_counter import FlopCounterMode
-
         self.n = n = len(blocks)
         self.blocks = blocks
         self.static_keys = {_storage_key(t) for t in [*model.parameters(), *model.buffers()]}
@@ -457,12 +530,17 @@ class _StepRecorder:
         # a freed input's address reused by a later saved tensor would otherwise be taken for that input.
         self.keep: list[torch.Tensor] = []
         self.flops = [0] * n
-        self.counter = FlopCounterMode(display=False)
+        self.counter = flop_counter()  # counts CPU attention too (torch 2.13 has no formula for it)
         self.flop_start: dict[int, int] = {}
         self.tracker: Any = None
         self.head: dict[str, Any] = {}
         self.tail: dict[str, Any] = {}
         self.pending_inputs = 0  # block inputs whose gradient backward has not made yet
+        self.input_nodes: list[set[Any]] = [set() for _ in range(n)]  # the grad_fns of each block's inputs
+        self.walked: set[Any] = set()  # autograd nodes already searched for unhooked saved tensors
+        self.scalars = [0] * n  # BlockProfile.scalar_saved_bytes
+        self.outside_scalars = 0  # ModelProfile.scalar_saved_bytes
+        self.device = torch.device("cpu")
         self.grad_hooks: list[Any] = []  # removed after the step: an input may be the caller's own leaf tensor
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -480,6 +558,8 @@ class _StepRecorder:
             if key not in self.static_keys:
                 self.input_keys[i][key] = _storage_bytes(t)
                 self.keep.append(t)
+            if t.grad_fn is not None:
+                self.input_nodes[i].add(t.grad_fn)
             if t.requires_grad:
                 self.pending_inputs += 1
                 self.grad_hooks.append(t.register_hook(self._input_grad))
@@ -507,8 +587,13 @@ class _StepRecorder:
         self.active.pop()
         self.flops[i] += self.counter.get_total_flops() - self.flop_start.pop(i)
         self.done = max(self.done, i + 1)
+        roots = [t.grad_fn for t in _tensors(out) if t.grad_fn is not None]
+        self.scalars[i] += _unhooked_saved_bytes(roots, self.input_nodes[i], self.walked, self._packed, self.device)
         if i == self.n - 1:
             self._head_window(out)
+
+    def _packed(self, key: tuple[str, int]) -> bool:
+        return key in self.first_saver or key in self.static_keys
 
     def _head_window(self, out: Any) -> None:
         # MemTracker's running peak restarts when the last block returns and is read when the gradient
@@ -536,6 +621,7 @@ class _StepRecorder:
             handles.append(m.register_forward_pre_hook(self.pre_hook, with_kwargs=True))
             handles.append(m.register_forward_hook(self.post_hook, with_kwargs=True))
         self.tracker = memory_tracker(model, *batch)
+        self.device = device
         cuda = device.type == "cuda"
         try:
             with _preserved_state(model, device):
@@ -546,6 +632,8 @@ class _StepRecorder:
                 with self.tracker:
                     with self.counter, torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
                         loss = scalar_loss(model(*args, **kwargs))
+                    self.outside_scalars = _unhooked_saved_bytes([loss.grad_fn], set(), self.walked, self._packed,
+                                                                 device)
                     # The inputs were kept only to tell storages apart in forward; kept in backward they
                     # would inflate every backward snapshot by the later blocks' inputs.
                     self.keep.clear()
@@ -663,19 +751,24 @@ def _head_and_tail(rec: _StepRecorder, model: nn.Module, att: _Attribution, meas
     )
 
 
-def _over_prediction(peaks: list[tuple[int, int, int]], rec: _StepRecorder, att: _Attribution,
-                     batch_keys: set[tuple[str, int]], extra: list[int]) -> tuple[list[int], list[int]]:
+def _over_prediction(peaks: list[tuple[int, int, int, int]], rec: _StepRecorder, att: _Attribution,
+                     batch_keys: set[tuple[str, int]], extra: list[int], during: list[int]
+                     ) -> tuple[list[int], list[int]]:
     """Each block's measured backward peak in a checkpointed step over what the prediction holds
     there (the prefix of checkpointed blocks, each holding its inputs plus ``extra``), and the
-    gradient bytes at that peak."""
+    gradient bytes at that peak. Plus the part of what the recompute holds only while it runs and
+    MemTracker does not see (``during``: its nodes' wrapped numbers, :attr:`BlockProfile.scalar_saved_bytes`,
+    and ``fork_rng``'s copy of the RNG state) that can be alive at the CPU allocator's peak: as far as
+    the peak inside the recompute plus it exceeds the block's peak (none when that peak is after it)."""
     # What the checkpointed blocks before i really hold: their inputs, each storage once and not block
     # i's own (the mask and rotary tables are every block's input; input_bytes counts them per block, so
     # the prediction stays above the measure when some are kept).
     held_in: dict[tuple[str, int], int] = {}
     over, grads_at = [], []
-    for i, (act, grads, _) in enumerate(peaks):
+    for i, (act, grads, _, inside) in enumerate(peaks):
         before = sum(b for k, b in held_in.items() if k not in rec.input_keys[i]) + sum(extra[:i])
-        over.append(act - (att.pre + before + att.inner[i] + att.in_bytes[i]))
+        copy_alive = max(0, min(during[i], inside + during[i] - act))
+        over.append(act - (att.pre + before + att.inner[i] + att.in_bytes[i]) + copy_alive)
         grads_at.append(grads)
         held_in.update((k, b) for k, b in rec.input_keys[i].items() if k not in batch_keys)
     return over, grads_at
@@ -701,8 +794,11 @@ def _recompute_profile(model: nn.Module, rec: _StepRecorder, att: _Attribution, 
         full_flops = _recompute_flops(model, rec.blocks, args, kwargs, None)
     if full is None:
         return out
+    # What a recompute holds only while it runs, unseen by MemTracker: its own nodes' wrapped numbers and
+    # the CPU RNG state torch.random.fork_rng keeps around it (preserve_rng_state; checkpoint.recompute_fn).
+    during = [w + _rng_state_bytes(device) for w in rec.scalars]
     out["recompute_overhead_bytes"], out["recompute_grads_bytes"] = _over_prediction(full, rec, att, batch_keys,
-                                                                                     [0] * n)
+                                                                                     [0] * n, during)
     if full_flops is not None:
         out["recompute_flops"] = full_flops
     for mode in (m for m in OP_MODES if m in modes):
@@ -718,7 +814,7 @@ def _recompute_profile(model: nn.Module, rec: _StepRecorder, att: _Attribution, 
         out[f"{mode}_held_bytes"] = [att.in_bytes[i] + extra[i] for i in range(n)]
         out[f"{mode}_flops"] = flops
         out[f"{mode}_recompute_overhead_bytes"], out[f"{mode}_recompute_grads_bytes"] = _over_prediction(
-            peaks, rec, att, batch_keys, extra)
+            peaks, rec, att, batch_keys, extra, during)
     return out
 
 
@@ -795,6 +891,7 @@ def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inpu
             saved_input_bytes=att.saved_input[i], overhead_bytes=ov["overhead"][i],
             grads_ready_bytes=ready[i], forward_overhead_bytes=ov["overhead_fw"][i],
             backward_overhead_bytes=ov["overhead_bw"][i], grads_at_peak_bytes=ov["grads_peak"][i],
+            scalar_saved_bytes=rec.scalars[i],
             **{k: v[i] for k, v in redo.items()},
         )
         for i, (name, _) in enumerate(blocks)
@@ -809,6 +906,7 @@ def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inpu
         head_grads_bytes=head_grads,
         measured_peak_bytes=int(cuda_peak if device.type == "cuda" else measured_total),
         rng_state_bytes=_rng_state_bytes(device),
+        scalar_saved_bytes=rec.outside_scalars,
         device=device.type,
         **head,
     )

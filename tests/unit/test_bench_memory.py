@@ -1,6 +1,6 @@
 """The memory benchmark's measurements that make its rows comparable (benchmarks/memory.py): the
-profiler-based peak used for every row equals MemTracker's on an eager step, FLOPs of a compiled
-step are counted inside its graphs, and the dominance check reads both axes."""
+profiler-based peak used for every row equals MemTracker's on an eager step, FLOPs (CPU attention
+included) of a compiled step are counted inside its graphs, and the dominance check reads both axes."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for benchmarks
 
@@ -21,6 +22,8 @@ from benchmarks.memory import (  # noqa: E402
     dominated_by,
 )
 from benchmarks.models import GPT, GPTConfig, batch  # noqa: E402
+from distckpt import _torch_compat as compat  # noqa: E402
+from distckpt.select.profile import scalar_loss  # noqa: E402
 
 CFG = GPTConfig(vocab=64, seq=16, dim=32, heads=2, layers=2)  # small: a torch.compile takes seconds
 
@@ -42,6 +45,12 @@ def test_profiled_peak_equals_mem_tracker_on_an_eager_step():
 def test_compiled_flops_are_counted_inside_the_graphs():
     model, _, inputs = _tiny()
     eager = _fwd_bwd_flops(model, inputs, {})
+    with FlopCounterMode(display=False) as plain:  # torch 2.13's own counter: no CPU attention
+        scalar_loss(model(*inputs)).backward()
+    model.zero_grad(set_to_none=True)
+    forward, backward = compat.sdpa_flop_count_fns()
+    q = (2, CFG.heads, CFG.seq, CFG.dim // CFG.heads)  # batch 2: each layer's causal attention
+    assert eager - plain.get_total_flops() == CFG.layers * (forward(q, q, q) + backward(q, q, q, q)) > 0
     compiled = CompiledBudget(model, 1.0)  # no budget pressure: no matmul is recomputed
     opt = torch.optim.AdamW(compiled.parameters(), lr=1e-4)
     _step(compiled, opt, inputs, {})

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for benchmarks.memory
 
@@ -25,6 +24,7 @@ import distckpt  # noqa: E402
 from benchmarks.memory import allocator_peak  # noqa: E402
 from distckpt import Budget  # noqa: E402
 from distckpt.apply.wrap import checkpoint_mode, is_checkpointed  # noqa: E402
+from distckpt.select.flops import flop_counter  # noqa: E402
 from distckpt.select.policies import Placement  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -79,7 +79,7 @@ def _peak(model: nn.Module, x: torch.Tensor) -> int:
 
 
 def _flops(model: nn.Module, x: torch.Tensor) -> int:
-    with FlopCounterMode(display=False) as fc:
+    with flop_counter() as fc:
         model(x).backward()
     model.zero_grad(set_to_none=True)
     return fc.get_total_flops()

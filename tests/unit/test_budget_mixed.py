@@ -18,7 +18,6 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.distributed._tools.mem_tracker import MemTracker
-from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for benchmarks.models
 
@@ -28,6 +27,7 @@ from benchmarks.models import GPT, GPTConfig, batch  # noqa: E402
 from distckpt import Budget, ConfigError  # noqa: E402
 from distckpt.select.blocks import find_blocks  # noqa: E402
 from distckpt.select.budget import plan_budget, predicted_peak  # noqa: E402
+from distckpt.select.flops import flop_counter  # noqa: E402
 from distckpt.select.policies import Placement  # noqa: E402
 from distckpt.select.profile import profile_model  # noqa: E402
 
@@ -109,7 +109,7 @@ def _measure(model: nn.Module, x: torch.Tensor) -> tuple[int, int]:
     with mt:
         model(x).backward()
     model.zero_grad(set_to_none=True)
-    with FlopCounterMode(display=False) as fc:
+    with flop_counter() as fc:
         model(x).backward()
     model.zero_grad(set_to_none=True)
     return mt.get_tracker_snapshot("peak")[CPU]["Total"], fc.get_total_flops()
@@ -250,6 +250,22 @@ def test_plan_report_names_the_pointwise_mode():
 
     modes = ("full", "pointwise", "pointwise", "none", "selective")
     assert _blocks(PolicyEstimate("budget", 0, 0, (0, 1, 2, 4), modes)) == "full 0, selective 4, pointwise 1-2"
+
+
+def test_plan_counts_no_rng_state_without_preserve_rng_state():
+    torch.manual_seed(0)
+    model, x = Stack(), torch.randn(64, 32)
+    mp = profile_model(model, find_blocks(model, _is_block), (x,))  # the profile wrap finds in the cache
+    kw = dict(strategy="none", optimizer="none")
+    no_rng = plan_budget(dataclasses.replace(mp, rng_state_bytes=0), 10**12, **kw).min_budget_bytes
+    assert no_rng < plan_budget(mp, 10**12, **kw).min_budget_bytes
+    with pytest.raises(ConfigError, match="no choice of checkpointed blocks fits"):  # counting the RNG state
+        distckpt.wrap(copy.deepcopy(model), Budget(no_rng, **kw), blocks=_is_block, example_inputs=(x,))
+    # The checkpoints keep no RNG state: the plan does not count it, and the allocator's peak stays within.
+    distckpt.wrap(model, Budget(no_rng, **kw), blocks=_is_block, example_inputs=(x,), preserve_rng_state=False)
+    chosen = [b for b in model.blocks if hasattr(b, "_distckpt_options")]
+    assert chosen and all(b._distckpt_options.preserve_rng_state is False for b in chosen)
+    assert _allocator_peak(model, x) <= no_rng
 
 
 class Three(Pointwise):

@@ -12,13 +12,13 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint as tuc
 from torch.distributed._tools.mem_tracker import MemTracker
-from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for benchmarks.models
 
 import distckpt  # noqa: E402
 from benchmarks.models import GPT, Block, GPTConfig, batch  # noqa: E402
 from distckpt import ConfigError, Selective  # noqa: E402
+from distckpt.select.flops import flop_counter  # noqa: E402
 from distckpt.select.selective import resolve_ops, selective_context_fn  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -29,7 +29,7 @@ def _block_step(block: nn.Module, x: torch.Tensor, context_fn=None, checkpoint=T
     x = x.detach().clone().requires_grad_()
     mt = MemTracker()
     mt.track_external(block, x)
-    with FlopCounterMode(display=False) as counter, mt:
+    with flop_counter() as counter, mt:
         before = mt.get_tracker_snapshot()[CPU]["Activation"]
         if not checkpoint:
             y = block(x)
@@ -142,7 +142,7 @@ def _steps(model: nn.Module, x: torch.Tensor, n: int) -> list[tuple[int, list[to
 
 
 def _recompute_flops(model: nn.Module, x: torch.Tensor) -> int:
-    with FlopCounterMode(display=False) as counter:
+    with flop_counter() as counter:
         model(x).float().pow(2).mean().backward()
     model.zero_grad(set_to_none=True)
     return counter.get_total_flops()

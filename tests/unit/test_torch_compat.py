@@ -179,6 +179,39 @@ def test_outside_fake_mode_makes_real_tensors():
             assert type(real) is torch.Tensor and sorted(real.tolist()) == [0, 1, 2, 3]
 
 
+def test_sdpa_flop_count_fns_and_cpu_flash_attention_ops():
+    forward, backward = compat.sdpa_flop_count_fns()
+    q, kv = (2, 4, 8, 16), (2, 2, 8, 16)  # GQA: 2 key/value heads for 4 query heads
+    assert forward(q, kv, kv) == 2 * (2 * 2 * 4 * 8 * 8 * 16)  # q @ k^T and p @ v, per query head
+    assert backward(q, q, kv, kv) == 5 * (2 * 2 * 4 * 8 * 8 * 16)  # scores recomputed, then 4 matmuls
+    fwd, bwd = compat.cpu_flash_attention_ops()
+    x = torch.randn(1, 2, 4, 8, requires_grad=True)
+    seen = []
+
+    class Ops(compat.torch_dispatch_mode()):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.overloadpacket)
+            return func(*args, **(kwargs or {}))
+
+    with Ops():
+        torch.nn.functional.scaled_dot_product_attention(x, x, x).sum().backward()
+    assert fwd in seen and bwd in seen  # what sdpa dispatches to on CPU
+
+
+def test_saved_tensors_of_sees_the_wrapped_numbers_hooks_skip():
+    packed = []
+    x = torch.randn(4, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        y = 0.5 * x.pow(3)  # PowBackward0 saves x (through the hooks), MulBackward0 the number 0.5 (not)
+    assert len(packed) == 1 and packed[0] is x
+    scalars = compat.saved_tensors_of(y.grad_fn)
+    assert [(t.dim(), t.dtype, t.item()) for t in scalars] == [(0, torch.float64, 0.5)]
+    pow_node = y.grad_fn.next_functions[0][0]
+    assert [t.data_ptr() for t in compat.saved_tensors_of(pow_node)] == [x.data_ptr()]
+    y.sum().backward()
+    assert compat.saved_tensors_of(y.grad_fn) == []  # freed by the backward: nothing to read
+
+
 def test_stop_recomputation_error_is_what_checkpoint_stops_a_recompute_with():
     stop = compat.stop_recomputation_error()
     assert issubclass(stop, Exception)

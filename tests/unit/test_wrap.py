@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.flop_counter import FlopCounterMode
 
 import distckpt
 from distckpt import ConfigError
 from distckpt.apply.wrap import is_checkpointed
+from distckpt.select.flops import flop_counter
 
 
 class Block(nn.Module):
@@ -468,7 +468,7 @@ def test_instance_forward_is_refused():
 
 def _flops(model, x):
     model.zero_grad(set_to_none=True)
-    with FlopCounterMode(display=False) as fc:
+    with flop_counter() as fc:
         model(x).pow(2).sum().backward()
     return fc.get_total_flops()
 
@@ -484,7 +484,7 @@ def test_recompute_flops_at_most_one_forward_and_like_torch(policy, n_ckpt):
     x = torch.randn(32, 4)
     plain = Net()
     base = _flops(plain, x)
-    with FlopCounterMode(display=False) as fc, torch.no_grad():
+    with flop_counter() as fc, torch.no_grad():
         h = plain.embed(x)
         plain.layers[0](h)
     block_fwd = fc.get_total_flops()
