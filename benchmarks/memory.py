@@ -582,12 +582,10 @@ def _write(args: argparse.Namespace, device: torch.device, rounds: int, started:
         f"{TOLERANCE:.1%} of the no-checkpointing peak above it in memory and at most {TOLERANCE:.1%} of "
         "forward+backward FLOPs above it in recompute, both computed from the figures below. A **no** names "
         "the budget point sized at that point's measured peak: given the same memory, the plan needed more "
-        "recompute. Two reasons seen: torch.compile's min-cut partitioner chooses what to keep op by op over "
-        "the whole graph, while the budget chooses per block among four modes (none, pointwise, selective, "
-        "full), none of which holds less than `selective` at less recompute; and the plan predicts a "
-        "placement a few KiB above its measured peak (all-`selective` on HF GPT-2: 6976 B, 0.02%), so a "
-        "budget sized exactly at that peak does not take it (a plan never exceeds its budget by its own "
-        "prediction).",
+        "recompute. The reason seen (CPU attention FLOPs counted, blocks keeping only what their recompute "
+        "reads): the plan predicts a placement a few KiB above its measured peak (all-`selective` and "
+        "all-`pointwise` on HF GPT-2: 7168 B, 0.01%), so a budget sized exactly at that peak does not take it"
+        " (a plan never exceeds its budget by its own prediction): distckpt's own fixed policies, not peers.",
         "",
         f"![memory vs recompute]({png.name})",
         "",
