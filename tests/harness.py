@@ -2,8 +2,13 @@
 
 Kept here instead of ``torch.testing._internal`` (private, changes between releases). Each rank is
 set up by the library's spawner (:func:`distckpt._spawn.init_rank`); the ranks are started once per
-test session and reused (a spawn costs seconds of imports); a call that fails on
-some rank, or does not finish in time (a hang), restarts them so the next test starts clean.
+test session and reused (a spawn costs seconds of imports, 10-40 s on a loaded 2-core machine).
+
+A call that raises on some rank keeps the processes: the rank that raised destroys its process group at
+once (so a peer waiting for it in a collective gets an error instead of hanging), then every rank joins
+a fresh group (:func:`_regroup`) before the next call, so no collective of the failed call is left in
+flight. A call that does not finish in time (a hang: a rank stuck in a collective, which no message
+can reach), or ranks that do not all regroup in time, restart the processes instead.
 
 Usage::
 
@@ -44,6 +49,23 @@ class RankError(RuntimeError):
         return "\n".join(msg for _, msg, _ in self.errors.values())
 
 
+_REGROUP = "regroup"  # the job that replaces a rank's process group after a call that raised
+
+
+def _regroup(rank: int, world_size: int, port: int, generation: int) -> None:
+    """Leave the current process group (every group: subgroups, meshes) and join a fresh default one.
+
+    The new group's rendezvous keys are prefixed by ``generation``: the store still holds the keys of the
+    groups before it (torch names every default group "0"), which a new group must not read."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"regroup{generation}/", store), rank=rank,
+                            world_size=world_size)
+
+
 def _worker(rank: int, world_size: int, port: int, path: list[str], inbox: Any, outbox: Any) -> None:
     import torch.distributed as dist
 
@@ -54,20 +76,36 @@ def _worker(rank: int, world_size: int, port: int, path: list[str], inbox: Any, 
             break
         fn, args, kwargs = job
         try:
+            if isinstance(fn, str) and fn == _REGROUP:
+                _regroup(rank, world_size, port, *args)
+                outbox.put((rank, True, _REGROUP))
+                continue
             outbox.put((rank, True, fn(rank, world_size, *args, **kwargs)))
         except BaseException as e:  # reported to the parent, which decides
             outbox.put((rank, False, (type(e).__name__, str(e), traceback.format_exc())))
-    dist.destroy_process_group()
+            # A peer may wait for this rank in a collective: closing the group's connections makes it
+            # raise (gloo: "Connection closed by peer") and answer, instead of hanging until a restart.
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class DistPool:
     """``world_size`` CPU ranks joined in a gloo process group, reused across calls."""
+
+    # After a call that raised: how long the ranks may take to join a fresh group before they are restarted
+    # (as long as a restart used to wait for a rank stuck after a failure: a rank that could not close its
+    # group, async work in flight, costs no more than before).
+    REGROUP_S = 10.0
 
     def __init__(self, world_size: int = 2, timeout: float = 120.0):
         self.world_size = world_size
         self.timeout = timeout
         self._procs: list[Any] = []
         self._store: Any = None
+        self._generation = 0
+        self.starts = 0  # how many times the ranks were (re)started: tests/distributed/test_harness.py
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
@@ -82,6 +120,7 @@ class DistPool:
         ]
         for p in self._procs:
             p.start()
+        self.starts += 1
 
     def close(self) -> None:
         for p in self._procs:
@@ -95,32 +134,43 @@ class DistPool:
         """Run ``fn(rank, world_size, *args, **kwargs)`` on every rank; return the per-rank results.
 
         Raises:
-            RankError: when any rank raised (the ranks are restarted).
+            RankError: when any rank raised (the ranks stay and join a fresh process group; a peer stuck
+                in a collective with the rank that raised reports the error it got, e.g. "Connection closed").
             TimeoutError: when the ranks did not all answer in time, e.g. a hang in a collective.
         """
         if not self._procs or not all(p.is_alive() for p in self._procs):
             self.close()
             self._start()
+        results, errors, missing = self._call(fn, args, kwargs, timeout or self.timeout)
+        if missing:
+            self.close()
+            if errors:
+                raise RankError(errors) from None
+            raise TimeoutError(f"ranks {missing} did not finish {fn.__name__} in "
+                               f"{timeout or self.timeout:.0f}s (a hang?)") from None
+        if errors:
+            self._generation += 1
+            _, failed, missing = self._call(_REGROUP, (self._generation,), {}, self.REGROUP_S)
+            if failed or missing:
+                self.close()
+            raise RankError(errors)
+        return [results[r] for r in range(self.world_size)]
+
+    def _call(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], limit: float
+              ) -> tuple[dict[int, Any], dict[int, tuple[str, str, str]], list[int]]:
+        """Send one job to every rank; (results, errors, ranks that did not answer in time) by rank."""
         for box in self._inboxes:
             box.put((fn, args, kwargs))
         results: dict[int, Any] = {}
         errors: dict[int, tuple[str, str, str]] = {}
-        limit = timeout or self.timeout
         try:
             while len(results) + len(errors) < self.world_size:
                 rank, ok, value = self._outbox.get(timeout=limit)
                 (results if ok else errors)[rank] = value
                 if errors:
-                    # The other ranks may be stuck in a collective the failed rank never joined:
-                    # give them a short while, then restart.
+                    # The other ranks may be stuck in a collective the failed rank never joined (a group it
+                    # could not close: async work in flight): give them a short while, then restart.
                     limit = min(limit, 10.0)
         except queue.Empty:
-            self.close()
-            if errors:
-                raise RankError(errors) from None
-            missing = sorted(set(range(self.world_size)) - set(results))
-            raise TimeoutError(f"ranks {missing} did not finish {fn.__name__} in {limit:.0f}s (a hang?)") from None
-        if errors:
-            self.close()
-            raise RankError(errors)
-        return [results[r] for r in range(self.world_size)]
+            pass
+        return results, errors, sorted(set(range(self.world_size)) - set(results) - set(errors))

@@ -1,4 +1,7 @@
-"""The harness itself: results per rank, errors reported with their rank, hangs turned into timeouts."""
+"""The harness itself: results per rank, errors reported with their rank, hangs turned into timeouts; a
+rank that raised keeps its process (a fresh process group), a hang restarts the ranks."""
+
+import os
 
 import pytest
 import torch
@@ -24,6 +27,17 @@ def _hang_on_one(rank, world_size):
     return rank
 
 
+def _fail_while_peer_waits(rank, world_size):
+    if rank == 1:
+        raise ValueError("boom on rank 1")
+    dist.all_reduce(torch.ones(1))  # rank 1 never joins: its group closes under rank 0
+    return rank
+
+
+def _pid(rank, world_size):
+    return os.getpid()
+
+
 def test_results_per_rank(dist_pool):
     assert dist_pool.run(_allreduce, 1.0) == [3.0, 3.0]
 
@@ -32,10 +46,24 @@ def test_error_names_rank(dist_pool):
     with pytest.raises(RankError) as e:
         dist_pool.run(_fail_on_one)
     assert set(e.value.errors) == {1} and "boom on rank 1" in e.value.messages()
-    assert dist_pool.run(_allreduce, 0.0) == [1.0, 1.0]  # restarted cleanly
+    assert dist_pool.run(_allreduce, 0.0) == [1.0, 1.0]  # a fresh group, cleanly
+
+
+def test_error_keeps_the_ranks(dist_pool):
+    """A rank that raised serves the next call (a restart cost 10-40 s of imports under load), in a fresh
+    group; a peer waiting for it in a collective raises at once instead of hanging until a restart."""
+    pids, starts = dist_pool.run(_pid), dist_pool.starts
+    with pytest.raises(RankError) as e:
+        dist_pool.run(_fail_while_peer_waits, timeout=60)
+    assert e.value.errors[1][:2] == ("ValueError", "boom on rank 1")
+    assert 0 in e.value.errors, e.value  # rank 0's all_reduce failed: it did not wait out the 10 s
+    assert dist_pool.run(_allreduce, 2.0) == [5.0, 5.0]
+    assert dist_pool.run(_pid) == pids and dist_pool.starts == starts
 
 
 def test_hang_becomes_timeout(dist_pool):
+    pids = dist_pool.run(_pid)
     with pytest.raises(TimeoutError):
         dist_pool.run(_hang_on_one, timeout=5)
     assert dist_pool.run(_allreduce, 0.0) == [1.0, 1.0]
+    assert set(dist_pool.run(_pid)).isdisjoint(pids)  # a rank stuck in a collective is restarted

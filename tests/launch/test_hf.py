@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 
 import pytest
@@ -11,9 +12,10 @@ from launchkit import assert_params_equal, check_in_process, compose, final_para
 from launch.config import validate
 from launch.run import train
 
-pytestmark = pytest.mark.launch
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
+# Skipped without transformers/peft, imported only by the tests that use them: importing peft at collection
+# cost every pytest-xdist worker ~6 s of CPU (it imports transformers' models), for the tests of one.
+pytestmark = [pytest.mark.launch, *(pytest.mark.skipif(importlib.util.find_spec(name) is None, reason=f"needs {name}")
+                                    for name in ("transformers", "peft"))]
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +42,9 @@ def test_lora_on_2_ranks_matches_a_single_process_and_saves_a_loadable_adapter(p
     assert_params_equal(trained, final_params(tmp_path / "ref", over), exact=False)
     out = tmp_path / "ddp" / "hf"
     assert (out / "adapter_config.json").is_file() and (out / "task_head.pt").is_file()
+    import peft
+    import transformers
+
     base = transformers.AutoModelForCausalLM.from_pretrained(pretrained, local_files_only=True)
     original = {k: v.clone() for k, v in base.state_dict().items()}
     loaded = peft.PeftModel.from_pretrained(base, out).state_dict()
@@ -57,6 +62,8 @@ def test_without_lora_the_whole_model_trains_and_is_saved(pretrained, tmp_path):
     over = _over(pretrained)
     train(compose([*over, "strategy=none"]), run_dir=tmp_path / "full")
     trained = final_params(tmp_path / "full", over)
+    import transformers
+
     saved = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "hf", local_files_only=True)
     for k, v in saved.state_dict().items():
         assert torch.equal(v, trained[f"lm.{k}"]), k

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import benchmarks.ranks
 from benchmarks.plan_accuracy import compare, compare_dist, gpt_factory, hf_factory, make_llama_70b
 from distckpt.cli import main
 from distckpt.errors import ConfigError
@@ -23,10 +24,18 @@ def test_predicted_peaks_within_5_percent_of_measured(name, factory):
 
 
 @pytest.mark.dist
-def test_per_rank_peaks_within_5_percent_on_two_ranks_ddp_and_fsdp2():
-    # One spawned run of 2 gloo ranks: each rank's steady-state step per policy under DDP (its C++ gradient
+def test_per_rank_peaks_within_5_percent_on_two_ranks_ddp_and_fsdp2(dist_pool, monkeypatch):
+    # One run of 2 gloo ranks: each rank's steady-state step per policy under DDP (its C++ gradient
     # bucket counted from the step's start; the plan counts it as one more gradient-sized buffer) and FSDP2
     # (every block its own unit; the plan counts what is unsharded per phase: budget._Sharded).
+    # The ranks are the session's pool (tests/harness.py, one thread each as the spawn's are on 2 cores)
+    # instead of a spawn of their own (seconds of imports; the spawn is tested in tests/distributed/
+    # test_spawn.py): MemTracker's peaks count the step's own tensors, whatever the process ran before.
+    def pooled(target, world, *args, timeout=3600):
+        assert world == dist_pool.world_size
+        return dict(enumerate(dist_pool.run(target, *args, timeout=timeout)))
+
+    monkeypatch.setattr(benchmarks.ranks, "run_ranks", pooled)
     results = compare_dist("gpt", 4, ("ddp", "fsdp2"))
     assert set(results) == {"ddp", "fsdp2"}
     for strategy, rows in results.items():
