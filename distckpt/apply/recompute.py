@@ -122,13 +122,13 @@ def _keep_running_stats(norms: list[nn.Module]) -> Iterator[None]:
 
 
 def _context_fn(opts: CheckpointOptions, module: nn.Module) -> Callable[[], tuple[Any, Any]]:
-    own = bind(opts.context_fn, module) if opts.context_fn else None  # op-level: this block's own reach
+    own = bind(opts.context_fn, module)  # op-level: this block's own reach; full: torch's noop_context_fn
     norms = module._distckpt_norms
     if not norms:
-        return own or tuc.noop_context_fn
+        return own
 
     def context_fn() -> tuple[Any, Any]:
-        fwd, rec = own() if own else (contextlib.nullcontext(), contextlib.nullcontext())
+        fwd, rec = own()
         stack = contextlib.ExitStack()
 
         @contextlib.contextmanager

@@ -405,10 +405,10 @@ def _checkpointed_peaks(model: nn.Module, blocks: list[tuple[str, nn.Module]], a
 
     def windowed(i: int) -> Callable[[], tuple[Any, Any]]:
         # Bound here, as _recompute_flops does: the wrapper's own bind passes a function like this one as is.
-        own = bind(context_fn, blocks[i][1]) if context_fn else None  # the block's reach (selective._Reach)
+        own = bind(context_fn, blocks[i][1])  # the block's reach (selective._Reach)
 
         def pair() -> tuple[Any, Any]:
-            fwd, rec = own() if own else (contextlib.nullcontext(), contextlib.nullcontext())
+            fwd, rec = own()
             return fwd, _RecomputeWindow(tracker, rec, dev, in_recompute, i)
 
         return pair
@@ -455,10 +455,10 @@ def _recompute_flops(model: nn.Module, blocks: list[tuple[str, nn.Module]], args
     flops = [0] * len(blocks)
 
     def counting(i: int) -> Callable[[], tuple[Any, Any]]:
-        own = bind(context_fn, blocks[i][1]) if context_fn else None  # the block's reach, learned here
+        own = bind(context_fn, blocks[i][1])  # the block's reach, learned here
 
         def pair() -> tuple[Any, Any]:
-            fwd, rec = own() if own else (contextlib.nullcontext(), contextlib.nullcontext())
+            fwd, rec = own()
 
             @contextlib.contextmanager
             def recompute() -> Iterator[None]:

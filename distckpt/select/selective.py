@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts, noop_context_fn
 
 from distckpt import _torch_compat as compat
 from distckpt.errors import ConfigError
@@ -93,8 +93,10 @@ class _Reach:
 
     def learn(self, seen: collections.Counter) -> None:
         """Widen the reach to what one recompute re-ran (``{op name: calls}``)."""
-        self.calls = dict(seen) if self.calls is None else {
-            op: max(n, seen.get(op, 0)) for op, n in {**seen, **self.calls}.items()}
+        calls = {} if self.calls is None else self.calls
+        for op, n in seen.items():
+            calls[op] = max(calls.get(op, 0), n)
+        self.calls = calls
 
 
 def _policy(save: frozenset[Any], every_other_matmul: bool, reach: _Reach | None) -> Callable[..., CheckpointPolicy]:
@@ -120,40 +122,47 @@ def _policy(save: frozenset[Any], every_other_matmul: bool, reach: _Reach | None
     return policy
 
 
-def _reach_mode(inner: Any, reach: _Reach, save: frozenset[Any]) -> Any:
-    """The recompute context: torch's (``inner``) under a dispatch mode that counts the kept ops the
-    recompute re-runs, then teaches ``reach`` on a completed recompute (or an early stop)."""
-    mode_cls = compat.torch_dispatch_mode()
+@functools.cache
+def _counting_mode() -> type:
+    """The recompute's counting dispatch mode (:func:`_reach_mode`), a class made once: torch's
+    ``TorchDispatchMode`` is reached through the compat module, so the class cannot be made at import."""
     stop = compat.stop_recomputation_error()
 
-    class Counting(mode_cls):  # type: ignore[misc, valid-type]
+    class Counting(compat.torch_dispatch_mode()):  # type: ignore[misc]
         @classmethod
         def ignore_compile_internals(cls) -> bool:
             return True  # as torch's own SAC modes: compiled code is not counted op by op
 
-        def __init__(self) -> None:
+        def __init__(self, inner: Any, reach: _Reach, save: frozenset[Any]) -> None:
             super().__init__()
+            self.inner, self.reach, self.save = inner, reach, save
             self.seen: collections.Counter = collections.Counter()
 
         def __enter__(self) -> Any:
-            inner.__enter__()
+            self.inner.__enter__()
             return super().__enter__()
 
         def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Any:
             try:
                 super().__exit__(exc_type, exc, tb)
             finally:
-                done = inner.__exit__(exc_type, exc, tb)
+                done = self.inner.__exit__(exc_type, exc, tb)
             if exc_type is None or issubclass(exc_type, stop):
-                reach.learn(self.seen)
+                self.reach.learn(self.seen)
             return done
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            if func.overloadpacket in save:
+            if func.overloadpacket in self.save:
                 self.seen[str(func)] += 1
             return func(*args, **(kwargs or {}))
 
-    return Counting()
+    return Counting
+
+
+def _reach_mode(inner: Any, reach: _Reach, save: frozenset[Any]) -> Any:
+    """The recompute context: torch's (``inner``) under a dispatch mode that counts the kept ops the
+    recompute re-runs, then teaches ``reach`` on a completed recompute (or an early stop)."""
+    return _counting_mode()(inner, reach, save)
 
 
 def _contexts(save: frozenset[Any], every_other_matmul: bool, reach: _Reach | None = None) -> tuple[Any, Any]:
@@ -166,9 +175,12 @@ def _contexts(save: frozenset[Any], every_other_matmul: bool, reach: _Reach | No
 _REACH = "_distckpt_reach"
 
 
-def bind(context_fn: Callable[[], tuple[Any, Any]], block: Any) -> Callable[[], tuple[Any, Any]]:
+def bind(context_fn: Callable[[], tuple[Any, Any]] | None, block: Any) -> Callable[[], tuple[Any, Any]]:
     """``context_fn`` for checkpointing ``block``: one of distckpt's op-level policies gets the
-    block's own :class:`_Reach` (what its recompute reads), any other is returned as it is."""
+    block's own :class:`_Reach` (what its recompute reads), any other is returned as it is, and
+    ``None`` (full recompute) is torch's ``noop_context_fn``."""
+    if context_fn is None:
+        return noop_context_fn
     if not (isinstance(context_fn, functools.partial) and context_fn.func is _contexts):
         return context_fn
     save, every_other = context_fn.args[:2]
@@ -220,7 +232,7 @@ def context_mode(context_fn: Callable[[], tuple[Any, Any]]) -> str:
     """The named mode a ``context_fn`` runs: ``"pointwise"`` for the default saved ops without
     every-other-matmul recompute, else ``"selective"`` (any other op-level policy, user-made too)."""
     if isinstance(context_fn, functools.partial) and context_fn.func is _contexts:
-        save, every_other = context_fn.args
+        save, every_other = context_fn.args[:2]  # a block's bound one carries its reach third
         if not every_other and save == resolve_ops(DEFAULT_SAVE_OPS):
             return "pointwise"
     return "selective"
