@@ -242,6 +242,15 @@ def _accumulated(mp: ModelProfile, static: int, fs: _Sharded | None, grad_accumu
     return static + fs.grads(mp.trainable_bytes), replace(fs, div=1)
 
 
+def _phase_terms(mp: ModelProfile, static: int, strategy: str, world_size: int, shard_size: int | None,
+                 grad_accumulation: bool) -> tuple[int, int, _Sharded | None]:
+    """What every bound starts from: the shard count, ``static`` and the per-phase FSDP terms, both
+    under gradient accumulation as :func:`_accumulated` counts them."""
+    div = shards(strategy, world_size, shard_size)
+    static, fs = _accumulated(mp, static, _sharded_terms(mp, strategy, world_size, div), grad_accumulation)
+    return div, static, fs
+
+
 def _bounds(mp: ModelProfile, static: int, *, recompute: str = "full", **kw: Any) -> tuple[list[int], list[int], int]:
     """:func:`_mode_bounds` for one recompute mode: ``(plain, ckpt, end)``."""
     plain, ckpt, end = _mode_bounds(mp, static, (recompute,), **kw)
@@ -262,8 +271,7 @@ def _mode_bounds(mp: ModelProfile, static: int, recompute: tuple[str, ...], *, s
     profile measured which gradients exist at each block's backward peak and at the head's peak.
     Under FSDP/FSDP2 each phase adds what is unsharded then (:class:`_Sharded`).
     """
-    div = shards(strategy, world_size, shard_size)
-    static, fs = _accumulated(mp, static, _sharded_terms(mp, strategy, world_size, div), grad_accumulation)
+    div, static, fs = _phase_terms(mp, static, strategy, world_size, shard_size, grad_accumulation)
     before, _ = _own_grads(mp)
 
     def absent(grads: int) -> int:
@@ -320,8 +328,7 @@ def _tail(mp: ModelProfile, static: int, step: int, *, strategy: str, world_size
           grad_accumulation: bool, shard_size: int | None = None) -> int:
     """``step`` raised to the measured peak after every block's backward (the embeddings'), if any,
     and under FSDP2 to the root unit's reduce-scatter at the end of backward."""
-    div = shards(strategy, world_size, shard_size)
-    static, fs = _accumulated(mp, static, _sharded_terms(mp, strategy, world_size, div), grad_accumulation)
+    div, static, fs = _phase_terms(mp, static, strategy, world_size, shard_size, grad_accumulation)
     if fs is not None and fs.reduce:
         # Every block's gradients sharded, the root's unsharded and copied into the reduce-scatter input.
         step = max(step, static + fs.grads(fs.reduce) + fs.reduce)
