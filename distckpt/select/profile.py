@@ -84,6 +84,22 @@ class BlockProfile:
             recompute's own nodes hold a second copy while it runs, and ``fork_rng`` a copy of the RNG
             state: the ``*_recompute_overhead_bytes`` include those where the measured recompute peak
             lies inside the recompute (as far as they could lift the allocator's peak above it).
+        accumulating_overhead_bytes: like ``overhead_bytes``, the largest activations and temporaries
+            of the block's forward and backward alone (not paired with the gradients of that instant):
+            the overhead when every gradient already exists (gradient accumulation), where a new
+            gradient is a temporary until its in-place add into the accumulated one. The peak of the
+            sample step pairs the activations with the gradients made so far: on HF GPT-2 it lies
+            after the block's MLP output projection's gradient became ``.grad``; with the gradients
+            accumulated the peak is the instant before (that gradient still a temporary, 41 KB more
+            activations and temporaries). ``-1``: not measured.
+        end_overhead_bytes: the activations and temporaries when the block's backward has made the
+            gradients of its inputs, over what the blocks before it (and the embeddings) hold: what
+            FSDP1 has beside the block's parameter gradients when it concatenates them into its flat
+            parameter's gradient. ``-1``: not measured.
+        recompute_accumulating_overhead_bytes, selective_recompute_accumulating_overhead_bytes,
+            pointwise_recompute_accumulating_overhead_bytes: like the ``*_recompute_overhead_bytes``, the
+            activations' own peak of the block's backward (its recompute included) in that mode's
+            checkpointed step, as ``accumulating_overhead_bytes`` is for a kept block. ``-1``: not measured.
     """
 
     fqn: str
@@ -108,6 +124,11 @@ class BlockProfile:
     pointwise_recompute_overhead_bytes: int = 0
     pointwise_recompute_grads_bytes: int = -1
     scalar_saved_bytes: int = 0
+    accumulating_overhead_bytes: int = -1
+    end_overhead_bytes: int = -1
+    recompute_accumulating_overhead_bytes: int = -1
+    selective_recompute_accumulating_overhead_bytes: int = -1
+    pointwise_recompute_accumulating_overhead_bytes: int = -1
 
     def mode_held_flops(self, mode: str) -> tuple[int, int]:
         """``(bytes held from forward to backward, recompute FLOPs)`` of a checkpointed ``mode``
@@ -126,6 +147,13 @@ class BlockProfile:
         if mode == "pointwise":
             return self.pointwise_recompute_grads_bytes, self.pointwise_recompute_overhead_bytes
         return self.recompute_grads_bytes, self.recompute_overhead_bytes
+
+    def recompute_accumulating(self, mode: str) -> int:
+        """The activations' own peak over the prediction in a backward of the block checkpointed in
+        ``mode`` (``-1``: not measured): its bound when every gradient exists (accumulation)."""
+        if mode in OP_MODES:
+            return getattr(self, f"{mode}_recompute_accumulating_overhead_bytes")
+        return self.recompute_accumulating_overhead_bytes
 
     @property
     def full_flops(self) -> int:
@@ -394,7 +422,8 @@ def _checkpointed_peaks(model: nn.Module, blocks: list[tuple[str, nn.Module]], a
 
     Returns:
         ``[(activation and temporary bytes, gradient bytes, bytes left by the forward, activation and
-        temporary bytes at the peak inside the block's recompute), ...]`` per block (the last: the
+        temporary bytes at the peak inside the block's recompute, the activations' own peak of the
+        block's backward whatever the gradients then), ...]`` per block (the last: the
         first if the window could not be read), or ``None`` when the step fails (then the budget
         bounds a recompute from the first step alone, and offers no selective choice).
     """
@@ -402,6 +431,26 @@ def _checkpointed_peaks(model: nn.Module, blocks: list[tuple[str, nn.Module]], a
     before: dict[int, int] = {}
     left = [0] * len(blocks)
     in_recompute = [-1] * len(blocks)
+    window: list[int | None] = [None]  # the block whose backward runs (as _StepRecorder.in_backward)
+    own_peak = [-1] * len(blocks)  # the activations' own peak in that backward, its recompute included
+
+    def after_op() -> None:
+        if window[0] is not None:
+            own_peak[window[0]] = max(own_peak[window[0]], _act(_at(tracker.get_tracker_snapshot(), dev)))
+
+    def opened(i: int) -> Callable[[Any], None]:
+        return lambda g: window.__setitem__(0, i)
+
+    def closed(i: int) -> Callable[[Any], None]:
+        return lambda g: window.__setitem__(0, None) if window[0] == i else None
+
+    def pre(mod: nn.Module, a: Any, i: int) -> None:
+        before[i] = total()
+        grad_hooks.extend(t.register_hook(closed(i)) for t in _tensors(a) if t.requires_grad)
+
+    def post(mod: nn.Module, o: Any, i: int) -> None:
+        left[i] = total() - before[i]
+        grad_hooks.extend(t.register_hook(opened(i)) for t in _tensors(o) if t.requires_grad)
 
     def windowed(i: int) -> Callable[[], tuple[Any, Any]]:
         # Bound here, as _recompute_flops does: the wrapper's own bind passes a function like this one as is.
@@ -416,20 +465,21 @@ def _checkpointed_peaks(model: nn.Module, blocks: list[tuple[str, nn.Module]], a
     def total() -> int:
         return sum(d.get("Total", 0) for d in tracker.get_tracker_snapshot().values())
 
-    hooks = []
+    hooks, grad_hooks = [], []
     for i, (_, m) in enumerate(blocks):
-        hooks.append(m.register_forward_pre_hook(lambda mod, a, i=i: before.__setitem__(i, total())))
-        hooks.append(m.register_forward_hook(lambda mod, a, o, i=i: left.__setitem__(i, total() - before[i])))
+        hooks.append(m.register_forward_pre_hook(lambda mod, a, i=i: pre(mod, a, i)))
+        hooks.append(m.register_forward_hook(lambda mod, a, o, i=i: post(mod, o, i)))
     try:
         with _all_checkpointed(model, blocks, [windowed(i) for i in range(len(blocks))]), tracker:
             loss = scalar_loss(model(*args, **kwargs))
-            loss.backward()
+            with _AfterOps(after_op):
+                loss.backward()
             del loss
     except Exception as e:  # noqa: BLE001 - any failure only loses precision, never correctness
         logger.info("distckpt.select.profile: the checkpointed sample step failed (%s); recompute peaks estimated", e)
         return None
     finally:
-        for h in hooks:
+        for h in hooks + grad_hooks:
             h.remove()
     out = []
     for i, (_, m) in enumerate(blocks):
@@ -442,7 +492,8 @@ def _checkpointed_peaks(model: nn.Module, blocks: list[tuple[str, nn.Module]], a
                 best, grads = act, d.get("Gradient", 0)
         if best < 0:
             return None
-        out.append((best, grads, left[i], min(in_recompute[i], best) if in_recompute[i] >= 0 else best))
+        out.append((best, grads, left[i], min(in_recompute[i], best) if in_recompute[i] >= 0 else best,
+                    max(best, own_peak[i])))
     return out
 
 
@@ -512,6 +563,21 @@ def _unhooked_saved_bytes(roots: list[Any], stop: set[Any], seen: set[Any],
     return sum(found.values())
 
 
+class _AfterOps(compat.torch_dispatch_mode()):
+    """Calls ``fn`` after every op, inside MemTracker's mode (entered after it): MemTracker's per-module
+    snapshots are taken at the largest total, which pairs activations with the gradients of that
+    instant; the activations' own peak needs a look after each op."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.fn()
+        return out
+
+
 class _StepRecorder:
     """The hooks of the profiled sample step: which block saves each storage for backward, each
     block's inputs and forward FLOPs, and MemTracker's peak of the head (after the last block's
@@ -542,6 +608,9 @@ class _StepRecorder:
         self.outside_scalars = 0  # ModelProfile.scalar_saved_bytes
         self.device = torch.device("cpu")
         self.grad_hooks: list[Any] = []  # removed after the step: an input may be the caller's own leaf tensor
+        self.in_backward: int | None = None  # the block whose backward runs (its output's gradient came first)
+        self.backward_act = [-1] * n  # the most activations+temporaries after any op of that backward
+        self.end_act = [-1] * n  # activations+temporaries when the block's input gradients are made
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         key = _storage_key(t)
@@ -562,10 +631,27 @@ class _StepRecorder:
                 self.input_nodes[i].add(t.grad_fn)
             if t.requires_grad:
                 self.pending_inputs += 1
-                self.grad_hooks.append(t.register_hook(self._input_grad))
+                self.grad_hooks.append(t.register_hook(lambda g, i=i: self._input_grad(i)))
         self.flop_start[i] = self.counter.get_total_flops()
 
-    def _input_grad(self, _: torch.Tensor) -> None:
+    def _act_now(self) -> int:
+        return _act(_at(self.tracker.get_tracker_snapshot(), self.dev))
+
+    def after_op(self) -> None:
+        """After every op of backward (:class:`_AfterOps`): the block in backward's activation peak."""
+        i = self.in_backward
+        if i is not None:
+            self.backward_act[i] = max(self.backward_act[i], self._act_now())
+
+    def _output_grad(self, i: int) -> None:
+        self.in_backward = i
+
+    def _input_grad(self, i: int) -> None:
+        # The hook of block i-1's output on the same tensor ran first (registered before): only block i's
+        # own window closes here.
+        self.end_act[i] = max(self.end_act[i], self._act_now())
+        if self.in_backward == i:
+            self.in_backward = None
         # Once backward has made the gradient of every block input, every block's backward is over: what
         # runs from here (the embeddings' backward, a tied embedding's dense gradient) is the tail, whose
         # peak no choice of blocks changes. Its own window, as the head's: the step's overall peak lies
@@ -589,6 +675,9 @@ class _StepRecorder:
         self.done = max(self.done, i + 1)
         roots = [t.grad_fn for t in _tensors(out) if t.grad_fn is not None]
         self.scalars[i] += _unhooked_saved_bytes(roots, self.input_nodes[i], self.walked, self._packed, self.device)
+        for t in _tensors(out):
+            if t.requires_grad:
+                self.grad_hooks.append(t.register_hook(lambda g, i=i: self._output_grad(i)))
         if i == self.n - 1:
             self._head_window(out)
 
@@ -622,6 +711,7 @@ class _StepRecorder:
             handles.append(m.register_forward_hook(self.post_hook, with_kwargs=True))
         self.tracker = memory_tracker(model, *batch)
         self.device = device
+        self.dev = device if device.type != "cuda" else torch.device("cuda", device.index or 0)
         cuda = device.type == "cuda"
         try:
             with _preserved_state(model, device):
@@ -637,7 +727,8 @@ class _StepRecorder:
                     # The inputs were kept only to tell storages apart in forward; kept in backward they
                     # would inflate every backward snapshot by the later blocks' inputs.
                     self.keep.clear()
-                    loss.backward()
+                    with _AfterOps(self.after_op):
+                        loss.backward()
                     del loss
                     self._close_tail()
                 return torch.cuda.max_memory_allocated(device) - cuda_base if cuda else 0
@@ -696,6 +787,8 @@ def _block_overheads(rec: _StepRecorder, att: _Attribution, dev: torch.device) -
     n = rec.n
     out: dict[str, list[int]] = {k: [0] * n for k in ("overhead", "overhead_fw", "overhead_bw")}
     out["grads_peak"] = [-1] * n
+    out["accumulating"] = [-1] * n
+    out["end"] = [-1] * n
     out["measured_blocks"] = []
     prefix = 0
     held = att.held
@@ -713,6 +806,10 @@ def _block_overheads(rec: _StepRecorder, att: _Attribution, dev: torch.device) -
                 out["overhead_bw"][i] = measured_bw - base
                 # Gradient bytes in the snapshot where activations and temporaries peak (the same instant).
                 out["grads_peak"][i] = _at(max(bw_snaps, key=lambda s: _act(_at(s, dev))), dev).get("Gradient", 0)
+            if rec.backward_act[i] >= 0:  # the activations' own peak, whatever gradients existed then
+                out["accumulating"][i] = max(0, max(measured_fw, measured_bw, rec.backward_act[i]) - base)
+        if rec.end_act[i] >= 0:
+            out["end"][i] = max(0, rec.end_act[i] - att.pre - prefix)
         prefix += held[i]
     return out
 
@@ -751,27 +848,30 @@ def _head_and_tail(rec: _StepRecorder, model: nn.Module, att: _Attribution, meas
     )
 
 
-def _over_prediction(peaks: list[tuple[int, int, int, int]], rec: _StepRecorder, att: _Attribution,
+def _over_prediction(peaks: list[tuple[int, int, int, int, int]], rec: _StepRecorder, att: _Attribution,
                      batch_keys: set[tuple[str, int]], extra: list[int], during: list[int]
-                     ) -> tuple[list[int], list[int]]:
+                     ) -> tuple[list[int], list[int], list[int]]:
     """Each block's measured backward peak in a checkpointed step over what the prediction holds
     there (the prefix of checkpointed blocks, each holding its inputs plus ``extra``), and the
     gradient bytes at that peak. Plus the part of what the recompute holds only while it runs and
     MemTracker does not see (``during``: its nodes' wrapped numbers, :attr:`BlockProfile.scalar_saved_bytes`,
     and ``fork_rng``'s copy of the RNG state) that can be alive at the CPU allocator's peak: as far as
-    the peak inside the recompute plus it exceeds the block's peak (none when that peak is after it)."""
+    the peak inside the recompute plus it exceeds the block's peak (none when that peak is after it).
+    Third: the same over the activations' own peak (for accumulation, see
+    :attr:`BlockProfile.recompute_accumulating_overhead_bytes`)."""
     # What the checkpointed blocks before i really hold: their inputs, each storage once and not block
     # i's own (the mask and rotary tables are every block's input; input_bytes counts them per block, so
     # the prediction stays above the measure when some are kept).
     held_in: dict[tuple[str, int], int] = {}
-    over, grads_at = [], []
-    for i, (act, grads, _, inside) in enumerate(peaks):
+    over, grads_at, own = [], [], []
+    for i, (act, grads, _, inside, own_act) in enumerate(peaks):
         before = sum(b for k, b in held_in.items() if k not in rec.input_keys[i]) + sum(extra[:i])
-        copy_alive = max(0, min(during[i], inside + during[i] - act))
-        over.append(act - (att.pre + before + att.inner[i] + att.in_bytes[i]) + copy_alive)
+        model = att.pre + before + att.inner[i] + att.in_bytes[i]
+        over.append(act - model + max(0, min(during[i], inside + during[i] - act)))
+        own.append(own_act - model + max(0, min(during[i], inside + during[i] - own_act)))
         grads_at.append(grads)
         held_in.update((k, b) for k, b in rec.input_keys[i].items() if k not in batch_keys)
-    return over, grads_at
+    return over, grads_at, own
 
 
 def _recompute_profile(model: nn.Module, rec: _StepRecorder, att: _Attribution, args: tuple[Any, ...],
@@ -783,10 +883,12 @@ def _recompute_profile(model: nn.Module, rec: _StepRecorder, att: _Attribution, 
     full one (the bytes its forward leaves alive beyond full's: the op outputs it keeps, as ``distckpt
     plan`` counts them), and the recompute FLOPs (one FLOP-only step per mode)."""
     n = rec.n
-    out = {"recompute_overhead_bytes": [0] * n, "recompute_grads_bytes": [-1] * n, "recompute_flops": [-1] * n}
+    out = {"recompute_overhead_bytes": [0] * n, "recompute_grads_bytes": [-1] * n, "recompute_flops": [-1] * n,
+           "recompute_accumulating_overhead_bytes": [-1] * n}
     for mode in OP_MODES:
         out.update({f"{mode}_held_bytes": [-1] * n, f"{mode}_flops": [0] * n,
-                    f"{mode}_recompute_overhead_bytes": [0] * n, f"{mode}_recompute_grads_bytes": [-1] * n})
+                    f"{mode}_recompute_overhead_bytes": [0] * n, f"{mode}_recompute_grads_bytes": [-1] * n,
+                    f"{mode}_recompute_accumulating_overhead_bytes": [-1] * n})
     if not n or not modes:
         return out
     with _preserved_state(model, device):
@@ -797,8 +899,8 @@ def _recompute_profile(model: nn.Module, rec: _StepRecorder, att: _Attribution, 
     # What a recompute holds only while it runs, unseen by MemTracker: its own nodes' wrapped numbers and
     # the CPU RNG state torch.random.fork_rng keeps around it (preserve_rng_state; checkpoint.recompute_fn).
     during = [w + _rng_state_bytes(device) for w in rec.scalars]
-    out["recompute_overhead_bytes"], out["recompute_grads_bytes"] = _over_prediction(full, rec, att, batch_keys,
-                                                                                     [0] * n, during)
+    (out["recompute_overhead_bytes"], out["recompute_grads_bytes"],
+     out["recompute_accumulating_overhead_bytes"]) = _over_prediction(full, rec, att, batch_keys, [0] * n, during)
     if full_flops is not None:
         out["recompute_flops"] = full_flops
     for mode in (m for m in OP_MODES if m in modes):
@@ -813,8 +915,9 @@ def _recompute_profile(model: nn.Module, rec: _StepRecorder, att: _Attribution, 
         extra = [max(0, s[2] - f[2]) for s, f in zip(peaks, full)]
         out[f"{mode}_held_bytes"] = [att.in_bytes[i] + extra[i] for i in range(n)]
         out[f"{mode}_flops"] = flops
-        out[f"{mode}_recompute_overhead_bytes"], out[f"{mode}_recompute_grads_bytes"] = _over_prediction(
-            peaks, rec, att, batch_keys, extra, during)
+        (out[f"{mode}_recompute_overhead_bytes"], out[f"{mode}_recompute_grads_bytes"],
+         out[f"{mode}_recompute_accumulating_overhead_bytes"]) = _over_prediction(peaks, rec, att, batch_keys,
+                                                                                 extra, during)
     return out
 
 
@@ -891,7 +994,8 @@ def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inpu
             saved_input_bytes=att.saved_input[i], overhead_bytes=ov["overhead"][i],
             grads_ready_bytes=ready[i], forward_overhead_bytes=ov["overhead_fw"][i],
             backward_overhead_bytes=ov["overhead_bw"][i], grads_at_peak_bytes=ov["grads_peak"][i],
-            scalar_saved_bytes=rec.scalars[i],
+            scalar_saved_bytes=rec.scalars[i], accumulating_overhead_bytes=ov["accumulating"][i],
+            end_overhead_bytes=ov["end"][i],
             **{k: v[i] for k, v in redo.items()},
         )
         for i, (name, _) in enumerate(blocks)
