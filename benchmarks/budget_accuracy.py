@@ -225,7 +225,8 @@ def dist_steady_peak(model: nn.Module, strategy: str, inputs: Any, micro_batches
 
 
 def _dist_rank(rank: int, world: int, names: tuple[str, ...], strategies: tuple[str, ...],
-               micro_batches: int = 1) -> list[tuple]:
+               micro_batches: int = 1, labels: tuple[str, ...] | None = None) -> list[tuple]:
+    """This rank's ``(where, placement, predicted, measured)`` rows (``labels``: only those placements)."""
     rows = []
     models = _models()
     for name in names:
@@ -234,6 +235,8 @@ def _dist_rank(rank: int, world: int, names: tuple[str, ...], strategies: tuple[
         base, mp, placements = _profiled(make, inp, blocks)
         for strategy in strategies:
             for label, chosen in placements:
+                if labels is not None and label not in labels:
+                    continue
                 model = copy.deepcopy(base)
                 distckpt.wrap(model, Subset(chosen), blocks=blocks)
                 pred = predicted_peak(mp, chosen, strategy=strategy, world_size=world, optimizer="adamw",
@@ -244,13 +247,14 @@ def _dist_rank(rank: int, world: int, names: tuple[str, ...], strategies: tuple[
     return rows
 
 
-def measure_dist(names: tuple[str, ...] = DIST_MODELS, strategies: tuple[str, ...] = STRATEGIES
-                 ) -> list[tuple[str, str, int, int]]:
+def measure_dist(names: tuple[str, ...] = DIST_MODELS, strategies: tuple[str, ...] = STRATEGIES,
+                 micro_batches: int = 1) -> list[tuple[str, str, int, int]]:
     """``[(model and strategy, checkpointed, predicted, measured)]`` on 2 gloo ranks: the largest
-    error over the ranks is kept (each rank predicts and measures its own peak)."""
+    error over the ranks is kept (each rank predicts and measures its own peak); ``micro_batches > 1``:
+    gradients accumulated over that many (:func:`dist_steady_peak`)."""
     from benchmarks.ranks import run_ranks
 
-    per_rank = run_ranks(_dist_rank, 2, tuple(names), tuple(strategies))
+    per_rank = run_ranks(_dist_rank, 2, tuple(names), tuple(strategies), micro_batches)
     worst = []
     for rows in zip(*per_rank.values()):
         worst.append(max(rows, key=lambda r: abs(r[2] - r[3]) / r[3]))
@@ -275,7 +279,8 @@ def main() -> None:
             lines.append(f"| {name} | {label} | {pred / 2**20:.3f} MiB | {meas / 2**20:.3f} MiB | {100 * err:+.2f}% |")
             print(lines[-1], flush=True)
     if not a.only or "dist" in a.only:
-        for name, label, pred, meas in measure_dist():
+        rows = measure_dist() + measure_dist(micro_batches=2)
+        for name, label, pred, meas in rows:
             err = (pred - meas) / meas
             worst = max(worst, abs(err))
             lines.append(f"| {name} | {label} | {pred / 2**20:.3f} MiB | {meas / 2**20:.3f} MiB | {100 * err:+.2f}% |")

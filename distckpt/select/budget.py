@@ -19,6 +19,14 @@ Under FSDP/FSDP2 ``static`` holds the shards, and each term adds what is unshard
 block's parameters, the prefetched block's, FSDP2's collective buffers, the gradients made so far:
 :class:`_Sharded`).
 
+With gradient accumulation every gradient exists from the first micro-batch on, so a block's term
+takes the activations' own peak of its backward (a new gradient is a temporary until its in-place add
+into the accumulated one; measured per op in the sample step), FSDP/FSDP2 count the gradients
+unsharded except those the last micro-batch has reduce-scattered already (:func:`_settled`), and
+FSDP1 adds the concatenation of a unit's parameter gradients into its flat gradient at the end of its
+backward (:func:`_flat_gradients`, with or without accumulation). Inputs every block takes (a mask,
+``cache_position``) are held once however many checkpointed blocks keep them (:func:`_shared`).
+
 Each term pairs the activations measured at one instant with the gradients that existed then:
 a block's forward peak (no gradient yet), its backward peak (``overhead_i`` is the measured one for
 a kept block, the larger of its forward and backward ones for a checkpointed block, which
@@ -474,39 +482,57 @@ def predicted_peak(mp: ModelProfile, selected: Any, *, strategy: str = "ddp", wo
     static, step = static_bytes(mp, optimizer=optimizer, **kw)
     options, end = _choices(mp, static, grad_accumulation=grad_accumulation, **kw)
     step = _tail(mp, static, step, grad_accumulation=grad_accumulation, **kw)
-    prefix, peak = 0, step
-    for opts, code in zip(options, _codes(mp, selected)):
+    prefix, peak, holds = 0, step, False
+    for opts, code, shared in zip(options, _codes(mp, selected), _shared(mp)):
         held, bound, _, _ = next(o for o in opts if o[3] == code)
-        peak = max(peak, prefix + bound)
-        prefix += held
+        d = shared if holds else 0  # an earlier checkpointed block holds these inputs already
+        peak = max(peak, prefix + bound - d)
+        prefix += held - (d if code else 0)
+        holds = holds or code != 0
     return max(peak, prefix + end)
 
 
-def _fits(options: list[list[Choice]], end: int, step: int, budget: int) -> bool:
+def _shared(mp: ModelProfile) -> list[int]:
+    """Per block, the input bytes every earlier block takes too (``BlockProfile.shared_input_bytes``:
+    HF GPT-2's ``cache_position``, Llama's mask and rotary tables): once a block checkpointed in any
+    mode holds them, a later block's bound and a later checkpointed block's held bytes count them
+    again unless they subtract these. Counted per block, all-``pointwise``/``selective`` on HF GPT-2
+    (8 blocks, peak in the last one's backward) was predicted 7 x 1024 B above the measured peak."""
+    return [b.shared_input_bytes for b in mp.blocks]
+
+
+def _fits(options: list[list[Choice]], end: int, step: int, budget: int, shared: list[int]) -> bool:
     """Whether some choice fits ``budget``: every bound caps the bytes held before it, so the
-    fewest bytes held that meet the bounds so far is the only state that matters."""
+    fewest bytes held that meet the bounds so far is the only state that matters, once for the
+    prefixes where no block is checkpointed yet and once for those with one (:func:`_shared`)."""
     if step > budget:
         return False
-    p = 0
-    for opts in options:
-        held = [p + h for h, bound, _, _ in opts if p <= budget - bound]
-        if not held:
+    best = {False: 0}  # does some block hold the shared inputs -> the fewest bytes held
+    for opts, d in zip(options, shared):
+        nxt: dict[bool, int] = {}
+        for holds, p in best.items():
+            dd = d if holds else 0
+            for h, bound, _, code in opts:
+                if p <= budget - bound + dd:
+                    key = holds or code != 0
+                    nxt[key] = min(nxt.get(key, p + h), p + h - (dd if code else 0))
+        if not nxt:
             return False
-        p = min(held)
-    return p <= budget - end
+        best = nxt
+    return min(best.values()) <= budget - end
 
 
-def _min_peak(options: list[list[Choice]], end: int, step: int) -> int:
+def _min_peak(options: list[list[Choice]], end: int, step: int, shared: list[int]) -> int:
     """The smallest predicted peak over every choice of blocks (a search over the budget)."""
     full = [next(o for o in opts if o[3] == _FULL) for opts in options]
     hi = max(step, *(full[i][1] + sum(h for h, *_ in full[:i]) for i in range(len(full))),
              sum(h for h, *_ in full) + end)  # checkpointing every block fits this
     lo = step
-    if _fits(options, end, step, lo):
+    if _fits(options, end, step, lo, shared):
         return lo
     while hi - lo > 1:  # invariant: lo does not fit, hi fits
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if _fits(options, end, step, mid) else (mid, hi)
+        lo, hi = (lo, mid) if _fits(options, end, step, mid, shared) else (mid, hi)
     return hi
 
 
@@ -514,6 +540,8 @@ def _pareto(p: torch.Tensor, f: torch.Tensor, quantum: int) -> torch.Tensor:
     """Indices of the (bytes, FLOPs) states on the Pareto front, sorted by bytes: a state stays only
     if it needs fewer FLOPs than every state holding fewer bytes; above ``_MAX_STATES`` states, one
     per ``quantum`` bytes (the one with the fewest FLOPs) and the fewest-bytes state stay."""
+    if not len(p):
+        return torch.zeros(0, dtype=torch.int64)
     order = torch.argsort(f, stable=True)
     order = order[torch.argsort(p[order], stable=True)]
     p, f = p[order], f[order]
@@ -565,7 +593,8 @@ def plan_budget(mp: ModelProfile, budget: int, *, strategy: str = "ddp", world_s
     static, step = static_bytes(mp, optimizer=optimizer, **where)
     options, end = _choices(mp, static, selective=selective, grad_accumulation=grad_accumulation, **where)
     step = _tail(mp, static, step, grad_accumulation=grad_accumulation, **where)
-    min_budget = _min_peak(options, end, step)
+    shared = _shared(mp)
+    min_budget = _min_peak(options, end, step, shared)
     if budget < min_budget:
         raise ConfigError(
             f"no choice of checkpointed blocks fits budget {_gib(budget)} ({budget} bytes): the smallest "
@@ -575,17 +604,23 @@ def plan_budget(mp: ModelProfile, budget: int, *, strategy: str = "ddp", world_s
         )
     p = torch.zeros(1, dtype=torch.int64)  # bytes held by the blocks so far
     f = torch.zeros(1, dtype=torch.int64)  # cost so far: recompute FLOPs, then checkpointed blocks (_costs)
+    g = torch.zeros(1, dtype=torch.bool)  # some block checkpointed so far: it holds the shared inputs (_shared)
     trail: list[tuple[torch.Tensor, torch.Tensor]] = []  # per block: (parent index, code in MODES)
     quantum = max(1, budget // _MAX_STATES)
-    for opts in _costs(options):
+    for opts, d in zip(_costs(options), shared):
         # Each choice of block i bounds the bytes held before it; the states that meet it go on with it.
-        parts = [((p <= budget - bound).nonzero().flatten(), held, cost, code) for held, bound, cost, code in opts]
+        dd = g.long() * d
+        parts = [((p <= budget - bound + dd).nonzero().flatten(), held, cost, code) for held, bound, cost, code in opts]
         parent = torch.cat([ok for ok, *_ in parts])
         code = torch.cat([torch.full((len(ok),), c, dtype=torch.int8) for ok, _, _, c in parts])
-        p = torch.cat([p[ok] + held for ok, held, _, _ in parts])
+        p = torch.cat([p[ok] + held - (dd[ok] if c else 0) for ok, held, _, c in parts])
         f = torch.cat([f[ok] + cost for ok, _, cost, _ in parts])
-        sel = _pareto(p, f, quantum)
-        p, f = p[sel], f[sel]
+        g = torch.cat([g[ok] | (c != 0) for ok, _, _, c in parts])
+        # A state holding the shared inputs owes less later: the fronts of the two kinds are kept apart.
+        kinds = ((~g).nonzero().flatten(), g.nonzero().flatten())
+        sel = torch.cat([idx[_pareto(p[idx], f[idx], quantum)] for idx in kinds])
+        sel = sel[torch.argsort(p[sel], stable=True)]
+        p, f, g = p[sel], f[sel], g[sel]
         trail.append((parent[sel], code[sel]))
     ok = (p <= budget - end).nonzero().flatten()
     assert len(ok), "the cheapest choice fits, so some state must"  # internal invariant

@@ -100,6 +100,9 @@ class BlockProfile:
             pointwise_recompute_accumulating_overhead_bytes: like the ``*_recompute_overhead_bytes``, the
             activations' own peak of the block's backward (its recompute included) in that mode's
             checkpointed step, as ``accumulating_overhead_bytes`` is for a kept block. ``-1``: not measured.
+        shared_input_bytes: the part of ``input_bytes`` that every earlier block takes as input too (one
+            storage: HF GPT-2's ``cache_position``, Llama's mask and rotary tables), held once however
+            many checkpointed blocks keep it (0 for the first block).
     """
 
     fqn: str
@@ -129,6 +132,7 @@ class BlockProfile:
     recompute_accumulating_overhead_bytes: int = -1
     selective_recompute_accumulating_overhead_bytes: int = -1
     pointwise_recompute_accumulating_overhead_bytes: int = -1
+    shared_input_bytes: int = 0
 
     def mode_held_flops(self, mode: str) -> tuple[int, int]:
         """``(bytes held from forward to backward, recompute FLOPs)`` of a checkpointed ``mode``
@@ -431,26 +435,15 @@ def _checkpointed_peaks(model: nn.Module, blocks: list[tuple[str, nn.Module]], a
     before: dict[int, int] = {}
     left = [0] * len(blocks)
     in_recompute = [-1] * len(blocks)
-    window: list[int | None] = [None]  # the block whose backward runs (as _StepRecorder.in_backward)
-    own_peak = [-1] * len(blocks)  # the activations' own peak in that backward, its recompute included
-
-    def after_op() -> None:
-        if window[0] is not None:
-            own_peak[window[0]] = max(own_peak[window[0]], _act(_at(tracker.get_tracker_snapshot(), dev)))
-
-    def opened(i: int) -> Callable[[Any], None]:
-        return lambda g: window.__setitem__(0, i)
-
-    def closed(i: int) -> Callable[[Any], None]:
-        return lambda g: window.__setitem__(0, None) if window[0] == i else None
+    windows = _BackwardWindows(tracker, dev, len(blocks))  # the activations' own peaks, recomputes included
 
     def pre(mod: nn.Module, a: Any, i: int) -> None:
         before[i] = total()
-        grad_hooks.extend(t.register_hook(closed(i)) for t in _tensors(a) if t.requires_grad)
+        windows.watch_inputs(i, a)
 
     def post(mod: nn.Module, o: Any, i: int) -> None:
         left[i] = total() - before[i]
-        grad_hooks.extend(t.register_hook(opened(i)) for t in _tensors(o) if t.requires_grad)
+        windows.watch_outputs(i, o)
 
     def windowed(i: int) -> Callable[[], tuple[Any, Any]]:
         # Bound here, as _recompute_flops does: the wrapper's own bind passes a function like this one as is.
@@ -465,21 +458,21 @@ def _checkpointed_peaks(model: nn.Module, blocks: list[tuple[str, nn.Module]], a
     def total() -> int:
         return sum(d.get("Total", 0) for d in tracker.get_tracker_snapshot().values())
 
-    hooks, grad_hooks = [], []
+    hooks = []
     for i, (_, m) in enumerate(blocks):
         hooks.append(m.register_forward_pre_hook(lambda mod, a, i=i: pre(mod, a, i)))
         hooks.append(m.register_forward_hook(lambda mod, a, o, i=i: post(mod, o, i)))
     try:
         with _all_checkpointed(model, blocks, [windowed(i) for i in range(len(blocks))]), tracker:
             loss = scalar_loss(model(*args, **kwargs))
-            with _AfterOps(after_op):
+            with _AfterOps(windows.after_op):
                 loss.backward()
             del loss
     except Exception as e:  # noqa: BLE001 - any failure only loses precision, never correctness
         logger.info("distckpt.select.profile: the checkpointed sample step failed (%s); recompute peaks estimated", e)
         return None
     finally:
-        for h in hooks + grad_hooks:
+        for h in hooks + windows.hooks:
             h.remove()
     out = []
     for i, (_, m) in enumerate(blocks):
@@ -493,7 +486,7 @@ def _checkpointed_peaks(model: nn.Module, blocks: list[tuple[str, nn.Module]], a
         if best < 0:
             return None
         out.append((best, grads, left[i], min(in_recompute[i], best) if in_recompute[i] >= 0 else best,
-                    max(best, own_peak[i])))
+                    max(best, windows.peak[i])))
     return out
 
 
@@ -578,6 +571,41 @@ class _AfterOps(compat.torch_dispatch_mode()):
         return out
 
 
+class _BackwardWindows:
+    """Each block's backward as a window (from its output's gradient to its inputs' gradients) and the
+    activations' own peak in it (:class:`_AfterOps` calls :meth:`after_op`), and the activations when
+    its inputs' gradients are made. A block's input is the previous block's output: that block's
+    output hook, registered first, runs first, so only the block's own window closes at its input."""
+
+    def __init__(self, tracker: Any, dev: torch.device, n: int) -> None:
+        self.tracker, self.dev = tracker, dev
+        self.current: int | None = None
+        self.peak = [-1] * n
+        self.end = [-1] * n
+        self.hooks: list[Any] = []  # removed after the step: an input may be the caller's own leaf tensor
+
+    def now(self) -> int:
+        return _act(_at(self.tracker.get_tracker_snapshot(), self.dev))
+
+    def after_op(self) -> None:
+        if self.current is not None:
+            self.peak[self.current] = max(self.peak[self.current], self.now())
+
+    def watch_outputs(self, i: int, out: Any) -> None:
+        self.hooks.extend(t.register_hook(lambda g, i=i: self._open(i)) for t in _tensors(out) if t.requires_grad)
+
+    def watch_inputs(self, i: int, inputs: Any) -> None:
+        self.hooks.extend(t.register_hook(lambda g, i=i: self._close(i)) for t in _tensors(inputs) if t.requires_grad)
+
+    def _open(self, i: int) -> None:
+        self.current = i
+
+    def _close(self, i: int) -> None:
+        self.end[i] = max(self.end[i], self.now())
+        if self.current == i:
+            self.current = None
+
+
 class _StepRecorder:
     """The hooks of the profiled sample step: which block saves each storage for backward, each
     block's inputs and forward FLOPs, and MemTracker's peak of the head (after the last block's
@@ -608,9 +636,7 @@ class _StepRecorder:
         self.outside_scalars = 0  # ModelProfile.scalar_saved_bytes
         self.device = torch.device("cpu")
         self.grad_hooks: list[Any] = []  # removed after the step: an input may be the caller's own leaf tensor
-        self.in_backward: int | None = None  # the block whose backward runs (its output's gradient came first)
-        self.backward_act = [-1] * n  # the most activations+temporaries after any op of that backward
-        self.end_act = [-1] * n  # activations+temporaries when the block's input gradients are made
+        self.windows: _BackwardWindows | None = None  # each block's backward (made with the tracker)
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         key = _storage_key(t)
@@ -631,27 +657,11 @@ class _StepRecorder:
                 self.input_nodes[i].add(t.grad_fn)
             if t.requires_grad:
                 self.pending_inputs += 1
-                self.grad_hooks.append(t.register_hook(lambda g, i=i: self._input_grad(i)))
+                self.grad_hooks.append(t.register_hook(self._input_grad))
+        self.windows.watch_inputs(i, (a, kw))
         self.flop_start[i] = self.counter.get_total_flops()
 
-    def _act_now(self) -> int:
-        return _act(_at(self.tracker.get_tracker_snapshot(), self.dev))
-
-    def after_op(self) -> None:
-        """After every op of backward (:class:`_AfterOps`): the block in backward's activation peak."""
-        i = self.in_backward
-        if i is not None:
-            self.backward_act[i] = max(self.backward_act[i], self._act_now())
-
-    def _output_grad(self, i: int) -> None:
-        self.in_backward = i
-
-    def _input_grad(self, i: int) -> None:
-        # The hook of block i-1's output on the same tensor ran first (registered before): only block i's
-        # own window closes here.
-        self.end_act[i] = max(self.end_act[i], self._act_now())
-        if self.in_backward == i:
-            self.in_backward = None
+    def _input_grad(self, _: torch.Tensor) -> None:
         # Once backward has made the gradient of every block input, every block's backward is over: what
         # runs from here (the embeddings' backward, a tied embedding's dense gradient) is the tail, whose
         # peak no choice of blocks changes. Its own window, as the head's: the step's overall peak lies
@@ -675,9 +685,7 @@ class _StepRecorder:
         self.done = max(self.done, i + 1)
         roots = [t.grad_fn for t in _tensors(out) if t.grad_fn is not None]
         self.scalars[i] += _unhooked_saved_bytes(roots, self.input_nodes[i], self.walked, self._packed, self.device)
-        for t in _tensors(out):
-            if t.requires_grad:
-                self.grad_hooks.append(t.register_hook(lambda g, i=i: self._output_grad(i)))
+        self.windows.watch_outputs(i, out)
         if i == self.n - 1:
             self._head_window(out)
 
@@ -711,7 +719,8 @@ class _StepRecorder:
             handles.append(m.register_forward_hook(self.post_hook, with_kwargs=True))
         self.tracker = memory_tracker(model, *batch)
         self.device = device
-        self.dev = device if device.type != "cuda" else torch.device("cuda", device.index or 0)
+        self.windows = _BackwardWindows(self.tracker, device if device.type != "cuda" else
+                                        torch.device("cuda", device.index or 0), self.n)
         cuda = device.type == "cuda"
         try:
             with _preserved_state(model, device):
@@ -727,7 +736,7 @@ class _StepRecorder:
                     # The inputs were kept only to tell storages apart in forward; kept in backward they
                     # would inflate every backward snapshot by the later blocks' inputs.
                     self.keep.clear()
-                    with _AfterOps(self.after_op):
+                    with _AfterOps(self.windows.after_op):
                         loss.backward()
                     del loss
                     self._close_tail()
@@ -735,7 +744,7 @@ class _StepRecorder:
         finally:
             for h in handles:
                 h.remove()
-            for h in self.grad_hooks:
+            for h in self.grad_hooks + self.windows.hooks:
                 h.remove()
             self.grad_hooks.clear()
             self.keep.clear()
@@ -780,6 +789,16 @@ def _attribute(rec: _StepRecorder, batch_keys: set[tuple[str, int]]) -> _Attribu
     return att
 
 
+def _shared_inputs(rec: _StepRecorder, batch_keys: set[tuple[str, int]]) -> list[int]:
+    """Per block, the bytes of its inputs (batch excluded) that every earlier block takes too."""
+    out, common = [], None
+    for keys in rec.input_keys:
+        own = {k: b for k, b in keys.items() if k not in batch_keys}
+        out.append(0 if common is None else sum(b for k, b in own.items() if k in common))
+        common = set(own) if common is None else common & set(own)
+    return out
+
+
 def _block_overheads(rec: _StepRecorder, att: _Attribution, dev: torch.device) -> dict[str, list[int]]:
     """How far the measured activation+temporary memory at each block's forward and backward peak
     exceeds the model "held so far + this block's footprint": makes the prediction exact on this step."""
@@ -806,10 +825,10 @@ def _block_overheads(rec: _StepRecorder, att: _Attribution, dev: torch.device) -
                 out["overhead_bw"][i] = measured_bw - base
                 # Gradient bytes in the snapshot where activations and temporaries peak (the same instant).
                 out["grads_peak"][i] = _at(max(bw_snaps, key=lambda s: _act(_at(s, dev))), dev).get("Gradient", 0)
-            if rec.backward_act[i] >= 0:  # the activations' own peak, whatever gradients existed then
-                out["accumulating"][i] = max(0, max(measured_fw, measured_bw, rec.backward_act[i]) - base)
-        if rec.end_act[i] >= 0:
-            out["end"][i] = max(0, rec.end_act[i] - att.pre - prefix)
+            if rec.windows.peak[i] >= 0:  # the activations' own peak, whatever gradients existed then
+                out["accumulating"][i] = max(0, max(measured_fw, measured_bw, rec.windows.peak[i]) - base)
+        if rec.windows.end[i] >= 0:
+            out["end"][i] = max(0, rec.windows.end[i] - att.pre - prefix)
         prefix += held[i]
     return out
 
@@ -986,6 +1005,7 @@ def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inpu
     head = _head_and_tail(rec, model, att, ov["measured_blocks"], dev)
     redo = _recompute_profile(model, rec, att, args, kwargs, batch, batch_keys, device, dev, modes)
     ready, head_grads = _grads_ready(rec, params, dev)
+    shared = _shared_inputs(rec, batch_keys)
 
     held = att.held
     profiles = tuple(
@@ -995,7 +1015,7 @@ def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inpu
             grads_ready_bytes=ready[i], forward_overhead_bytes=ov["overhead_fw"][i],
             backward_overhead_bytes=ov["overhead_bw"][i], grads_at_peak_bytes=ov["grads_peak"][i],
             scalar_saved_bytes=rec.scalars[i], accumulating_overhead_bytes=ov["accumulating"][i],
-            end_overhead_bytes=ov["end"][i],
+            end_overhead_bytes=ov["end"][i], shared_input_bytes=shared[i],
             **{k: v[i] for k, v in redo.items()},
         )
         for i, (name, _) in enumerate(blocks)
