@@ -164,9 +164,20 @@ NOTES = [
     "rows stay MemTracker's.",
     "- MultiTaskMLP rows are 0.5-1% high under every strategy: the prediction counts the batch, which this "
     "measure does not track.",
-    "- gpt2 (HF) under FSDP1 is 0.2% (5.5 KB) under, by the same bytes at every block's backward peak: not "
-    "explained (FSDP2 on the same model is within 0.01%; GPT-2 ties its embedding to the head, the other "
-    "models do not).",
+    "- FSDP1 concatenates a unit's parameter gradients (one autograd output per parameter view) into its flat "
+    "gradient at the end of the unit's backward, both alive at once (`budget._flat_gradients`): before it was "
+    "counted, gpt2 (HF) under FSDP1 was 0.2% (5.5 KB) under, and 1.9-2.3% under with accumulation.",
+    "- Rows with 2 micro-batches (`distckpt.accumulate` around the first): every gradient exists from the "
+    "first micro-batch on, so a block's term takes the activations' own peak in its backward (a new gradient "
+    "is a temporary until its in-place add; `BlockProfile.accumulating_overhead_bytes`), with the gradients "
+    "the last micro-batch has reduce-scattered already sharded (`budget._settled`) and, under FSDP1, the root "
+    "unit's head gradients as view temporaries. Before: gpt2 (HF) FSDP2 -1.1% (none) and +3.2% (all), "
+    "MultiTaskGPT FSDP1 -0.4..-0.6%.",
+    "- Inputs every block takes (HF GPT-2's `cache_position` and mask, Llama's mask and rotary tables) are "
+    "held once however many checkpointed blocks keep them (`BlockProfile.shared_input_bytes`): llama + LoRA "
+    "every other / all were +2.65% / +2.49%.",
+    "- The FSDP/FSDP2 rows under by a few hundred bytes (at most 0.03%, MultiTaskGPT and gpt2 (HF)): not "
+    "explained yet.",
 ]
 STRATEGIES = ("ddp", "fsdp", "fsdp2")
 DIST_MODELS = ("MultiTaskGPT", "MultiTaskMLP", "gpt2 (HF)")

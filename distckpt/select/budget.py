@@ -514,8 +514,8 @@ def _fits(options: list[list[Choice]], end: int, step: int, budget: int, shared:
             dd = d if holds else 0
             for h, bound, _, code in opts:
                 if p <= budget - bound + dd:
-                    key = holds or code != 0
-                    nxt[key] = min(nxt.get(key, p + h), p + h - (dd if code else 0))
+                    key, q = holds or code != 0, p + h - (dd if code else 0)
+                    nxt[key] = min(nxt.get(key, q), q)
         if not nxt:
             return False
         best = nxt
