@@ -101,7 +101,7 @@ def test_predicted_peak_with_gradient_accumulation(dist_pool):
 def _gpt2_accumulation_rows(rank: int, world_size: int):
     from benchmarks.budget_accuracy import _dist_rank
 
-    return _dist_rank(rank, world_size, ("gpt2 (HF)",), ("fsdp", "fsdp2"), 2, ("none", "all"))
+    return _dist_rank(rank, world_size, ("gpt2 (HF)", "MultiTaskGPT"), ("fsdp", "fsdp2"), 2, ("none", "all"))
 
 
 @pytest.mark.dist
@@ -110,9 +110,11 @@ def test_hf_gpt2_predicted_peak_with_gradient_accumulation(dist_pool):
     # concatenated into its flat gradient beside the accumulated one, budget._flat_gradients), FSDP2 -1.1%
     # with no block checkpointed (a new gradient is a temporary until its in-place add:
     # BlockProfile.accumulating_overhead_bytes), and FSDP2 +3.2% with every block checkpointed (the later
-    # blocks' gradients already reduce-scattered in the last micro-batch: budget._settled). Now within 0.03%.
+    # blocks' gradients already reduce-scattered in the last micro-batch: budget._settled). MultiTaskGPT under
+    # FSDP1 -0.4..-0.6% (the root unit's head gradients, view temporaries until the root's backward ends).
+    # Now within 0.03%.
     pytest.importorskip("transformers")
     for rows in dist_pool.run(_gpt2_accumulation_rows):
-        assert len(rows) == 4
+        assert len(rows) == 8
         for where, label, pred, meas in rows:
             assert 0.999 * meas <= pred <= 1.01 * meas, (where, label, pred, meas)
