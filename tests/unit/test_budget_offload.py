@@ -255,3 +255,51 @@ def test_offload_placement_needs_a_measured_profile():
     assert all(b.offload_held_bytes == -1 for b in mp.blocks)  # not measured unless asked
     with pytest.raises(ConfigError, match="no offload measurement"):
         predicted_peak(mp, ("offload",) * 4, **KW)
+
+
+def test_near_optimal_against_measured_placements_with_offload():
+    """Every placement of none, full and offload over 4 heterogeneous blocks (3**4 = 81), its peak measured
+    by the CPU allocator (the numpy host memory outside it, the RNG state inside), and its cost measured:
+    recompute FLOPs (FlopCounterMode, a pass of its own) plus the bytes the store moved, each way, at the
+    ratio. At each budget the plan fits and costs within 5% of the best measured placement that fits."""
+    import itertools
+
+    from test_budget_measured import Chain, _flops, _is_block, _peak
+
+    torch.manual_seed(0)
+    base, x = Chain((16, 128, 32, 96, 24)), torch.randn(256, 8)
+    n, ratio = len(base.blocks), 10.0  # per block, offload is the cheaper saving on two blocks, full on two
+    modes_of = ("none", "full", "offload")
+
+    def wrapped(modes: tuple[str, ...]) -> nn.Module:
+        return distckpt.wrap(copy.deepcopy(base), Placement(modes), blocks=_is_block)
+
+    def moved(model: nn.Module) -> int:
+        with use_numpy_store() as store:
+            model(x).backward()
+        model.zero_grad(set_to_none=True)
+        return store.bytes
+
+    with use_numpy_store():
+        peaks = {modes: _peak(wrapped(modes), x) for modes in itertools.product(modes_of, repeat=n)}
+    no_recompute = _flops(base, x)
+    alone = {}  # a block's cost depends on its own mode only: recompute stops inside it, its saved tensors are its own
+    for i in range(n):
+        one = tuple("full" if j == i else "none" for j in range(n))
+        alone[i, "full"] = _flops(wrapped(one), x) - no_recompute
+        alone[i, "offload"] = round(2 * moved(wrapped(tuple("offload" if j == i else "none" for j in range(n)))) * ratio)
+    cost = {modes: sum(alone.get((i, m), 0) for i, m in enumerate(modes)) for modes in peaks}
+    none_peak, full_peak = peaks[("none",) * n], peaks[("full",) * n]
+    used = set()
+    model = copy.deepcopy(base)
+    for frac in (0.1, 0.3, 0.5, 0.7, 0.9):
+        budget = int(full_peak + frac * (none_peak - full_peak))
+        best = min(c for modes, c in cost.items() if peaks[modes] <= budget)
+        with use_numpy_store():
+            distckpt.wrap(model, Budget(budget, strategy="none", optimizer="none", selective=False,
+                                        offload_flops_per_byte=ratio), blocks=_is_block, example_inputs=(x,))
+        chosen = tuple(checkpoint_mode(b) for b in model.blocks)
+        used.update(chosen)
+        assert peaks[chosen] <= budget, (frac, chosen, peaks[chosen], budget)
+        assert cost[chosen] <= 1.05 * best, (frac, chosen, cost[chosen], best)
+    assert {"full", "offload"} <= used, used  # both kinds of saving are used, not only offered
