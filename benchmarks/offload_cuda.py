@@ -85,7 +85,8 @@ def main() -> None:
         raise SystemExit("benchmarks.offload_cuda needs a CUDA device")
     t0 = time.time()
     base = _model(args.layers, args.width, args.seq)
-    ids = torch.randint(0, 8192, (args.batch, args.seq), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    gen = torch.Generator("cuda").manual_seed(1)
+    ids = torch.randint(0, 8192, (args.batch, args.seq), device="cuda", generator=gen)
     inputs = {"input_ids": ids, "labels": ids}
     blocks = find_blocks(base)
     n = len(blocks)

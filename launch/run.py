@@ -88,11 +88,13 @@ def _run_dir(run_dir: str | os.PathLike[str] | None) -> str:
 
 def ac_policy(cfg: DictConfig, world: int) -> Any:
     """``ac.policy`` as a policy object; a budget gets every run-level fact the memory plan needs (the
-    strategy and shard size, the optimizer's state, whether gradients accumulate over micro-batches)."""
+    strategy and shard size, the optimizer's state, whether gradients accumulate over micro-batches), and
+    ``ac.offload_flops_per_byte`` (the offload mode's price; null: measured on CUDA)."""
     policy = distckpt.parse_policy(cfg.ac.policy)
     if not isinstance(policy, distckpt.Budget):
         return policy
-    return dataclasses.replace(policy, **budget_facts(cfg, world))
+    return dataclasses.replace(policy, **budget_facts(cfg, world),
+                               offload_flops_per_byte=cfg.ac.offload_flops_per_byte)
 
 
 def _wrap(model: torch.nn.Module, cfg: DictConfig, example: dict[str, torch.Tensor]) -> None:

@@ -424,8 +424,9 @@ def _checkpointed_peaks(model: nn.Module, blocks: list[tuple[str, nn.Module]], a
     Returns:
         ``[(activation and temporary bytes, gradient bytes, bytes left by the forward, activation and
         temporary bytes at the peak inside the block's recompute, activation and temporary bytes at the
-        block's forward peak), ...]`` per block (the fourth: the first if the window could not be read), or ``None`` when the step fails (then the budget
-        bounds a recompute from the first step alone, and offers no selective choice).
+        block's forward peak), ...]`` per block (the fourth: the first if the window could not be read),
+        or ``None`` when the step fails (then the budget bounds a recompute from the first step alone,
+        and offers no selective choice).
     """
     tracker = memory_tracker(model, *batch)
     before: dict[int, int] = {}

@@ -285,9 +285,9 @@ def test_near_optimal_against_measured_placements_with_offload():
     no_recompute = _flops(base, x)
     alone = {}  # a block's cost depends on its own mode only: recompute stops inside it, its saved tensors are its own
     for i in range(n):
-        one = tuple("full" if j == i else "none" for j in range(n))
-        alone[i, "full"] = _flops(wrapped(one), x) - no_recompute
-        alone[i, "offload"] = round(2 * moved(wrapped(tuple("offload" if j == i else "none" for j in range(n)))) * ratio)
+        alone[i, "full"] = _flops(wrapped(tuple("full" if j == i else "none" for j in range(n))), x) - no_recompute
+        offloaded = wrapped(tuple("offload" if j == i else "none" for j in range(n)))
+        alone[i, "offload"] = round(2 * moved(offloaded) * ratio)
     cost = {modes: sum(alone.get((i, m), 0) for i, m in enumerate(modes)) for modes in peaks}
     none_peak, full_peak = peaks[("none",) * n], peaks[("full",) * n]
     used = set()
