@@ -444,7 +444,10 @@ def _checkpointed_peaks(model: nn.Module, blocks: list[tuple[str, nn.Module]], a
         return pair
 
     def total() -> int:
-        return sum(d.get("Total", 0) for d in tracker.get_tracker_snapshot().values())
+        snap = tracker.get_tracker_snapshot()
+        if stores is not None:  # offloaded: the host copies (pinned CPU tensors on CUDA) are not device memory
+            return _at(snap, dev).get("Total", 0)
+        return sum(d.get("Total", 0) for d in snap.values())
 
     hooks = []
     for i, (_, m) in enumerate(blocks):

@@ -303,3 +303,20 @@ def test_near_optimal_against_measured_placements_with_offload():
         assert peaks[chosen] <= budget, (frac, chosen, peaks[chosen], budget)
         assert cost[chosen] <= 1.05 * best, (frac, chosen, cost[chosen], best)
     assert {"full", "offload"} <= used, used  # both kinds of saving are used, not only offered
+
+
+def test_transfer_probe_is_shaped_like_the_blocks_and_cuda_only():
+    from distckpt.select import transfer
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=64, seq=64, dim=128, heads=2, layers=2)
+    base, inputs = GPT(cfg), batch(cfg, 8)
+    mp = _profile(base, inputs)
+    (m, k, n), nbytes = transfer.probe_shapes(mp, torch.float32)
+    assert (k, n) == (128, 512)  # a GPT block holds 12 * width**2 parameters (and biases): width 128
+    # The block's tokens (8 x 64) from its forward FLOPs over its parameters, attention's FLOPs on top.
+    assert 512 <= m <= 640
+    assert nbytes == max(2**20, max(b.offload_bytes for b in mp.blocks))
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="offload_flops_per_byte"):
+            transfer.flops_per_byte(mp, CPU)
