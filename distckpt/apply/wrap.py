@@ -373,8 +373,10 @@ def _apply_plan(model: nn.Module, pol: Policy, candidates: list[tuple[str, nn.Mo
     for i, mode in sorted(modes.items()):
         block = candidates[i][1]
         block.__class__ = _checkpointed_class(type(block))
-        block._distckpt_options = (dataclasses.replace(opts, context_fn=None, recompute=False) if mode == "offload"
-                                   else dataclasses.replace(opts, context_fn=_mode_context_fn(mode, opts, made)))
+        # An offloaded block runs no checkpoint at all: neither reentrant nor op-level options apply to it.
+        block._distckpt_options = (
+            dataclasses.replace(opts, context_fn=None, recompute=False, reentrant=False) if mode == "offload"
+            else dataclasses.replace(opts, context_fn=_mode_context_fn(mode, opts, made)))
         block._distckpt_norms = stateful_norms(block)  # found once, not on every forward
         block._distckpt_cache_slots = cache_positions(type(block)._distckpt_orig_class)
         if block._distckpt_norms or mode == "offload":

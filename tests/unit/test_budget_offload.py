@@ -320,3 +320,15 @@ def test_transfer_probe_is_shaped_like_the_blocks_and_cuda_only():
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="offload_flops_per_byte"):
             transfer.flops_per_byte(mp, CPU)
+
+
+def test_offloaded_blocks_are_not_reentrant_checkpoints():
+    """With wrap(reentrant=True) an offloaded block still runs no checkpoint (parallelize's reentrant
+    rules are about checkpoints), and the reentrant full blocks next to it stay exact."""
+    torch.manual_seed(0)
+    ref, inputs = GPT(CFG), batch(CFG, 2)
+    model = distckpt.wrap(copy.deepcopy(ref), Placement(("offload", "full", "offload", "full")), reentrant=True)
+    assert [b._distckpt_options.reentrant for b in model.h] == [False, True, False, True]
+    with use_numpy_store() as store:
+        _grads_equal(ref, model, lambda m: m(*inputs))
+    assert store.packs > 0
