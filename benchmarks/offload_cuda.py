@@ -1,12 +1,14 @@
 """The "offload" mode on CUDA: ``python -m benchmarks.offload_cuda`` (one GPU, under 3 minutes on an H200).
 
-On a Hugging Face GPT-2 built from ``GPT2Config`` (random weights, no download): the measured exchange
+On a Hugging Face GPT-2 built from ``GPT2Config`` (random weights, no download; the same-shaped GPT of
+``benchmarks.models`` where transformers is not installed): the measured exchange
 rate ``flops_per_byte`` (matmul FLOP/s over pinned host-link bytes/s, :mod:`distckpt.select.transfer`),
 then for no checkpointing, ``full``, every block offloaded, and a budget halfway between ``full``'s and
 no checkpointing's predicted peaks planned with offload offered: the device peak of a forward+backward
 (``torch.cuda.max_memory_allocated``, parameters, gradients and batch included; no optimizer), its
 prediction (:func:`distckpt.select.budget.predicted_peak`), and the median step time (CUDA events, 5
-steps after 2 warm-ups, interleaved rounds). Writes ``benchmarks/results/offload_cuda.md``.
+steps after 2 warm-ups, interleaved rounds). Writes ``offload_cuda.md`` into ``--out`` (default
+``benchmarks/results/``); ``benchmarks/cuda_session.sh`` runs it as ``python3 benchmarks/offload_cuda.py``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -24,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import distckpt  # noqa: E402
+from benchmarks.models import GPT, GPTConfig, batch, hf_gpt2  # noqa: E402
 from distckpt.select.blocks import find_blocks  # noqa: E402
 from distckpt.select.budget import plan_budget, predicted_peak  # noqa: E402
 from distckpt.select.policies import Placement  # noqa: E402
@@ -33,21 +37,27 @@ from distckpt.select.transfer import flops_per_byte  # noqa: E402
 KW = dict(strategy="none", optimizer="none")
 
 
-def _model(layers: int, width: int, seq: int) -> torch.nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    cfg = GPT2Config(vocab_size=8192, n_positions=seq, n_embd=width, n_layer=layers, n_head=width // 64,
-                     resid_pdrop=0.0, attn_pdrop=0.0, embd_pdrop=0.0)
+def _model(cfg: GPTConfig) -> tuple[torch.nn.Module, str]:
+    """HF GPT-2 from a ``GPT2Config`` of ``cfg``'s size; the GPT of benchmarks.models (the same layout)
+    where transformers is not installed (a GPU machine's own python: ``benchmarks/cuda_session.sh``)."""
     torch.manual_seed(0)
-    return GPT2LMHeadModel(cfg).cuda().train()
+    try:
+        return hf_gpt2(cfg).cuda().train(), "HF GPT-2 (GPT2Config, sdpa)"
+    except ImportError:
+        return GPT(cfg).cuda().train(), "benchmarks.models.GPT (transformers not installed)"
 
 
-def _step(model: torch.nn.Module, inputs: dict) -> None:
-    model(**inputs).loss.backward()
+def _loss(model: torch.nn.Module, inputs: Any) -> torch.Tensor:
+    """HF models get keyword arguments (their loss from ``labels``), the GPT an ``(idx, targets)`` tuple."""
+    return model(**inputs).loss if isinstance(inputs, dict) else model(*inputs)
+
+
+def _step(model: torch.nn.Module, inputs: Any) -> None:
+    _loss(model, inputs).backward()
     model.zero_grad(set_to_none=True)
 
 
-def _peak(model: torch.nn.Module, inputs: dict) -> int:
+def _peak(model: torch.nn.Module, inputs: Any) -> int:
     _step(model, inputs)  # warm: the caching allocator's first-step blocks, cuBLAS workspaces
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -56,7 +66,7 @@ def _peak(model: torch.nn.Module, inputs: dict) -> int:
     return torch.cuda.max_memory_allocated()
 
 
-def _times(models: dict[str, torch.nn.Module], inputs: dict, rounds: int = 5) -> dict[str, float]:
+def _times(models: dict[str, torch.nn.Module], inputs: Any, rounds: int = 5) -> dict[str, float]:
     """Median milliseconds per step, the variants interleaved in each round (A/B, not one after another)."""
     out: dict[str, list[float]] = {k: [] for k in models}
     for m in models.values():
@@ -78,16 +88,18 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--width", type=int, default=768)
     parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "offload_cuda.md")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results",
+                        help="a folder (offload_cuda.md is written there) or a .md file")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.offload_cuda needs a CUDA device")
+    out = args.out if args.out.suffix == ".md" else args.out / "offload_cuda.md"
     t0 = time.time()
-    base = _model(args.layers, args.width, args.seq)
-    gen = torch.Generator("cuda").manual_seed(1)
-    ids = torch.randint(0, 8192, (args.batch, args.seq), device="cuda", generator=gen)
-    inputs = {"input_ids": ids, "labels": ids}
+    cfg = GPTConfig(vocab=8192, seq=args.seq, dim=args.width, heads=args.width // 64, layers=args.layers)
+    base, what = _model(cfg)
+    idx, tgt = batch(cfg, args.batch, device="cuda", seed=1)
+    inputs = {"input_ids": idx, "labels": idx} if hasattr(base, "config") else (idx, tgt)
     blocks = find_blocks(base)
     n = len(blocks)
     mp = profile_model(base, blocks, inputs, modes=("full", "offload"))
@@ -102,7 +114,7 @@ def main() -> None:
     times = _times(models, inputs)
     lines = [
         "# Offload mode on CUDA (measured)", "",
-        f"Device: {torch.cuda.get_device_name()}; torch {torch.__version__}. HF GPT-2 from GPT2Config: "
+        f"Device: {torch.cuda.get_device_name()}; torch {torch.__version__}. {what}: "
         f"{args.layers} layers, width {args.width}, seq {args.seq}, batch {args.batch}, fp32, no optimizer.", "",
         f"Measured exchange rate: **{ratio:.1f} FLOPs per byte** moved to host and back "
         "(matmul FLOP/s over pinned-copy bytes/s, `distckpt.select.transfer.flops_per_byte`).", "",
@@ -117,7 +129,8 @@ def main() -> None:
         lines.append(f"| {name} | {pred / 2**20:.1f} | {meas / 2**20:.1f} | {100 * (pred - meas) / meas:+.2f}% | "
                      f"{times[name]:.1f} | {times[name] / times['none']:.2f}x |")
     lines += ["", f"Wall time of this benchmark: {time.time() - t0:.0f} s.", ""]
-    args.out.write_text("\n".join(lines))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines))
     print("\n".join(lines))
 
 

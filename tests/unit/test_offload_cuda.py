@@ -6,43 +6,44 @@ checkpointing; the exchange rate measured once per device; and a budget plan off
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-import distckpt
-from distckpt.select.blocks import find_blocks
-from distckpt.select.budget import plan_budget, predicted_peak
-from distckpt.select.policies import Placement
-from distckpt.select.profile import profile_model
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for benchmarks.models
+
+import distckpt  # noqa: E402
+from benchmarks.models import GPT, GPTConfig, batch  # noqa: E402
+from distckpt.select.blocks import find_blocks  # noqa: E402
+from distckpt.select.budget import plan_budget, predicted_peak  # noqa: E402
+from distckpt.select.policies import Placement  # noqa: E402
+from distckpt.select.profile import profile_model  # noqa: E402
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 KW = dict(strategy="none", optimizer="none")
 
 
-def _gpt2() -> tuple[torch.nn.Module, dict]:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    cfg = GPT2Config(vocab_size=2048, n_positions=256, n_embd=256, n_layer=6, n_head=4, resid_pdrop=0.0,
-                     attn_pdrop=0.0, embd_pdrop=0.0)
+def _gpt() -> tuple[torch.nn.Module, tuple]:
+    # benchmarks.models' GPT (GPT-2's layout) rather than HF's: a GPU machine's own python may lack transformers.
+    cfg = GPTConfig(vocab=2048, seq=256, dim=256, heads=4, layers=6)
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(cfg).cuda().train()
-    ids = torch.randint(0, 2048, (8, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-    return model, {"input_ids": ids, "labels": ids}
+    return GPT(cfg).cuda().train(), batch(cfg, 8, device="cuda")
 
 
-def _peak(model: torch.nn.Module, inputs: dict) -> int:
+def _peak(model: torch.nn.Module, inputs: tuple) -> int:
     for _ in range(2):  # the second step is measured: the first one's allocator warm-up left behind
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        model(**inputs).loss.backward()
+        model(*inputs).backward()
         model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated()
 
 
 def test_cuda_offload_peak_predicted_within_three_percent_and_exact():
-    base, inputs = _gpt2()
+    base, inputs = _gpt()
     mp = profile_model(base, find_blocks(base), inputs, modes=("full", "offload"))
     n = len(mp.blocks)
     assert all(b.offload_bytes > 0 and b.offload_held_bytes >= 0 for b in mp.blocks)
@@ -54,8 +55,8 @@ def test_cuda_offload_peak_predicted_within_three_percent_and_exact():
     # Bitwise: the values are copied, not recomputed.
     ref = copy.deepcopy(base)
     model = distckpt.wrap(copy.deepcopy(base), Placement(("offload",) * n))
-    ref(**inputs).loss.backward()
-    model(**inputs).loss.backward()
+    ref(*inputs).backward()
+    model(*inputs).backward()
     for (name, a), b in zip(ref.named_parameters(), model.parameters()):
         assert torch.equal(a.grad, b.grad), name
 
@@ -63,7 +64,7 @@ def test_cuda_offload_peak_predicted_within_three_percent_and_exact():
 def test_cuda_budget_offers_offload_and_fits():
     from distckpt.select import transfer
 
-    base, inputs = _gpt2()
+    base, inputs = _gpt()
     mp = profile_model(base, find_blocks(base), inputs, modes=("full", "offload"))
     ratio = transfer.flops_per_byte(mp, torch.device("cuda"))
     assert ratio > 0 and transfer.flops_per_byte(mp, torch.device("cuda")) == ratio  # cached per device
