@@ -252,7 +252,7 @@ def _guard_report(guard: Any, checks: int, verified: str) -> str:
 def _checkpointed_by_mode(modes: dict[str, str]) -> str:
     """``full: h.0, h.1; selective: h.2, ... (9 blocks)``: what each checkpointed block got (a budget mixes)."""
     parts = []
-    for mode in reversed(CHECKPOINT_MODES[1:]):  # full, selective, pointwise
+    for mode in reversed(CHECKPOINT_MODES[1:]):  # offload, full, selective, pointwise
         blocks = [b for b, m in modes.items() if m == mode]
         if blocks:
             more = f", ... ({len(blocks)} blocks)" if len(blocks) > 4 else ""
