@@ -31,7 +31,12 @@ def _dense(t: torch.Tensor) -> bool:
 
 
 class NumpyStore:
-    """Counts what it moves: ``packs`` (tensors moved to the host), ``bytes`` (their bytes)."""
+    """Counts what it moves: ``packs`` (tensors moved to the host), ``bytes`` (their bytes).
+
+    ``Tensor.numpy()`` marks the tensor's storage not resizable: a parameter it were given (FSDP2 frees
+    an unsharded parameter by resizing its storage to 0) would fail there, with "Trying to resize storage
+    that is not resizable". The offload hooks never give it one (tests/distributed/test_offload_dist.py).
+    """
 
     escapes_allocator = True
 
