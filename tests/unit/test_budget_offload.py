@@ -332,3 +332,21 @@ def test_offloaded_blocks_are_not_reentrant_checkpoints():
     with use_numpy_store() as store:
         _grads_equal(ref, model, lambda m: m(*inputs))
     assert store.packs > 0
+
+
+@pytest.mark.slow
+def test_offload_under_torch_compile_runs_eagerly_with_its_hooks():
+    """Slow (dynamo + AOT autograd: ~1-2 min on a shared CPU); the default run keeps the eager exactness
+    tests above. A compiled model's offloaded blocks run eagerly (a graph break), their hooks moving
+    what they save; gradients equal no checkpointing's up to the compiled graph's float rounding."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=64, seq=16, dim=16, heads=2, layers=4)
+    ref, inputs = GPT(cfg), batch(cfg, 2)
+    model = distckpt.wrap(copy.deepcopy(ref), Placement(("offload", "full", "none", "offload")))
+    compiled = torch.compile(model, backend="aot_eager")
+    ref(*inputs).backward()
+    with use_numpy_store() as store:
+        compiled(*inputs).backward()
+    assert store.packs > 0 and store.unpacks == store.packs
+    for (n, a), b in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=n)
