@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = ["flops_per_byte", "probe_shapes"]
 
-_CACHE: dict[tuple[str, int, torch.dtype, tuple[int, int, int]], float] = {}
+_CACHE: dict[tuple[str, int, torch.dtype, tuple[int, int, int], int], float] = {}
 
 
 def probe_shapes(mp: ModelProfile, dtype: torch.dtype) -> tuple[tuple[int, int, int], int]:
@@ -95,9 +95,14 @@ def flops_per_byte(mp: ModelProfile, device: torch.device, dtype: torch.dtype = 
     if device.type != "cuda" or not torch.cuda.is_available():
         raise ConfigError(f"offload's FLOPs per byte is measured on CUDA only; on {device.type} host memory is the "
                           "step's own memory. Give Budget(offload_flops_per_byte=...) to plan offload anyway.")
+    import torch.distributed as dist
+
     mkn, nbytes = probe_shapes(mp, dtype)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = ("cuda", index, dtype, mkn)
+    # The world size is part of the key, as in the profile's cache: a ratio measured before the process
+    # group existed was not agreed between the ranks (the plan redone at parallelize must not reuse it).
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    key = ("cuda", index, dtype, mkn, world)
     if key not in _CACHE:
         with torch.cuda.device(index):
             _CACHE[key] = _agree(_measure(torch.device("cuda", index), dtype, mkn, nbytes), device)
