@@ -40,6 +40,7 @@ recompute than the next one everywhere.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -542,7 +543,7 @@ def plan_budget(mp: ModelProfile, budget: int, *, strategy: str = "ddp", world_s
     chooses between none and full only (as for reentrant checkpointing, which takes no op policy);
     otherwise the op-level modes (``pointwise``, ``selective``) too, where the profile measured them.
     ``offload_flops_per_byte`` (a positive float) offers ``offload`` where the profile measured it, each
-    byte moved (device to host and back) costing that many FLOPs; ``None``: not offered.
+    byte moved (device to host and back) costing that many FLOPs; ``None`` or ``math.inf``: not offered.
 
     Returns:
         A :class:`BudgetPlan`.
@@ -555,6 +556,8 @@ def plan_budget(mp: ModelProfile, budget: int, *, strategy: str = "ddp", world_s
     if offload_flops_per_byte is not None and not offload_flops_per_byte > 0:
         raise ConfigError(f"offload_flops_per_byte must be a positive number (FLOPs per byte moved), got "
                           f"{offload_flops_per_byte!r}; leave it None to measure it on CUDA.")
+    if offload_flops_per_byte is not None and math.isinf(offload_flops_per_byte):
+        offload_flops_per_byte = None  # priced out: not offered
     options, end = _choices(mp, static, selective=selective, grad_accumulation=grad_accumulation,
                             offload_flops_per_byte=offload_flops_per_byte, **where)
     if offload_flops_per_byte is None:
@@ -620,7 +623,10 @@ def auto_budget(device_type: str) -> int:
 def offload_offered(device_type: str, offload_flops_per_byte: float | None) -> bool:
     """Whether a budget may choose ``"offload"``: on CUDA (the ratio measured unless given); elsewhere
     host memory is the step's own, so only with a given ratio and a host store outside the step's
-    allocator (a test's: :func:`distckpt.apply.recompute.host_store`)."""
+    allocator (a test's: :func:`distckpt.apply.recompute.host_store`). An infinite price turns it off
+    (no offload sample step, no pinned host memory for it)."""
+    if offload_flops_per_byte is not None and math.isinf(offload_flops_per_byte):
+        return False
     if device_type == "cuda":
         return True
     from distckpt.apply import recompute

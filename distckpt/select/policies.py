@@ -181,7 +181,7 @@ class Budget:
     shard_size: int | None = None  # "hsdp": ranks per shard group (default: LOCAL_WORLD_SIZE)
     selective: bool = True  # offer the op-level modes (pointwise, selective) per block (False: none or full)
     # "offload" per block: its price in FLOPs per byte moved to the host and back (None: measured on CUDA,
-    # not offered elsewhere, where host memory is the step's own).
+    # not offered elsewhere, where host memory is the step's own; math.inf: never offered, not profiled).
     offload_flops_per_byte: float | None = None
 
     def __post_init__(self) -> None:
@@ -189,9 +189,10 @@ class Budget:
             raise ConfigError(f"budget:SIZE needs a positive size, got {self.bytes!r}. Valid forms: {SPEC_FORMS}.")
         ratio = self.offload_flops_per_byte
         if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or
-                                  not math.isfinite(ratio) or ratio <= 0):
+                                  math.isnan(ratio) or ratio <= 0):
             raise ConfigError(f"Budget(offload_flops_per_byte=...) must be a positive number (FLOPs per byte moved "
-                              f"to the host and back), got {ratio!r}; None measures it on CUDA.")
+                              f"to the host and back), got {ratio!r}; None measures it on CUDA, math.inf turns "
+                              "offload off.")
 
     def strategy_for(self, world_size: int) -> str:
         """The strategy the plan assumes: the one given, else DDP with several ranks, else none."""

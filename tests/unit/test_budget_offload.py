@@ -216,6 +216,8 @@ def test_the_ratio_decides_between_offload_and_recompute():
     # A byte costs more than the whole recompute of its block: the plan is the one without offload.
     dear = plan_budget(mp, budget, selective=False, offload_flops_per_byte=1e6, **KW)
     assert dear.modes == recompute_only.modes and dear.moved_bytes == 0 and dear.peak_bytes <= budget
+    off = plan_budget(mp, budget, selective=False, offload_flops_per_byte=float("inf"), **KW)
+    assert off.modes == recompute_only.modes and off.offload_flops_per_byte is None
     changed = [i for i in range(n) if cheap.modes[i] != dear.modes[i]]
     assert changed and all(cheap.modes[i] == "offload" and dear.modes[i] == "full" for i in changed), (cheap, dear)
     with pytest.raises(ConfigError, match="positive"):
@@ -229,6 +231,11 @@ def test_offload_offered_only_on_cuda_or_with_a_test_store_and_a_ratio(monkeypat
     assert not offload_offered("cpu", None) and not offload_offered("cpu", 10.0)  # host memory is the step's own
     monkeypatch.setattr(recompute, "host_store", lambda: NumpyStore())
     assert offload_offered("cpu", 10.0) and not offload_offered("cpu", None)
+    # An infinite price turns it off everywhere (no offload sample step, no pinned host memory).
+    assert not offload_offered("cuda", float("inf")) and not offload_offered("cpu", float("inf"))
+    assert Budget(2**20, offload_flops_per_byte=float("inf")).offload_flops_per_byte == float("inf")
+    with pytest.raises(ConfigError, match="positive"):
+        Budget(2**20, offload_flops_per_byte=float("nan"))
 
 
 def test_budget_policy_plans_offload_on_the_cpu_with_the_test_store():
