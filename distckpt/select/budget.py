@@ -6,9 +6,10 @@ The memory model (all terms measured by :mod:`distckpt.select.profile` or counte
     static   = params + grads + optimizer state (as the strategy places them) + buffers + batch
                (minus the gradients backward has not produced yet at that point)
     held_i   = activation_bytes_i (none), pointwise_held_bytes_i / selective_held_bytes_i (its input
-               plus the op outputs it keeps) or input_bytes_i (full): one of four choices per block,
-               a checkpointed one plus the RNG state it saves (rng_state_bytes: on the CPU); every
-               one plus the Python numbers its autograd nodes saved (scalar_saved_bytes: on the CPU)
+               plus the op outputs it keeps), input_bytes_i (full) or offload_held_bytes_i (offload:
+               what it could not move to the host): one of five choices per block, a checkpointed
+               one plus the RNG state it saves (rng_state_bytes: on the CPU); every one plus the
+               Python numbers its autograd nodes saved (scalar_saved_bytes: on the CPU)
     P_i      = held_0 + ... + held_i                      (what the blocks keep, in forward order)
     peak     = max( static + pre + P_{i-1} + footprint_i + overhead_i   for every block i,
                     static + pre + P_{n-1} + post + head_overhead,
@@ -34,7 +35,8 @@ the block's forward (up to where backward has what it needs), ``selective`` only
 every other matmul, ``pointwise`` only the ops that count no FLOPs (it keeps every matmul, attention
 and convolution output: 0 FLOPs measured on GPT-2, at less memory than no checkpointing), so between
 the modes for every block there are placements that hold less than one mode everywhere at less
-recompute than the next one everywhere.
+recompute than the next one everywhere. ``offload`` recomputes nothing; its cost on the same scale is
+the bytes it moves to the host and back times ``offload_flops_per_byte`` (:func:`_transfer_cost`).
 """
 
 from __future__ import annotations
