@@ -39,7 +39,7 @@ import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import distckpt
-from benchmarks.models import GPT, SIZES, Block, GPTConfig, batch, hf_gpt2
+from benchmarks.models import GPT, SIZES, Block, GPTConfig, batch, hf_checkpointing_enable, hf_gpt2
 from distckpt import ConfigError
 from distckpt.apply.wrap import is_checkpointed
 from distckpt.select.flops import flop_counter
@@ -219,8 +219,7 @@ def _torch_ac(model: nn.Module, block_cls: type, every: int = 1) -> nn.Module:
 
 
 def _hf_gc(model: nn.Module) -> nn.Module:
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model
+    return hf_checkpointing_enable(model, use_reentrant=False)
 
 
 def _configs(block_cls: type, hf: bool, cuda: bool, fractions: tuple[float, ...]) -> list[Config]:

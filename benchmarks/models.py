@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["GPT", "Block", "GPTConfig", "MLP", "hf_gpt2", "SIZES"]
+__all__ = ["GPT", "Block", "GPTConfig", "MLP", "hf_checkpointing_enable", "hf_gpt2", "SIZES"]
 
 
 @dataclass(frozen=True)
@@ -110,3 +110,14 @@ def hf_gpt2(cfg: GPTConfig) -> nn.Module:
     )
     conf._attn_implementation = "sdpa"
     return GPT2LMHeadModel(conf)
+
+
+def hf_checkpointing_enable(model: nn.Module, *, use_reentrant: bool = False) -> nn.Module:
+    """Hugging Face's own checkpointing on every layer: ``activation_checkpointing_enable``
+    (transformers 5), else its older name ``gradient_checkpointing_enable`` (4.x; deprecated in 5)."""
+    kwargs = {"use_reentrant": use_reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return model

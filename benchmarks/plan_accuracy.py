@@ -1,5 +1,5 @@
 """How close ``distckpt plan`` (fake tensors, a few traced blocks) comes to MemTracker's measured peak of
-a real steady-state AdamW step, per model and policy (none, full, selective, a budget plan), one rank.
+a real steady-state AdamW step, per model and policy (none, full, pointwise, selective, a budget plan), one rank.
 
     PYTHONPATH=. python benchmarks/plan_accuracy.py   # writes benchmarks/results/plan_accuracy.md
 """
@@ -93,15 +93,12 @@ def compare(factory: Callable[[], tuple], budget_frac: float = 0.5) -> dict[str,
     r = r.with_budget(int(full + budget_frac * (none - full)))
     out = {}
     for p in r.policies:
-        blocks = [r.blocks[i] for i in p.checkpointed]
-        if p.policy == "budget" and not blocks:
-            out[p.policy] = (p.peak_bytes, measured_peak(factory, "none"))
+        if not p.checkpointed or p.policy == "full":
+            out[p.policy] = (p.peak_bytes, measured_peak(factory, p.policy if p.checkpointed else "none"))
             continue
-        if p.policy == "budget":  # the plan's own mode per block (none, selective or full)
-            placement = Placement({r.blocks[i]: p.modes[i] for i in p.checkpointed})
-            out[p.policy] = (p.peak_bytes, measured_peak(factory, placement, blocks))
-            continue
-        out[p.policy] = (p.peak_bytes, measured_peak(factory, p.policy))
+        # The estimate's own mode per block: op-level where its profile ran the mode, else full.
+        placement = Placement(dict(zip(r.blocks, p.modes)))
+        out[p.policy] = (p.peak_bytes, measured_peak(factory, placement, list(r.blocks)))
     return out
 
 
@@ -111,8 +108,8 @@ FACTORIES = {"gpt": gpt_factory, "mlp": mlp_factory, "hf": hf_factory}  # pickla
 def _rank_peaks(rank: int, world: int, kind: str, arg: Any,
                 jobs: list[tuple[str, list[tuple[str, dict[str, str] | None]]]]) -> list[list[int]]:
     """This rank's MemTracker peak of a steady-state AdamW step under ``parallelize(strategy)`` per
-    ``(policy, {block: mode})`` (the budget's own mode per block; DDP's C++ buckets tracked from the
-    step's start: budget_accuracy._ddp_buckets), for each ``(strategy, runs)`` of ``jobs``."""
+    ``(policy, {block: mode})`` (the plan's own mode per block, ``None`` for none/full; DDP's C++ buckets
+    tracked from the step's start: budget_accuracy._ddp_buckets), for each ``(strategy, runs)`` of ``jobs``."""
 
     out = []
     for strategy, runs in jobs:
@@ -121,7 +118,7 @@ def _rank_peaks(rank: int, world: int, kind: str, arg: Any,
             torch.manual_seed(0)
             model, loss_fn, batch_fn = FACTORIES[kind](arg)()
             model.train()
-            if policy == "budget":
+            if modes is not None:
                 distckpt.wrap(model, Placement(modes), blocks=list(modes))
             elif policy != "none":
                 distckpt.wrap(model, policy)
@@ -169,10 +166,10 @@ def compare_dist(kind: str, arg: Any, strategies: tuple[str, ...] = ("ddp", "fsd
         # Every block of the plan is a candidate with its mode ("none" for a kept one): parallelize shards the
         # candidates as FSDP units, and a kept block left out would sit unsharded in the root unit (measured:
         # the gpt2 FSDP2 budget row 5.4% "under" with only the checkpointed blocks as candidates).
-        runs = [(p.policy, dict(zip(r.blocks, p.modes)) if p.policy == "budget" else None) for p in r.policies]
+        runs = [(p.policy, None) if p.policy == "full" else ("none", None) if not p.checkpointed
+                else (p.policy, dict(zip(r.blocks, p.modes))) for p in r.policies]
         reports.append(r)
-        jobs.append((strategy, [("none", None) if policy == "budget" and not p.checkpointed else (policy, modes)
-                                for (policy, modes), p in zip(runs, r.policies)]))
+        jobs.append((strategy, runs))
     measured = run_ranks(_rank_peaks, world, kind, arg, jobs)
     return {s: {p.policy: (p.peak_bytes, max(m[k][i] for m in measured.values())) for i, p in enumerate(r.policies)}
             for k, (s, r) in enumerate(zip(strategies, reports))}

@@ -71,7 +71,12 @@ def _worker(rank: int, world_size: int, port: int, path: list[str], inbox: Any, 
 
     init_rank(rank, world_size, port, path=path, threads=1)
     while True:
-        job = inbox.get()
+        try:
+            job = inbox.get()
+        except Exception as e:  # noqa: BLE001 - the job did not unpickle here (its module fails to import)
+            # Reported like an error of the job: a rank that died here would leave the parent waiting a timeout.
+            outbox.put((rank, False, (type(e).__name__, str(e), traceback.format_exc())))
+            continue
         if job is None:
             break
         fn, args, kwargs = job

@@ -27,6 +27,7 @@ from distckpt.errors import ConfigError
 from distckpt.select import profile as _profile
 from distckpt.select.budget import MODES, optimizer_terms, plan_budget, predicted_peak, shards, static_bytes
 from distckpt.select.profile import ModelProfile
+from distckpt.select.selective import share_reach
 
 __all__ = ["PlanReport", "PolicyEstimate", "estimate_profile", "plan_at_scale", "render"]
 
@@ -77,7 +78,7 @@ class PlanReport:
         return dataclasses.replace(self, policies=(*rest, est), budget_bytes=budget, budget_error="")
 
     def policy(self, name: str) -> PolicyEstimate:
-        """The estimate of ``name`` (``none``, ``full``, ``selective``, ``budget``)."""
+        """The estimate of ``name`` (``none``, ``full``, ``pointwise``, ``selective``, ``budget``)."""
         return next(p for p in self.policies if p.policy == name)
 
 
@@ -242,6 +243,9 @@ def _trace(root: nn.Module, model: nn.Module, found: list[tuple[str, nn.Module]]
             # _measure, not profile_model: no cache entry for a cut model, and the ranks agree outside the
             # fake mode (estimate_profile), where a collective has real tensors.
             mp = _stretch(_profile._measure(root, cut, call), found, kept, source, whole)
+        for (_, block), (_, traced) in zip(found, (found[j] for j in source)):
+            if block is not traced:  # its numbers are the traced block's: so is what its recompute reads
+                share_reach(traced, block)
     except (RuntimeError, NotImplementedError) as e:
         # FakeTensorMode's own errors (DataDependentOutputException, ...) live in torch._subclasses.
         if type(e).__module__.startswith("torch._subclasses") or "data-dependent" in str(e):
@@ -307,7 +311,7 @@ def plan_at_scale(factory: Any, *, strategy: str = "fsdp2", world_size: int = 1,
                   optimizer: str = "adamw", grad_accumulation: bool = False, blocks: Any = None,
                   example_inputs: Any = None) -> PlanReport:
     """Predict one rank's peak training memory and recompute FLOPs under ``none``, ``full``,
-    ``selective`` and a ``budget`` plan, without allocating the model (``FakeTensorMode``).
+    ``pointwise``, ``selective`` and a ``budget`` plan, without allocating the model (``FakeTensorMode``).
 
     Args:
         factory: ``"pkg.module:make"`` or a callable; ``make()`` returns ``(model, loss_fn, batch_fn)``
@@ -348,13 +352,14 @@ def _report(mp: ModelProfile, found: list[tuple[str, nn.Module]], kept: list[int
               grad_accumulation=grad_accumulation)
     static_bytes(mp, strategy=strategy, world_size=world_size, optimizer=optimizer, shard_size=shard_size)  # checks
     n = len(mp.blocks)
-    # Selective where the profile could run it (a block whose selective step failed is counted full).
-    sel = tuple("selective" if b.selective_held_bytes >= 0 else "full" for b in mp.blocks)
-    sel_flops = sum(b.selective_flops if m == "selective" else b.full_flops for b, m in zip(mp.blocks, sel))
     policies = [PolicyEstimate("none", predicted_peak(mp, [], **kw), 0, (), ("none",) * n),
                 PolicyEstimate("full", predicted_peak(mp, range(n), **kw), sum(b.full_flops for b in mp.blocks),
-                               tuple(range(n)), ("full",) * n),
-                PolicyEstimate("selective", predicted_peak(mp, sel, **kw), sel_flops, tuple(range(n)), sel)]
+                               tuple(range(n)), ("full",) * n)]
+    for op in ("pointwise", "selective"):
+        # The op-level mode where the profile could run it (a block whose sample step failed is counted full).
+        modes = tuple(op if b.mode_held_flops(op)[0] >= 0 else "full" for b in mp.blocks)
+        flops = sum(b.mode_held_flops(m)[1] for b, m in zip(mp.blocks, modes))
+        policies.append(PolicyEstimate(op, predicted_peak(mp, modes, **kw), flops, tuple(range(n)), modes))
     params, grads, optim = _per_rank(mp, strategy, world_size, shard_size, optimizer)
     total = sum(p.numel() for p in {id(p): p for _, m in found for p in m.parameters()}.values())
     report = PlanReport(
@@ -407,7 +412,7 @@ def _ranges(idx: tuple[int, ...]) -> str:
 
 def _blocks(p: PolicyEstimate) -> str:
     """The checkpointed blocks, by mode when a plan mixes them (``full 0-3, selective 4-79``)."""
-    used = [m for m in reversed(MODES[1:]) if m in p.modes]  # full first, as the budget orders them
+    used = [m for m in reversed(MODES[1:]) if m in p.modes]  # offload and full first, as the budget orders them
     if len(used) < 2:
         return _ranges(p.checkpointed)
     return ", ".join(f"{m} {_ranges(tuple(i for i, x in enumerate(p.modes) if x == m))}" for m in used)

@@ -61,6 +61,21 @@ def test_error_keeps_the_ranks(dist_pool):
     assert dist_pool.run(_pid) == pids and dist_pool.starts == starts
 
 
+def test_a_job_the_ranks_cannot_import_is_an_error_not_a_timeout(dist_pool, tmp_path, monkeypatch):
+    """A job pickles by reference: a function whose module the ranks cannot import fails to unpickle in
+    them. It is reported as the job's error, and the ranks stay (before: they died, and the call waited out
+    its timeout)."""
+    (tmp_path / "only_in_parent.py").write_text("def job(rank, world_size):\n    return rank\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import only_in_parent
+
+    pids, starts = dist_pool.run(_pid), dist_pool.starts
+    with pytest.raises(RankError) as e:
+        dist_pool.run(only_in_parent.job, timeout=60)
+    assert {err[0] for err in e.value.errors.values()} == {"ModuleNotFoundError"}, e.value
+    assert dist_pool.run(_pid) == pids and dist_pool.starts == starts
+
+
 def test_hang_becomes_timeout(dist_pool):
     pids = dist_pool.run(_pid)
     with pytest.raises(TimeoutError):

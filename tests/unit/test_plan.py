@@ -17,7 +17,7 @@ from distckpt.select.estimate import plan_at_scale
 def test_predicted_peaks_within_5_percent_of_measured(name, factory):
     # 4 blocks, 3 traced: the cut block' numbers come from the stretch, not from a trace.
     results = compare(factory)
-    assert set(results) == {"none", "full", "selective", "budget"}
+    assert set(results) == {"none", "full", "pointwise", "selective", "budget"}
     for policy, (pred, meas) in results.items():
         assert abs(pred / meas - 1) < 0.05, (name, policy, pred, meas)
     assert results["full"][1] < results["none"][1]
@@ -39,7 +39,7 @@ def test_per_rank_peaks_within_5_percent_on_two_ranks_ddp_and_fsdp2(dist_pool, m
     results = compare_dist("gpt", 4, ("ddp", "fsdp2"))
     assert set(results) == {"ddp", "fsdp2"}
     for strategy, rows in results.items():
-        assert set(rows) == {"none", "full", "selective", "budget"}
+        assert set(rows) == {"none", "full", "pointwise", "selective", "budget"}
         for policy, (pred, meas) in rows.items():
             assert abs(pred / meas - 1) < 0.05, (strategy, policy, pred, meas)
 
@@ -50,11 +50,14 @@ def test_llama_70b_shaped_on_64_ranks_fsdp2():
     assert abs(r.total_params / 70.55e9 - 1) < 0.01
     assert abs(r.param_bytes / (70.6e9 * 2 / 64) - 1) < 0.01  # bf16 shards
     assert r.grad_bytes == r.param_bytes and abs(r.optimizer_bytes / (2 * r.param_bytes) - 1) < 0.01
-    none, full, sel, budget = (r.policy(p) for p in ("none", "full", "selective", "budget"))
+    none, full, pw, sel, budget = (r.policy(p) for p in ("none", "full", "pointwise", "selective", "budget"))
     # Activations of one 4096-token sequence: at least the 80 blocks' inputs (4096 x 8192 bf16 each).
     assert r.activation_bytes > 80 * 4096 * 8192 * 2
     assert full.peak_bytes < sel.peak_bytes < none.peak_bytes
     assert 0 == none.recompute_flops < sel.recompute_flops < full.recompute_flops
+    # pointwise keeps every matmul and attention output: more memory than selective, no recompute FLOPs.
+    assert sel.peak_bytes < pw.peak_bytes < none.peak_bytes and pw.recompute_flops == 0
+    assert pw.modes == ("pointwise",) * 80
     # The budget mixes modes per block: it fits at less recompute than full everywhere.
     assert budget.peak_bytes <= 60 * 2**30 and 0 < budget.recompute_flops < full.recompute_flops
 
@@ -72,7 +75,7 @@ def test_cli_plan_prints_each_policy_and_rejects_a_bad_budget(capsys):
     assert main(["plan", "--factory", "benchmarks.plan_accuracy:make_gpt", "--strategy", "ddp", "--world-size", "2",
                  "--micro-batch", "2", "--budget", "8MiB"]) == 0
     out = capsys.readouterr().out
-    for word in ("parameters", "gradients", "optimizer state", "activations", "none", "full", "selective",
+    for word in ("parameters", "gradients", "optimizer state", "activations", "none", "full", "pointwise", "selective",
                  "budget:8.00MiB"):
         assert word in out, word
     assert main(["plan", "--factory", "benchmarks.plan_accuracy:make_gpt", "--budget", "lots"]) == 2

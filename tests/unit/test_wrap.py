@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import distckpt
+from benchmarks.models import hf_checkpointing_enable
 from distckpt import ConfigError
 from distckpt.apply.wrap import is_checkpointed
 from distckpt.select.flops import flop_counter
@@ -717,7 +718,7 @@ def test_peft_after_hf_gradient_checkpointing_removes_input_require_grads_hook()
     plain = build()
     wrapped = build()
     wrapped.load_state_dict(plain.state_dict())
-    wrapped.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    hf_checkpointing_enable(wrapped, use_reentrant=True)
     assert any(getattr(m, "_require_grads_hook", None) is not None for m in wrapped.modules())
     with pytest.warns(UserWarning, match="Hugging Face gradient checkpointing"):
         distckpt.wrap(wrapped)

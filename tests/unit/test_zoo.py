@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for zoo
 import zoo  # noqa: E402
 
 import distckpt  # noqa: E402
+from benchmarks.models import hf_checkpointing_enable  # noqa: E402
 from distckpt import Budget, ConfigError  # noqa: E402
 from distckpt.apply.wrap import is_checkpointed  # noqa: E402
 from distckpt.select.budget import predicted_peak  # noqa: E402
@@ -202,7 +203,7 @@ def test_peak_equals_hf_checkpointing(name):
     fam = zoo.FAMILIES[name]
     plain, batch, ref = _reference(name)
     theirs = copy.deepcopy(plain)
-    theirs.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    hf_checkpointing_enable(theirs, use_reentrant=False)
     if hasattr(theirs, "disable_input_require_grads"):
         # HF makes the embedding output require grad (for frozen embeddings under reentrant
         # checkpointing); non-reentrant needs no such hook, and distckpt adds none. With trainable
