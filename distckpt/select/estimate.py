@@ -347,6 +347,9 @@ def plan_at_scale(factory: Any, *, strategy: str = "fsdp2", world_size: int = 1,
     """
     from distckpt.select.blocks import find_blocks
 
+    # The strategy, shard size and optimizer are checked (as _report checks them) before seconds of tracing.
+    static_bytes(ModelProfile(blocks=()), strategy=strategy, world_size=world_size, optimizer=optimizer,
+                 shard_size=shard_size)
     with compat.fake_mode():
         model, root, prefix, call = _subject(factory, example_inputs)
         call = _profile.Call(*_resize(_profile._as_args(call), micro_batch, seq_len))
