@@ -28,6 +28,7 @@ from distckpt.errors import ConfigError
 from distckpt.select import profile as _profile
 from distckpt.select.budget import MODES, optimizer_terms, plan_budget, predicted_peak, shards, static_bytes
 from distckpt.select.profile import ModelProfile
+from distckpt.select.selective import share_reach
 
 __all__ = ["PlanReport", "PolicyEstimate", "estimate_profile", "plan_at_scale", "render"]
 
@@ -243,6 +244,9 @@ def _trace(root: nn.Module, model: nn.Module, found: list[tuple[str, nn.Module]]
             # _measure, not profile_model: no cache entry for a cut model, and the ranks agree outside the
             # fake mode (estimate_profile), where a collective has real tensors.
             mp = _stretch(_profile._measure(root, cut, call), found, kept, source, whole)
+        for (_, block), (_, traced) in zip(found, (found[j] for j in source)):
+            if block is not traced:  # its numbers are the traced block's: so is what its recompute reads
+                share_reach(traced, block)
     except (RuntimeError, NotImplementedError) as e:
         # FakeTensorMode's own errors (DataDependentOutputException, ...) live in torch._subclasses.
         if type(e).__module__.startswith("torch._subclasses") or "data-dependent" in str(e):

@@ -23,7 +23,7 @@ from distckpt import _torch_compat as compat
 from distckpt.errors import ConfigError
 
 __all__ = ["DEFAULT_SAVE_OPS", "MATMUL_OPS", "OP_MODES", "bind", "context_mode", "mode_context_fn", "resolve_ops",
-           "selective_context_fn"]
+           "selective_context_fn", "share_reach"]
 
 aten = torch.ops.aten
 
@@ -173,6 +173,15 @@ def _contexts(save: frozenset[Any], every_other_matmul: bool, reach: _Reach | No
 # The block attribute holding the reach of each op-level policy it ran under:
 # {(save ops, every_other_matmul): _Reach}; a copy of the block (deepcopy, pickle) keeps what it learned.
 _REACH = "_distckpt_reach"
+
+
+def share_reach(source: Any, target: Any) -> None:
+    """Widen ``target``'s reach to what ``source``'s recomputes were seen to read: a block the plan's
+    estimator did not trace, given a traced block of the same shape (one reach per op-level policy).
+    Widening is always safe: a reach wider than the block's own only keeps an output it never reads."""
+    for key, reach in source.__dict__.get(_REACH, {}).items():
+        if reach.calls is not None:
+            target.__dict__.setdefault(_REACH, {}).setdefault(key, _Reach()).learn(collections.Counter(reach.calls))
 
 
 def bind(context_fn: Callable[[], tuple[Any, Any]] | None, block: Any) -> Callable[[], tuple[Any, Any]]:

@@ -302,3 +302,24 @@ def test_budget_plan_holds_from_the_first_step_what_the_profile_learned():
     assert steps[0] == steps[1] <= budget, (steps, budget)
     # The profile measured the trimmed steps: all-pointwise predicted between the trimmed and untrimmed peaks.
     assert second <= predicted_peak(mp, ("pointwise",) * n, **kw) < first
+
+
+def test_blocks_the_estimator_did_not_trace_hold_the_trimmed_outputs_from_the_first_step(monkeypatch):
+    # budget:auto plans on the fake-tensor estimator, which traces blocks 0, 1 and 5 of 6 and copies their
+    # numbers to blocks 2-4: those copy what the traced blocks' recomputes read too (selective.share_reach),
+    # so every block is trimmed from the first training step (before: blocks 2-4 learned in step one,
+    # which held their fc3 outputs: over the plan).
+    from distckpt.select import budget as budget_mod
+
+    torch.manual_seed(0)
+    base, x = Stack(n=6, block=Three), torch.randn(256, 32)
+    kw = dict(strategy="none", optimizer="none")
+    probe = copy.deepcopy(base)
+    mp = profile_model(probe, find_blocks(probe, _is_block), (x,))
+    size = predicted_peak(mp, ("pointwise",) * 6, **kw)  # all pointwise (0 FLOPs) fits exactly
+    monkeypatch.setattr(budget_mod, "auto_budget", lambda device: size)
+    model = distckpt.wrap(copy.deepcopy(base), Budget(None, **kw), blocks=_is_block, example_inputs=(x,))
+    modes = distckpt.checkpointed(model, modes=True)
+    assert all(modes.get(f"blocks.{i}") == "pointwise" for i in (2, 3, 4)), modes
+    steps = [_measure(model, x)[0] for _ in range(2)]
+    assert steps[0] == steps[1] <= size, (steps, size)
