@@ -13,6 +13,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))  # tests/harness.py and tests/models.py
 
 from harness import DistPool  # noqa: E402
+from xdist_order import heaviest_first  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -76,7 +77,7 @@ def pytest_xdist_make_scheduler(config, log):
             # leaves a single long test (a plan, a launcher run) for the end while the other worker idles.
             if self.collection is None and self.collection_is_completed and self._check_nodes_have_same_collection():
                 first = next(iter(self.registered_collections.values()))
-                order = _heaviest_first(list(first), scope, _weights(config))
+                order = heaviest_first(list(first), scope, _weights(config))
                 for node in self.registered_collections:
                     self.registered_collections[node] = order
                 config.option.loadscopereorder = False  # keep this order
@@ -98,16 +99,6 @@ def _weights(config) -> dict[str, float]:
     if config.cache is not None:
         weights.update(config.cache.get(_DURATIONS, {}))
     return weights
-
-
-def _heaviest_first(nodeids: list[str], scope, weights: dict[str, float]) -> list[str]:
-    """``nodeids`` grouped by ``scope`` (in the order they were collected within one), heaviest scope first;
-    a test without a weight counts 1 s."""
-    total: dict[str, float] = {}
-    for n in nodeids:
-        total[scope(n)] = total.get(scope(n), 0.0) + weights.get(n, 1.0)
-    first_seen = {s: k for k, s in enumerate(dict.fromkeys(scope(n) for n in nodeids))}
-    return sorted(nodeids, key=lambda n: (-total[scope(n)], first_seen[scope(n)]))
 
 
 _SECONDS: dict[str, float] = {}
