@@ -168,10 +168,16 @@ def _fast_update_peak_stats(tracker: Any, peak_state: Any) -> None:
     2.13). Here the dictionary's private ``data`` is read directly (the stats of a module already
     collected are updated too: no one can read them) and snapshots are copied with ``dict``. torch 2.13;
     tests/unit/test_torch_compat.py compares every snapshot with the stock tracker's."""
+    tracked = getattr(tracker.memory_tracking, "data", None)
+    if not isinstance(tracked, dict):  # another torch: its own (slower) update
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        MemTracker._update_peak_stats(tracker, peak_state)
+        return
     curr_snap = tracker._curr_mem_snap
     parents = tracker._mod_tracker.parents
     # A list first: a weak reference's callback (a collected module) may remove an entry meanwhile.
-    for mod_stats in list(tracker.memory_tracking.data.values()):
+    for mod_stats in list(tracked.values()):
         if mod_stats.mod_fqn in parents and peak_state in mod_stats.snapshots:
             local = mod_stats.local_peak
             for dev, dev_snap in curr_snap.items():

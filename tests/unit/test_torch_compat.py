@@ -163,7 +163,8 @@ def test_mem_tracker_peaks_equal_the_stock_trackers(fake):
     with compat.fake_mode() if fake else contextlib.nullcontext():
         stock = _tracked_step(MemTracker(), model, x)
         ours = _tracked_step(compat.mem_tracker([]), model, x)
-    assert type(compat.mem_tracker([]))._update_peak_stats is not MemTracker._update_peak_stats
+    # The fast path's private field (without it the stock update runs: the same snapshots, slower).
+    assert isinstance(compat.mem_tracker([]).memory_tracking.data, dict)
     assert ours == stock and any(snaps for per in stock[0].values() for snaps in per.values())
 
 
