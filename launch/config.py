@@ -113,6 +113,9 @@ class ACConfig:
     blocks: Optional[list[str]] = None  # FQN globs; None: distckpt finds the repeated blocks
     reentrant: bool = False
     offload: bool = False  # keep the saved block inputs in host memory
+    # budget: the "offload" mode's price, FLOPs per byte moved to the host and back (null: measured on CUDA;
+    # off CUDA offload is not offered)
+    offload_flops_per_byte: Optional[float] = None
 
 
 @dataclass
@@ -278,6 +281,7 @@ RANGES: dict[str, Range] = {
     "data.noise": PROBABILITY,
     "strategy.shard_size": Range(1, why="ranks per shard group; null: the ranks of one node"),
     "ac.n": SIZE,
+    "ac.offload_flops_per_byte": Range(0, lo_open=True),
     "optim.lr": Range(0, lo_open=True),
     "optim.weight_decay": Range(0),
     "optim.betas": DROPOUT,

@@ -88,11 +88,13 @@ def _run_dir(run_dir: str | os.PathLike[str] | None) -> str:
 
 def ac_policy(cfg: DictConfig, world: int) -> Any:
     """``ac.policy`` as a policy object; a budget gets every run-level fact the memory plan needs (the
-    strategy and shard size, the optimizer's state, whether gradients accumulate over micro-batches)."""
+    strategy and shard size, the optimizer's state, whether gradients accumulate over micro-batches), and
+    ``ac.offload_flops_per_byte`` (the offload mode's price; null: measured on CUDA)."""
     policy = distckpt.parse_policy(cfg.ac.policy)
     if not isinstance(policy, distckpt.Budget):
         return policy
-    return dataclasses.replace(policy, **budget_facts(cfg, world))
+    return dataclasses.replace(policy, **budget_facts(cfg, world),
+                               offload_flops_per_byte=cfg.ac.offload_flops_per_byte)
 
 
 def _wrap(model: torch.nn.Module, cfg: DictConfig, example: dict[str, torch.Tensor]) -> None:
@@ -250,7 +252,7 @@ def _guard_report(guard: Any, checks: int, verified: str) -> str:
 def _checkpointed_by_mode(modes: dict[str, str]) -> str:
     """``full: h.0, h.1; selective: h.2, ... (9 blocks)``: what each checkpointed block got (a budget mixes)."""
     parts = []
-    for mode in reversed(CHECKPOINT_MODES[1:]):  # full, selective, pointwise
+    for mode in reversed(CHECKPOINT_MODES[1:]):  # offload, full, selective, pointwise
         blocks = [b for b, m in modes.items() if m == mode]
         if blocks:
             more = f", ... ({len(blocks)} blocks)" if len(blocks) > 4 else ""

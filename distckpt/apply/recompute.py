@@ -1,7 +1,8 @@
 """The run-time of one checkpointed block: ``torch.utils.checkpoint`` with what exactness needs
 around it (no KV cache, BatchNorm running stats kept, the RNG state, a reentrant runner that never
-drops gradients silently, offload of the saved block inputs). ``distckpt.apply.wrap`` decides which blocks
-run through here."""
+drops gradients silently, offload of the saved block inputs), and of one offloaded block (the ``"offload"``
+mode: not recomputed, every tensor its forward saves kept in host memory until its backward).
+``distckpt.apply.wrap`` decides which blocks run through here."""
 
 from __future__ import annotations
 
@@ -18,11 +19,12 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint as tuc
 
+from distckpt import _torch_compat as compat
 from distckpt.errors import ConfigError
 from distckpt.select.selective import bind
 
-__all__ = ["EAGER_RUN", "CheckpointOptions", "cache_positions", "prepare_eager_run", "run_checkpointed",
-           "stateful_norms", "without_cache"]
+__all__ = ["EAGER_RUN", "CheckpointOptions", "PinnedHostStore", "cache_positions", "host_store", "prepare_eager_run",
+           "run_checkpointed", "stateful_norms", "without_cache"]
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,8 @@ class CheckpointOptions:
     preserve_rng_state: bool = True
     offload: str | None = None
     context_fn: Callable[[], tuple[Any, Any]] | None = None  # op-level (selective) contexts
-
+    recompute: bool = True  # False: the "offload" mode (no checkpoint; saved tensors go to host memory)
+    store: Any = None  # the "offload" mode's host store (None: host_store()); the profile passes a counting one
 
 
 # Arguments through which a (Hugging Face) layer writes a KV cache. The recompute would write it a
@@ -166,6 +169,73 @@ def _offload_hooks(pin_memory: bool) -> torch.autograd.graph.saved_tensors_hooks
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
+class PinnedHostStore:
+    """Where the ``"offload"`` mode keeps a block's saved tensors: page-locked host memory for a CUDA
+    tensor (the copy out is ``non_blocking``: a later kernel that reuses the freed device block runs
+    after it on the same stream, and the host copy is read only by the copy back, queued after it), and
+    the tensor itself for one already in host memory (CPU tensors: a copy would double their memory).
+    The strides are kept (``empty_like``), so a backward sees the layout its forward saved: the same
+    kernels, bitwise the same gradients."""
+
+    escapes_allocator = False  # on a CPU step host memory is the step's own memory: nothing to gain
+
+    def to_host(self, t: torch.Tensor) -> Any:
+        """What to keep for ``t``: ``t`` itself when it stays where it is."""
+        if t.device.type == "cpu":
+            return t
+        pin = t.device.type == "cuda"
+        host = torch.empty_like(t, device="cpu", pin_memory=pin)
+        host.copy_(t, non_blocking=pin)
+        return (t.device, host)
+
+    def to_device(self, packed: Any) -> torch.Tensor:
+        device, host = packed
+        return host.to(device, non_blocking=host.is_pinned())
+
+
+_PINNED = PinnedHostStore()
+
+
+def host_store() -> Any:
+    """The store the ``"offload"`` mode uses: :class:`PinnedHostStore`. The one seam tests replace
+    (``monkeypatch.setattr(recompute, "host_store", ...)``) with a store whose host memory the CPU
+    step's allocator does not see (tests/offload_store.py), to measure on the CPU what pinned memory
+    is to a CUDA device: never changed by the library. A store has ``to_host(t)`` (returning ``t``
+    itself to keep it), ``to_device(packed)`` and ``escapes_allocator`` (whether its host memory is
+    outside the memory a step's peak counts: only then may a budget on the CPU offer offload)."""
+    return _PINNED
+
+
+def _static_storages(module: nn.Module) -> set[int]:
+    # Under FSDP2 the block's parameters are the unsharded ones during its forward (their storage the
+    # all-gather output, freed at reshard and gathered again for backward); under FSDP1 the views into
+    # the unsharded flat parameter, whose storage is the registered flat parameter's.
+    return {compat.storage_id(t) for t in (*module.parameters(), *module.buffers())}
+
+
+def _block_offload_hooks(module: nn.Module, store: Any) -> torch.autograd.graph.saved_tensors_hooks:
+    """The ``"offload"`` mode's hooks: every tensor the block's forward saves goes to ``store`` and comes
+    back in its backward, except parameters and views of the block's parameters or buffers (a linear
+    layer's weight, its transpose): they stay on the device for the optimizer anyway, so copying them
+    each step only costs link time and host memory. That is where this differs from
+    ``torch.autograd.graph.save_on_cpu``, which copies every saved tensor, weights and CPU tensors too."""
+    static = _static_storages(module)
+
+    def pack(t: torch.Tensor) -> Any:
+        if isinstance(t, nn.Parameter) or compat.storage_id(t) in static:
+            return t
+        kept = store.to_host(t)
+        return t if kept is t else (store, kept)
+
+    def unpack(packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        owner, kept = packed
+        return owner.to_device(kept)
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
 def _has_nested_tensor(value: Any, grad_only: bool = False) -> bool:
     """Whether ``value`` holds a tensor (with ``grad_only``, one that requires grad)."""
     if isinstance(value, torch.Tensor):
@@ -231,6 +301,9 @@ def _run_reentrant(module: nn.Module, inner: Callable[..., Any], opts: Checkpoin
 
 def run_checkpointed(module: nn.Module, inner: Callable[..., Any], opts: CheckpointOptions,
                       args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if not opts.recompute:  # the "offload" mode: nothing is recomputed, so the values are bitwise the same
+        with _block_offload_hooks(module, host_store() if opts.store is None else opts.store):
+            return inner(*args, **kwargs)
     offload = _offload_hooks(torch.cuda.is_available()) if opts.offload else contextlib.nullcontext()
     with offload:
         if opts.reentrant:

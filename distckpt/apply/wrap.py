@@ -57,9 +57,10 @@ class _CheckpointedMixin:
             # a KV cache included.
             return inner(*args, **kwargs)
         args, kwargs = without_cache(self, args, kwargs)
-        if self._distckpt_norms and torch.compiler.is_compiling():
+        if (self._distckpt_norms or not self._distckpt_options.recompute) and torch.compiler.is_compiling():
             # A compiled recompute would update BatchNorm running stats a second time (measured), and
             # dynamo cannot trace the context that prevents it: such blocks run eagerly (a graph break).
+            # So do offloaded blocks: their saved-tensor hooks must see the eager forward's tensors.
             return EAGER_RUN[0](self, inner, self._distckpt_options, args, kwargs)
         return run_checkpointed(self, inner, self._distckpt_options, args, kwargs)
 
@@ -108,11 +109,14 @@ def _clean_fqn(name: str) -> str:
 
 def checkpoint_mode(module: nn.Module) -> str:
     """``"full"``, ``"selective"`` or ``"pointwise"`` (op-level; see
-    :func:`distckpt.select.selective.context_mode`) or ``"none"``: how distckpt checkpoints ``module``."""
+    :func:`distckpt.select.selective.context_mode`), ``"offload"`` (not recomputed: its saved tensors
+    kept in host memory) or ``"none"``: how distckpt checkpoints ``module``."""
     if not is_checkpointed(module):
         return "none"
-    fn = module._distckpt_options.context_fn
-    return context_mode(fn) if fn else "full"
+    opts = module._distckpt_options
+    if not opts.recompute:
+        return "offload"
+    return context_mode(opts.context_fn) if opts.context_fn else "full"
 
 
 def checkpointed(model: nn.Module, *, modes: bool = False) -> list[str] | dict[str, str]:
@@ -123,8 +127,9 @@ def checkpointed(model: nn.Module, *, modes: bool = False) -> list[str] | dict[s
 
     Args:
         model: the model (possibly inside DDP/FSDP).
-        modes: return ``{fqn: "full" | "selective" | "pointwise"}`` instead: how each block is
-            checkpointed (a ``budget`` plan mixes them).
+        modes: return ``{fqn: "full" | "selective" | "pointwise" | "offload"}`` instead: how each block
+            is checkpointed (a ``budget`` plan mixes them; ``"offload"``: not recomputed, listed because
+            its forward runs through distckpt's wrapper too).
     """
     if modes:
         return {_clean_fqn(n): checkpoint_mode(m) for n, m in model.named_modules() if is_checkpointed(m)}
@@ -368,10 +373,13 @@ def _apply_plan(model: nn.Module, pol: Policy, candidates: list[tuple[str, nn.Mo
     for i, mode in sorted(modes.items()):
         block = candidates[i][1]
         block.__class__ = _checkpointed_class(type(block))
-        block._distckpt_options = dataclasses.replace(opts, context_fn=_mode_context_fn(mode, opts, made))
+        # An offloaded block runs no checkpoint at all: neither reentrant nor op-level options apply to it.
+        block._distckpt_options = (
+            dataclasses.replace(opts, context_fn=None, recompute=False, reentrant=False) if mode == "offload"
+            else dataclasses.replace(opts, context_fn=_mode_context_fn(mode, opts, made)))
         block._distckpt_norms = stateful_norms(block)  # found once, not on every forward
         block._distckpt_cache_slots = cache_positions(type(block)._distckpt_orig_class)
-        if block._distckpt_norms:
+        if block._distckpt_norms or mode == "offload":
             prepare_eager_run()
     counts = ", ".join(f"{sum(m == k for m in modes.values())} {k}" for k in CHECKPOINT_MODES[1:]
                        if k in modes.values()) or "none"

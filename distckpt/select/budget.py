@@ -6,9 +6,10 @@ The memory model (all terms measured by :mod:`distckpt.select.profile` or counte
     static   = params + grads + optimizer state (as the strategy places them) + buffers + batch
                (minus the gradients backward has not produced yet at that point)
     held_i   = activation_bytes_i (none), pointwise_held_bytes_i / selective_held_bytes_i (its input
-               plus the op outputs it keeps) or input_bytes_i (full): one of four choices per block,
-               a checkpointed one plus the RNG state it saves (rng_state_bytes: on the CPU); every
-               one plus the Python numbers its autograd nodes saved (scalar_saved_bytes: on the CPU)
+               plus the op outputs it keeps), input_bytes_i (full) or offload_held_bytes_i (offload:
+               what it could not move to the host): one of five choices per block, a checkpointed
+               one plus the RNG state it saves (rng_state_bytes: on the CPU); every one plus the
+               Python numbers its autograd nodes saved (scalar_saved_bytes: on the CPU)
     P_i      = held_0 + ... + held_i                      (what the blocks keep, in forward order)
     peak     = max( static + pre + P_{i-1} + footprint_i + overhead_i   for every block i,
                     static + pre + P_{n-1} + post + head_overhead,
@@ -34,12 +35,14 @@ the block's forward (up to where backward has what it needs), ``selective`` only
 every other matmul, ``pointwise`` only the ops that count no FLOPs (it keeps every matmul, attention
 and convolution output: 0 FLOPs measured on GPT-2, at less memory than no checkpointing), so between
 the modes for every block there are placements that hold less than one mode everywhere at less
-recompute than the next one everywhere.
+recompute than the next one everywhere. ``offload`` recomputes nothing; its cost on the same scale is
+the bytes it moves to the host and back times ``offload_flops_per_byte`` (:func:`_transfer_cost`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -64,8 +67,9 @@ logger = logging.getLogger("distckpt")
 # What the planner chooses from for each block, by code (the dynamic program's trail keeps the code), in
 # order of decreasing memory: "pointwise" keeps every matmul/attention/conv output and recomputes only
 # the FLOP-free ops, "selective" recomputes every other matmul too, "full" the whole block.
-MODES = CHECKPOINT_MODES  # ("none", "pointwise", "selective", "full")
+MODES = CHECKPOINT_MODES  # ("none", "pointwise", "selective", "full", "offload")
 _FULL = MODES.index("full")
+_OFFLOAD = MODES.index("offload")  # not recomputed: its saved tensors go to host memory (CUDA)
 
 # Optimizer state per parameter byte (AdamW: exp_avg and exp_avg_sq in the parameter's dtype).
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1, "none": 0}
@@ -157,7 +161,12 @@ class BudgetPlan:
         peak_bytes: predicted peak training memory with that choice.
         recompute_flops: the chosen blocks' measured recompute FLOPs.
         min_budget_bytes: the smallest budget any choice fits in.
-        modes: per block, one of :data:`MODES` (``"none"``, ``"pointwise"``, ``"selective"``, ``"full"``).
+        modes: per block, one of :data:`MODES` (``"none"``, ``"pointwise"``, ``"selective"``, ``"full"``,
+            ``"offload"``).
+        moved_bytes: bytes the offloaded blocks move over the host link per step (device to host in
+            forward plus host to device in backward).
+        transfer_flops: the transfers' FLOP-equivalent (``moved_bytes`` times ``offload_flops_per_byte``).
+        offload_flops_per_byte: the ratio the transfers were costed at (``None``: offload not offered).
     """
 
     selected: tuple[int, ...]
@@ -165,6 +174,19 @@ class BudgetPlan:
     recompute_flops: int
     min_budget_bytes: int
     modes: tuple[str, ...] = ()
+    moved_bytes: int = 0
+    transfer_flops: int = 0
+    offload_flops_per_byte: float | None = None
+
+    @property
+    def offloaded(self) -> tuple[int, ...]:
+        """Indices of the blocks in the ``"offload"`` mode."""
+        return tuple(i for i, m in enumerate(self.modes) if m == "offload")
+
+    @property
+    def cost_flops(self) -> int:
+        """What the plan minimised: recompute FLOPs plus the transfers' FLOP-equivalent."""
+        return self.recompute_flops + self.transfer_flops
 
 
 @dataclass(frozen=True)
@@ -311,7 +333,9 @@ def _mode_bounds(mp: ModelProfile, static: int, recompute: tuple[str, ...], *, s
                 redo = static - absent(grads) + base + over + working(i, grads)
             else:
                 redo = at_peak + max(0, b.backward_overhead_bytes) + max(0, b.forward_overhead_bytes)
-            ckpt[m].append(max(forward, redo))
+            # An offloaded block's forward moves its saved tensors out as it goes: its own measured peak.
+            own = forward if m != "offload" else static - absent(0) + base + b.offload_forward_overhead_bytes + fw
+            ckpt[m].append(max(own, redo))
     head = mp.pre_bytes + mp.post_bytes
     grads, over = ((mp.head_grads_bytes, mp.head_overhead_bytes)
                    if grad_accumulation or mp.head_peak_grads_bytes < 0
@@ -346,7 +370,21 @@ def _tail(mp: ModelProfile, static: int, step: int, *, strategy: str, world_size
 Choice = tuple[int, int, int, int]  # (bytes held, bound on the prefix, recompute FLOPs, code in MODES)
 
 
-def _choices(mp: ModelProfile, static: int, *, selective: bool = True, **kw: Any) -> tuple[list[list[Choice]], int]:
+def _transfer_cost(nbytes: int, flops_per_byte: float | None) -> int:
+    """The ``"offload"`` mode's cost on the program's FLOP scale: ``nbytes`` go to the host in forward and
+    come back in backward, each byte worth ``flops_per_byte`` FLOPs of link time (the device's matmul
+    FLOP/s over the link's bytes/s: :mod:`distckpt.select.transfer`)."""
+    return round(2 * nbytes * flops_per_byte) if flops_per_byte else 0
+
+
+def _offload_choice(b: Any, bound: int, w: int, outside: int, flops_per_byte: float | None) -> Choice:
+    """An offloaded block: it holds on the device only what it could not move (measured), and in its
+    backward its saved tensors come back (its measured peak, ``bound``); no RNG state (no checkpoint)."""
+    return (b.offload_held_bytes + w, bound + w + outside, _transfer_cost(b.offload_bytes, flops_per_byte), _OFFLOAD)
+
+
+def _choices(mp: ModelProfile, static: int, *, selective: bool = True, offload_flops_per_byte: float | None = None,
+             **kw: Any) -> tuple[list[list[Choice]], int]:
     """Per block, what each choice holds, the bound it puts on the bytes held before it and its
     recompute FLOPs (the op-level modes where the profile measured them and ``selective`` allows
     them); and the end offset (see :func:`_bounds`). A checkpointed block also holds the RNG state
@@ -360,9 +398,14 @@ def _choices(mp: ModelProfile, static: int, *, selective: bool = True, **kw: Any
     autograd saved as 8-byte CPU tensors, 24 B per HF GPT-2 block) from its forward to its backward,
     as does the rest of the model (``ModelProfile.scalar_saved_bytes``, in every term of backward):
     the CPU allocator holds them, MemTracker (which measured every other term) does not see them. Without
-    them the smallest budget accepted on HF GPT-2 (full's allocator peak less 24 B) was exceeded by 24 B."""
+    them the smallest budget accepted on HF GPT-2 (full's allocator peak less 24 B) was exceeded by 24 B.
+
+    ``"offload"`` is a choice wherever the profile measured it, its cost the transfer's FLOP-equivalent
+    at ``offload_flops_per_byte`` (``None``: 0, for a prediction; :func:`plan_budget` offers it only with
+    a ratio)."""
     op_modes = OP_MODES if selective else ()
-    plain, bounds, end = _mode_bounds(mp, static, ("full", *op_modes), **kw)
+    offload = ("offload",) if any(b.offload_held_bytes >= 0 for b in mp.blocks) else ()
+    plain, bounds, end = _mode_bounds(mp, static, ("full", *op_modes, *offload), **kw)
     rng, outside = mp.rng_state_bytes, mp.scalar_saved_bytes
     out = []
     for i, b in enumerate(mp.blocks):
@@ -373,6 +416,8 @@ def _choices(mp: ModelProfile, static: int, *, selective: bool = True, **kw: Any
             if held >= 0:
                 options.append((held + rng + w, bounds[mode][i] + rng + w + outside, flops, MODES.index(mode)))
         options.append((b.input_bytes + rng + w, bounds["full"][i] + rng + w + outside, b.full_flops, _FULL))
+        if offload and b.offload_held_bytes >= 0:
+            options.append(_offload_choice(b, bounds["offload"][i], w, outside, offload_flops_per_byte))
         out.append(options)
     return out, end + outside
 
@@ -395,10 +440,10 @@ def _codes(mp: ModelProfile, choice: Any) -> list[int]:
     for i, m in enumerate(modes):
         if m not in MODES:
             raise ConfigError(f"block {i}: checkpoint mode must be one of {MODES}, got {m!r}.")
-        if m in OP_MODES and mp.blocks[i].mode_held_flops(m)[0] < 0:
+        if m in (*OP_MODES, "offload") and mp.blocks[i].mode_held_flops(m)[0] < 0:
             raise ConfigError(f"block {i} ({mp.blocks[i].fqn}): the profile has no {m} measurement (its {m} "
                               "sample step failed, or the profile was made without that mode); choose none or "
-                              "full for it, or profile with that mode.")
+                              "full for it, or profile with that mode (profile_model(..., modes=...)).")
     return [MODES.index(m) for m in modes]
 
 
@@ -490,15 +535,17 @@ def _costs(options: list[list[Choice]]) -> list[list[Choice]]:
 
 def plan_budget(mp: ModelProfile, budget: int, *, strategy: str = "ddp", world_size: int = 1,
                 optimizer: str = "adamw", grad_accumulation: bool = False, shard_size: int | None = None,
-                selective: bool = True) -> BudgetPlan:
-    """The per-block choice (none, pointwise, selective or full) with the least recompute FLOPs whose
-    predicted peak is <= ``budget``.
+                selective: bool = True, offload_flops_per_byte: float | None = None) -> BudgetPlan:
+    """The per-block choice (none, pointwise, selective, full or offload) with the least recompute FLOPs
+    (plus transfers' FLOP-equivalent) whose predicted peak is <= ``budget``.
 
     Exact (a Pareto dynamic program over (bytes held, FLOPs) per block prefix; at equal FLOPs the
     fewest checkpointed blocks) up to the merging of
     states closer than ``budget / 4096`` bytes when more than 4096 remain. ``selective=False``
     chooses between none and full only (as for reentrant checkpointing, which takes no op policy);
     otherwise the op-level modes (``pointwise``, ``selective``) too, where the profile measured them.
+    ``offload_flops_per_byte`` (a positive float) offers ``offload`` where the profile measured it, each
+    byte moved (device to host and back) costing that many FLOPs; ``None`` or ``math.inf``: not offered.
 
     Returns:
         A :class:`BudgetPlan`.
@@ -508,7 +555,15 @@ def plan_budget(mp: ModelProfile, budget: int, *, strategy: str = "ddp", world_s
     """
     where = dict(strategy=strategy, world_size=world_size, shard_size=shard_size)
     static, step = static_bytes(mp, optimizer=optimizer, **where)
-    options, end = _choices(mp, static, selective=selective, grad_accumulation=grad_accumulation, **where)
+    if offload_flops_per_byte is not None and not offload_flops_per_byte > 0:
+        raise ConfigError(f"offload_flops_per_byte must be a positive number (FLOPs per byte moved), got "
+                          f"{offload_flops_per_byte!r}; leave it None to measure it on CUDA.")
+    if offload_flops_per_byte is not None and math.isinf(offload_flops_per_byte):
+        offload_flops_per_byte = None  # priced out: not offered
+    options, end = _choices(mp, static, selective=selective, grad_accumulation=grad_accumulation,
+                            offload_flops_per_byte=offload_flops_per_byte, **where)
+    if offload_flops_per_byte is None:
+        options = [[o for o in opts if o[3] != _OFFLOAD] for opts in options]
     step = _tail(mp, static, step, grad_accumulation=grad_accumulation, **where)
     min_budget = _min_peak(options, end, step)
     if budget < min_budget:
@@ -543,8 +598,12 @@ def plan_budget(mp: ModelProfile, budget: int, *, strategy: str = "ddp", world_s
     modes = tuple(MODES[c] for c in codes)
     peak = predicted_peak(mp, modes, optimizer=optimizer, grad_accumulation=grad_accumulation, **where)
     assert peak <= budget, (peak, budget)
-    flops = sum(next(o[2] for o in opts if o[3] == c) for opts, c in zip(options, codes))
-    return BudgetPlan(tuple(i for i, c in enumerate(codes) if c), peak, flops, min_budget, modes)
+    costs = [next(o[2] for o in opts if o[3] == c) for opts, c in zip(options, codes)]
+    moved = 2 * sum(b.offload_bytes for b, c in zip(mp.blocks, codes) if c == _OFFLOAD)
+    return BudgetPlan(tuple(i for i, c in enumerate(codes) if c), peak,
+                      sum(f for f, c in zip(costs, codes) if c != _OFFLOAD), min_budget, modes, moved_bytes=moved,
+                      transfer_flops=sum(f for f, c in zip(costs, codes) if c == _OFFLOAD),
+                      offload_flops_per_byte=offload_flops_per_byte)
 
 
 def auto_budget(device_type: str) -> int:
@@ -563,8 +622,22 @@ def auto_budget(device_type: str) -> int:
     return int(free + torch.cuda.memory_allocated())
 
 
+def offload_offered(device_type: str, offload_flops_per_byte: float | None) -> bool:
+    """Whether a budget may choose ``"offload"``: on CUDA (the ratio measured unless given); elsewhere
+    host memory is the step's own, so only with a given ratio and a host store outside the step's
+    allocator (a test's: :func:`distckpt.apply.recompute.host_store`). An infinite price turns it off
+    (no offload sample step, no pinned host memory for it)."""
+    if offload_flops_per_byte is not None and math.isinf(offload_flops_per_byte):
+        return False
+    if device_type == "cuda":
+        return True
+    from distckpt.apply import recompute
+
+    return offload_flops_per_byte is not None and bool(getattr(recompute.host_store(), "escapes_allocator", False))
+
+
 def budget_profile(candidates: Candidates, device_type: str, budget_bytes: int | None, *,
-                   estimate: bool = False, selective: bool = True) -> tuple[ModelProfile, int]:
+                   estimate: bool = False, selective: bool = True, offload: bool = False) -> tuple[ModelProfile, int]:
     """The profile a budget plans on, and the budget in bytes.
 
     ``budget:SIZE`` plans on a real sample step (:meth:`Candidates.model_profile`: exact on this
@@ -574,7 +647,8 @@ def budget_profile(candidates: Candidates, device_type: str, budget_bytes: int |
     model near the device's size could run out of the very memory being planned. ``estimate=True``
     takes that path with an explicit budget (on any device). The real step measures only the recompute
     modes the plan can choose: full, and the op-level ones only with ``selective`` (two sample steps
-    each; the profile cache serves the plan redone at ``parallelize`` from the same measurement).
+    each; the profile cache serves the plan redone at ``parallelize`` from the same measurement), and
+    ``"offload"`` only with ``offload`` (one more sample step).
 
     Raises:
         ConfigError: ``budget:auto`` off CUDA, or (estimator) a model that cannot run on fake tensors.
@@ -582,7 +656,8 @@ def budget_profile(candidates: Candidates, device_type: str, budget_bytes: int |
     if budget_bytes is None:
         budget_bytes, estimate = auto_budget(device_type), True
     if not estimate:
-        return candidates.model_profile(RECOMPUTE_MODES if selective else ("full",)), budget_bytes
+        modes = (*(RECOMPUTE_MODES if selective else ("full",)), *(("offload",) if offload else ()))
+        return candidates.model_profile(modes), budget_bytes
     from distckpt.select.estimate import estimate_profile  # estimate imports this module
 
     if candidates.example_inputs is None:
@@ -592,7 +667,8 @@ def budget_profile(candidates: Candidates, device_type: str, budget_bytes: int |
 
 def select_for_budget(candidates: Candidates, budget_bytes: int | None, *, strategy: str = "ddp",
                       optimizer: str = "adamw", grad_accumulation: bool = False,
-                      shard_size: int | None = None, selective: bool = True) -> BudgetPlan:
+                      shard_size: int | None = None, selective: bool = True,
+                      offload_flops_per_byte: float | None = None) -> BudgetPlan:
     """The plan for ``budget:SIZE`` (``None``: ``budget:auto``): which blocks to checkpoint, and how.
 
     Args:
@@ -608,6 +684,9 @@ def select_for_budget(candidates: Candidates, budget_bytes: int | None, *, strat
             ``parallelize`` uses).
         selective: offer the op-level modes (``pointwise``, ``selective``) per block, besides none and
             full (``False``: the profile does not measure them either).
+        offload_flops_per_byte: the price of ``"offload"`` in FLOPs per byte moved; ``None``: measured on
+            CUDA (:func:`distckpt.select.transfer.flops_per_byte`), not offered elsewhere
+            (:func:`offload_offered`).
 
     Returns:
         A :class:`BudgetPlan` (``modes``: one of :data:`MODES` per block of ``candidates.blocks``).
@@ -616,15 +695,26 @@ def select_for_budget(candidates: Candidates, budget_bytes: int | None, *, strat
         ConfigError: no sample batch, no placement fits, or ``budget:auto`` off CUDA.
     """
     batch = _tensors(_as_args(candidates.example_inputs)) if candidates.example_inputs is not None else []
-    mp, budget_bytes = budget_profile(candidates, step_device(candidates.model, batch).type, budget_bytes,
-                                      selective=selective)
+    device = step_device(candidates.model, batch)
+    offer = offload_offered(device.type, offload_flops_per_byte)
+    mp, budget_bytes = budget_profile(candidates, device.type, budget_bytes, selective=selective, offload=offer)
+    if offer and offload_flops_per_byte is None and any(b.offload_held_bytes >= 0 for b in mp.blocks):
+        from distckpt.select.transfer import flops_per_byte
+
+        dtype = next((p.dtype for p in candidates.model.parameters() if p.is_floating_point()), torch.float32)
+        offload_flops_per_byte = flops_per_byte(mp, device, dtype)
     if strategy == "hsdp" and shard_size is None and os.environ.get("LOCAL_WORLD_SIZE"):
         shard_size = int(os.environ["LOCAL_WORLD_SIZE"])
     result = plan_budget(mp, budget_bytes, strategy=strategy, world_size=candidates.world_size, optimizer=optimizer,
-                         grad_accumulation=grad_accumulation, shard_size=shard_size, selective=selective)
+                         grad_accumulation=grad_accumulation, shard_size=shard_size, selective=selective,
+                         offload_flops_per_byte=offload_flops_per_byte if offer else None)
     logger.info(
-        "distckpt budget %s: %d of %d blocks full, %d selective, %d pointwise, predicted peak %s, recompute "
-        "%.3g GFLOP", _gib(budget_bytes), result.modes.count("full"), len(mp.blocks), result.modes.count("selective"),
-        result.modes.count("pointwise"), _gib(result.peak_bytes), result.recompute_flops / 1e9,
+        "distckpt budget %s: %d of %d blocks full, %d selective, %d pointwise, %d offloaded (%s moved per step), "
+        "predicted peak %s, recompute %.3g GFLOP", _gib(budget_bytes), result.modes.count("full"), len(mp.blocks),
+        result.modes.count("selective"), result.modes.count("pointwise"), len(result.offloaded),
+        _gib(result.moved_bytes), _gib(result.peak_bytes), result.recompute_flops / 1e9,
     )
+    if result.offloaded:
+        logger.info("distckpt budget: offloaded blocks %s at %.3g FLOPs per byte",
+                    ", ".join(mp.blocks[i].fqn for i in result.offloaded), result.offload_flops_per_byte)
     return result

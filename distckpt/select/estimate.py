@@ -431,7 +431,7 @@ def _ranges(idx: tuple[int, ...]) -> str:
 
 def _blocks(p: PolicyEstimate) -> str:
     """The checkpointed blocks, by mode when a plan mixes them (``full 0-3, selective 4-79``)."""
-    used = [m for m in reversed(MODES[1:]) if m in p.modes]  # full first, as the budget orders them
+    used = [m for m in reversed(MODES[1:]) if m in p.modes]  # offload and full first, as the budget orders them
     if len(used) < 2:
         return _ranges(p.checkpointed)
     return ", ".join(f"{m} {_ranges(tuple(i for i, x in enumerate(p.modes) if x == m))}" for m in used)

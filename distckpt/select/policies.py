@@ -35,8 +35,10 @@ __all__ = [
     "parse_size",
 ]
 
-# How a block can be checkpointed, in order of decreasing memory (a budget plan chooses one per block).
-CHECKPOINT_MODES = ("none", "pointwise", "selective", "full")
+# How a block can be checkpointed, in order of decreasing memory (a budget plan chooses one per block);
+# "offload" (appended, so the earlier codes stay): not recomputed, every tensor its forward saves kept in
+# host memory until its backward (on CUDA; on the CPU host memory is the step's own).
+CHECKPOINT_MODES = ("none", "pointwise", "selective", "full", "offload")
 
 SPEC_FORMS = (
     '"none", "full", "every:N" (N >= 1), "first:N" (N >= 0), "fraction:F" (0 <= F <= 1), '
@@ -166,8 +168,10 @@ class Budget:
     the first forward (they persist across micro-batches). Each block gets none, ``pointwise``
     (op-level: keep every matmul/attention output, recompute only the FLOP-free ops), ``selective``
     (recompute every other matmul too) or full checkpointing (``selective=False``: none or full, and
-    the profile skips the op-level sample steps). The selection itself lives in
-    :mod:`distckpt.select.budget`.
+    the profile skips the op-level sample steps). On CUDA a block may also be ``offload``ed (not
+    recomputed; its saved tensors kept in pinned host memory), priced at ``offload_flops_per_byte``
+    FLOPs per byte moved (``None``: measured once per device, matmul FLOP/s over host-link bytes/s);
+    off CUDA offload is not offered. The selection itself lives in :mod:`distckpt.select.budget`.
     """
 
     bytes: int | None
@@ -176,10 +180,19 @@ class Budget:
     grad_accumulation: bool = False
     shard_size: int | None = None  # "hsdp": ranks per shard group (default: LOCAL_WORLD_SIZE)
     selective: bool = True  # offer the op-level modes (pointwise, selective) per block (False: none or full)
+    # "offload" per block: its price in FLOPs per byte moved to the host and back (None: measured on CUDA,
+    # not offered elsewhere, where host memory is the step's own; math.inf: never offered, not profiled).
+    offload_flops_per_byte: float | None = None
 
     def __post_init__(self) -> None:
         if self.bytes is not None and (not isinstance(self.bytes, int) or self.bytes <= 0):
             raise ConfigError(f"budget:SIZE needs a positive size, got {self.bytes!r}. Valid forms: {SPEC_FORMS}.")
+        ratio = self.offload_flops_per_byte
+        if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or
+                                  math.isnan(ratio) or ratio <= 0):
+            raise ConfigError(f"Budget(offload_flops_per_byte=...) must be a positive number (FLOPs per byte moved "
+                              f"to the host and back), got {ratio!r}; None measures it on CUDA, math.inf turns "
+                              "offload off.")
 
     def strategy_for(self, world_size: int) -> str:
         """The strategy the plan assumes: the one given, else DDP with several ranks, else none."""
@@ -193,13 +206,14 @@ class Budget:
 
         return select_for_budget(candidates, self.bytes, strategy=self.strategy_for(candidates.world_size),
                                  optimizer=self.optimizer, grad_accumulation=self.grad_accumulation,
-                                 shard_size=self.shard_size, selective=self.selective)
+                                 shard_size=self.shard_size, selective=self.selective,
+                                 offload_flops_per_byte=self.offload_flops_per_byte)
 
     def select(self, candidates: Candidates) -> list[int]:
         return list(self.plan(candidates).selected)
 
     def modes(self, candidates: Candidates) -> dict[int, str]:
-        """``{index: "pointwise" | "selective" | "full"}`` for the blocks to checkpoint."""
+        """``{index: "pointwise" | "selective" | "full" | "offload"}`` for the blocks to checkpoint."""
         plan = self.plan(candidates)
         return {i: plan.modes[i] for i in plan.selected}
 
@@ -228,8 +242,8 @@ class Selective:
 
 @dataclass(frozen=True)
 class Placement:
-    """Checkpoint each block in the mode given for it: ``"none"``, ``"pointwise"``, ``"selective"`` or
-    ``"full"`` (:data:`CHECKPOINT_MODES`).
+    """Checkpoint each block in the mode given for it: ``"none"``, ``"pointwise"``, ``"selective"``,
+    ``"full"`` or ``"offload"`` (:data:`CHECKPOINT_MODES`).
 
     ``choice`` holds one mode per candidate block (in forward order), or ``{fqn: mode}`` (blocks not
     named: none). It is how a benchmark or a test places mixed modes by hand, as a budget plan does.

@@ -23,7 +23,7 @@ from distckpt.errors import ConfigError
 from distckpt.select.flops import flop_counter
 from distckpt.select.selective import OP_MODES, bind, mode_context_fn
 
-__all__ = ["RECOMPUTE_MODES", "BlockProfile", "ModelProfile", "adam_step_temp_bytes", "memory_tracker",
+__all__ = ["PROFILE_MODES", "RECOMPUTE_MODES", "BlockProfile", "ModelProfile", "adam_step_temp_bytes", "memory_tracker",
            "profile_blocks", "profile_model", "scalar_loss"]
 
 logger = logging.getLogger("distckpt")
@@ -84,6 +84,19 @@ class BlockProfile:
             recompute's own nodes hold a second copy while it runs, and ``fork_rng`` a copy of the RNG
             state: the ``*_recompute_overhead_bytes`` include those where the measured recompute peak
             lies inside the recompute (as far as they could lift the allocator's peak above it).
+        offload_held_bytes: bytes an ``"offload"`` block leaves on the device from its forward to its
+            backward, measured in a sample step with every block offloaded (what its forward leaves
+            alive beyond a fully checkpointed block's, i.e. beyond its output: the saved tensors it
+            cannot move), plus its inputs that another part of the model saves (kept there whatever
+            this block does when that part is not offloaded); ``-1`` when not measured (then the
+            budget does not offer offload for this block).
+        offload_bytes: bytes the block's forward moves to host memory (and its backward back), per step,
+            counted in the host store during that step.
+        offload_overhead_bytes, offload_grads_bytes: like ``recompute_overhead_bytes`` and
+            ``recompute_grads_bytes``, at the block's backward peak in that step (the saved tensors
+            back on the device), relative to the bytes the offloaded blocks before it left there.
+        offload_forward_overhead_bytes: the same at the block's forward peak in that step (its saved
+            tensors leave as they are saved; what its forward still holds in locals stays).
     """
 
     fqn: str
@@ -108,10 +121,18 @@ class BlockProfile:
     pointwise_recompute_overhead_bytes: int = 0
     pointwise_recompute_grads_bytes: int = -1
     scalar_saved_bytes: int = 0
+    offload_held_bytes: int = -1
+    offload_bytes: int = 0
+    offload_overhead_bytes: int = 0
+    offload_forward_overhead_bytes: int = 0
+    offload_grads_bytes: int = -1
 
     def mode_held_flops(self, mode: str) -> tuple[int, int]:
         """``(bytes held from forward to backward, recompute FLOPs)`` of a checkpointed ``mode``
-        (``"selective"``, ``"pointwise"`` or ``"full"``); held ``-1``: the profile did not measure it."""
+        (``"selective"``, ``"pointwise"``, ``"full"``; ``"offload"``: no recompute, 0 FLOPs: its cost is
+        the transfer of ``offload_bytes``); held ``-1``: the profile did not measure it."""
+        if mode == "offload":
+            return self.offload_held_bytes, 0
         if mode == "selective":
             return self.selective_held_bytes, self.selective_flops
         if mode == "pointwise":
@@ -121,6 +142,8 @@ class BlockProfile:
     def recompute_peak(self, mode: str) -> tuple[int, int]:
         """``(gradient bytes, overhead bytes)`` at the block's measured recompute peak in a step with
         every block checkpointed in ``mode``; gradient bytes ``-1``: not measured."""
+        if mode == "offload":
+            return self.offload_grads_bytes, self.offload_overhead_bytes
         if mode == "selective":
             return self.selective_recompute_grads_bytes, self.selective_recompute_overhead_bytes
         if mode == "pointwise":
@@ -323,27 +346,32 @@ def memory_tracker(*external: Any) -> Any:
 
 
 # The recompute modes a profile can measure, each in sample steps of its own ("full": plain recompute;
-# the op-level ones: distckpt.select.selective.OP_MODES).
+# the op-level ones: distckpt.select.selective.OP_MODES). The default set: "offload" (no recompute) is
+# measured only when asked (a budget that may offer it: on CUDA), so a CPU profile costs nothing more.
 RECOMPUTE_MODES = ("full", *OP_MODES)
+PROFILE_MODES = (*RECOMPUTE_MODES, "offload")
 
 _CACHE_OFF = {"use_cache": False, "past_key_values": None, "past_key_value": None, "layer_past": None}
 
 
 @contextlib.contextmanager
 def _all_checkpointed(model: nn.Module, blocks: list[tuple[str, nn.Module]],
-                      context_fns: list[Callable[[], tuple[Any, Any]] | None]) -> Iterator[None]:
+                      context_fns: list[Callable[[], tuple[Any, Any]] | None],
+                      stores: list[Any] | None = None) -> Iterator[None]:
     """Every block checkpointed by distckpt's own wrapper (the code a plan runs; a hand-made
     checkpoint of forward missed HF's cache handling: a cache written twice, measured on Llama),
-    block i under ``context_fns[i]`` (``None``: full recompute); gradients dropped on the way out."""
+    block i under ``context_fns[i]`` (``None``: full recompute), or with ``stores`` offloaded into
+    ``stores[i]`` (the ``"offload"`` mode); gradients dropped on the way out."""
     from distckpt.apply.recompute import CheckpointOptions, cache_positions, stateful_norms
     from distckpt.apply.wrap import _checkpointed_class, unwrap
 
     mods = [m for _, m in blocks]
     try:
-        for m, fn in zip(mods, context_fns):
+        for i, (m, fn) in enumerate(zip(mods, context_fns)):
             orig = type(m)
             m.__class__ = _checkpointed_class(orig)
-            m._distckpt_options = CheckpointOptions(False, True, None, fn)
+            m._distckpt_options = (CheckpointOptions(False, True, None, fn) if stores is None else
+                                   CheckpointOptions(recompute=False, store=stores[i]))
             m._distckpt_norms = stateful_norms(m)
             m._distckpt_cache_slots = cache_positions(orig)
         with warnings.catch_warnings():
@@ -386,17 +414,19 @@ class _RecomputeWindow:
 
 def _checkpointed_peaks(model: nn.Module, blocks: list[tuple[str, nn.Module]], args: tuple[Any, ...],
                         kwargs: dict[str, Any], batch: list[torch.Tensor], dev: torch.device,
-                        context_fn: Callable[[], tuple[Any, Any]] | None = None
-                        ) -> list[tuple[int, int, int]] | None:
+                        context_fn: Callable[[], tuple[Any, Any]] | None = None, stores: list[Any] | None = None
+                        ) -> list[tuple[int, int, int, int, int]] | None:
     """Activations+temporaries and gradients at each block's backward peak in a sample step with
     every block checkpointed (non-reentrant, no cache in the blocks, as distckpt runs them; under
-    ``context_fn``: selective), and the bytes each block leaves alive after its forward.
+    ``context_fn``: selective; with ``stores``: every block offloaded instead), and the bytes each block
+    leaves alive after its forward.
 
     Returns:
         ``[(activation and temporary bytes, gradient bytes, bytes left by the forward, activation and
-        temporary bytes at the peak inside the block's recompute), ...]`` per block (the last: the
-        first if the window could not be read), or ``None`` when the step fails (then the budget
-        bounds a recompute from the first step alone, and offers no selective choice).
+        temporary bytes at the peak inside the block's recompute, activation and temporary bytes at the
+        block's forward peak), ...]`` per block (the fourth: the first if the window could not be read),
+        or ``None`` when the step fails (then the budget bounds a recompute from the first step alone,
+        and offers no selective choice).
     """
     tracker = memory_tracker(model, *batch)
     before: dict[int, int] = {}
@@ -414,14 +444,17 @@ def _checkpointed_peaks(model: nn.Module, blocks: list[tuple[str, nn.Module]], a
         return pair
 
     def total() -> int:
-        return sum(d.get("Total", 0) for d in tracker.get_tracker_snapshot().values())
+        snap = tracker.get_tracker_snapshot()
+        if stores is not None:  # offloaded: the host copies (pinned CPU tensors on CUDA) are not device memory
+            return _at(snap, dev).get("Total", 0)
+        return sum(d.get("Total", 0) for d in snap.values())
 
     hooks = []
     for i, (_, m) in enumerate(blocks):
         hooks.append(m.register_forward_pre_hook(lambda mod, a, i=i: before.__setitem__(i, total())))
         hooks.append(m.register_forward_hook(lambda mod, a, o, i=i: left.__setitem__(i, total() - before[i])))
     try:
-        with _all_checkpointed(model, blocks, [windowed(i) for i in range(len(blocks))]), tracker:
+        with _all_checkpointed(model, blocks, [windowed(i) for i in range(len(blocks))], stores), tracker:
             loss = scalar_loss(model(*args, **kwargs))
             loss.backward()
             del loss
@@ -432,17 +465,19 @@ def _checkpointed_peaks(model: nn.Module, blocks: list[tuple[str, nn.Module]], a
         for h in hooks:
             h.remove()
     out = []
+    peak_fw, peak_bw = compat.mem_tracker_states()
     for i, (_, m) in enumerate(blocks):
         stats = tracker.memory_tracking.get(m)
         best, grads = -1, 0
-        for snap in stats.snapshots.get(compat.mem_tracker_states()[1], []) if stats is not None else []:
+        for snap in stats.snapshots.get(peak_bw, []) if stats is not None else []:
             d = snap.get(dev) or next(iter(snap.values()), {})
             act = d.get("Activation", 0) + d.get("Temp", 0)
             if act > best:
                 best, grads = act, d.get("Gradient", 0)
         if best < 0:
             return None
-        out.append((best, grads, left[i], min(in_recompute[i], best) if in_recompute[i] >= 0 else best))
+        forward = max((_act(_at(snap, dev)) for snap in stats.snapshots.get(peak_fw, [])), default=0)
+        out.append((best, grads, left[i], min(in_recompute[i], best) if in_recompute[i] >= 0 else best, forward))
     return out
 
 
@@ -751,7 +786,7 @@ def _head_and_tail(rec: _StepRecorder, model: nn.Module, att: _Attribution, meas
     )
 
 
-def _over_prediction(peaks: list[tuple[int, int, int, int]], rec: _StepRecorder, att: _Attribution,
+def _over_prediction(peaks: list[tuple[int, ...]], rec: _StepRecorder, att: _Attribution,
                      batch_keys: set[tuple[str, int]], extra: list[int], during: list[int]
                      ) -> tuple[list[int], list[int]]:
     """Each block's measured backward peak in a checkpointed step over what the prediction holds
@@ -765,7 +800,7 @@ def _over_prediction(peaks: list[tuple[int, int, int, int]], rec: _StepRecorder,
     # the prediction stays above the measure when some are kept).
     held_in: dict[tuple[str, int], int] = {}
     over, grads_at = [], []
-    for i, (act, grads, _, inside) in enumerate(peaks):
+    for i, (act, grads, _, inside, *_) in enumerate(peaks):
         before = sum(b for k, b in held_in.items() if k not in rec.input_keys[i]) + sum(extra[:i])
         copy_alive = max(0, min(during[i], inside + during[i] - act))
         over.append(act - (att.pre + before + att.inner[i] + att.in_bytes[i]) + copy_alive)
@@ -787,6 +822,8 @@ def _recompute_profile(model: nn.Module, rec: _StepRecorder, att: _Attribution, 
     for mode in OP_MODES:
         out.update({f"{mode}_held_bytes": [-1] * n, f"{mode}_flops": [0] * n,
                     f"{mode}_recompute_overhead_bytes": [0] * n, f"{mode}_recompute_grads_bytes": [-1] * n})
+    out.update(offload_held_bytes=[-1] * n, offload_bytes=[0] * n, offload_overhead_bytes=[0] * n,
+               offload_forward_overhead_bytes=[0] * n, offload_grads_bytes=[-1] * n)
     if not n or not modes:
         return out
     with _preserved_state(model, device):
@@ -815,7 +852,54 @@ def _recompute_profile(model: nn.Module, rec: _StepRecorder, att: _Attribution, 
         out[f"{mode}_flops"] = flops
         out[f"{mode}_recompute_overhead_bytes"], out[f"{mode}_recompute_grads_bytes"] = _over_prediction(
             peaks, rec, att, batch_keys, extra, during)
+    if "offload" in modes:
+        out.update(_offload_profile(model, rec, att, (args, kwargs, batch), batch_keys, device, dev, full))
     return out
+
+
+class _CountingStore:
+    """A host store that counts the bytes ``inner`` moves to the host (the offload mode's traffic, one way)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.bytes = inner, 0
+        self.escapes_allocator = inner.escapes_allocator
+
+    def to_host(self, t: torch.Tensor) -> Any:
+        kept = self.inner.to_host(t)
+        if kept is not t:
+            self.bytes += t.numel() * t.element_size()
+        return kept
+
+    def to_device(self, packed: Any) -> torch.Tensor:
+        return self.inner.to_device(packed)
+
+
+def _offload_profile(model: nn.Module, rec: _StepRecorder, att: _Attribution, step: tuple[Any, Any, Any],
+                     batch_keys: set[tuple[str, int]], device: torch.device, dev: torch.device,
+                     full: list[tuple[int, ...]]) -> dict[str, list[int]]:
+    """The ``"offload"`` side of every block, as :class:`BlockProfile` fields, from a sample step with every
+    block offloaded into the host store in use (``recompute.host_store()``, counted per block): what each
+    forward leaves on the device beyond full checkpointing's (its output), the bytes it moves, and its
+    backward peak (the saved tensors back) over the prediction's prefix there. Empty when the step fails."""
+    from distckpt.apply import recompute
+
+    args, kwargs, batch = step
+    stores = [_CountingStore(recompute.host_store()) for _ in rec.blocks]
+    with _preserved_state(model, device):
+        peaks = _checkpointed_peaks(model, rec.blocks, args, kwargs, batch, dev, stores=stores)
+    if peaks is None:
+        return {}
+    left = [max(0, p[2] - f[2]) for p, f in zip(peaks, full)]
+    # A block input that another part of the model saved first (a producer that saves its output) stays on
+    # the device when that part is kept: counted held, as the none mode counts it in this block's bytes.
+    kept = [sum(b for k, b in rec.input_keys[i].items() if k not in batch_keys and rec.first_saver.get(k, (i,))[0] != i)
+            for i in range(rec.n)]
+    # The prefix in that step: what the offloaded blocks before left on the device (their inputs are not kept).
+    base = [att.pre + sum(left[:i]) + att.inner[i] + att.in_bytes[i] for i in range(rec.n)]
+    return dict(offload_held_bytes=[a + b for a, b in zip(left, kept)], offload_bytes=[s.bytes for s in stores],
+                offload_overhead_bytes=[p[0] - b for p, b in zip(peaks, base)],
+                offload_forward_overhead_bytes=[p[4] - b for p, b in zip(peaks, base)],
+                offload_grads_bytes=[p[1] for p in peaks])
 
 
 def _grads_ready(rec: _StepRecorder, params: list[torch.Tensor], dev: torch.device) -> tuple[list[int], int]:
@@ -971,12 +1055,12 @@ def _recompute_modes(modes: Any) -> frozenset[str]:
     """``modes`` as a set, with ``"full"`` added when an op-level mode is asked (its reference step).
 
     Raises:
-        ConfigError: a mode not in :data:`RECOMPUTE_MODES`.
+        ConfigError: a mode not in :data:`PROFILE_MODES`.
     """
     wanted = frozenset(modes)
-    bad = sorted(wanted - set(RECOMPUTE_MODES))
+    bad = sorted(wanted - set(PROFILE_MODES))
     if bad:
-        raise ConfigError(f"profile modes must be among {RECOMPUTE_MODES}, got {bad}.")
+        raise ConfigError(f"profile modes must be among {PROFILE_MODES}, got {bad}.")
     return wanted | {"full"} if wanted else wanted
 
 
@@ -1000,7 +1084,7 @@ def profile_model(model: nn.Module, blocks: list[tuple[str, nn.Module]], example
         blocks: the candidate blocks ``[(fqn, module), ...]`` in forward order.
         example_inputs: a tuple of positional arguments, a dict of keyword arguments, one tensor, or
             a :class:`Call` holding both.
-        modes: the recompute modes to measure, among :data:`RECOMPUTE_MODES` (``"full"`` is measured
+        modes: the modes to measure, among :data:`PROFILE_MODES` (``"offload"`` only when asked; ``"full"`` is measured
             with any of them); only those a budget can choose (``Budget(selective=False)`` and
             reentrant checkpointing: ``("full",)``); ``()``: none (activations and FLOPs only).
 

@@ -72,3 +72,9 @@ def test_summary_says_each_blocks_mode():
     assert _checkpointed_by_mode(modes) == ("full: h.0, h.2; selective: h.1, g.0, g.1, g.2, ... (6 blocks); "
                                             "pointwise: h.3")
     assert _checkpointed_by_mode({}) == ""
+
+
+def test_budget_gets_the_offload_price():
+    cfg = compose(["ac=budget", "ac.size=1GiB", "ac.offload_flops_per_byte=50"])
+    assert ac_policy(cfg, 1).offload_flops_per_byte == 50.0
+    assert ac_policy(compose(["ac=budget", "ac.size=1GiB"]), 1).offload_flops_per_byte is None  # measured on CUDA

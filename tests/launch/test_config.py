@@ -150,6 +150,8 @@ def test_check_flag_accepts_the_default_job(monkeypatch):
     ("ac.policy=fraction:1.5", "ac.policy=fraction:1.5: fraction:F needs 0 <= F <= 1, got 1.5."),
     ("ac.policy=sometimes", "ac.policy=sometimes: unknown checkpoint policy 'sometimes'."),
     ("ac=budget ac.size=lots", "ac.size=lots: 'lots' is not a size"),
+    ("ac=budget ac.size=1GiB ac.offload_flops_per_byte=0",
+     "ac.offload_flops_per_byte=0.0 is out of range: it must be a number > 0"),
     ("ac.blocks=[nomatch.*]", "ac.blocks=[nomatch.*]: blocks=['nomatch.*'] matches no module of MultiTaskGPT."),
     ("ac.policy=selective ac.reentrant=true", "needs reentrant=False"),
     ("ac=budget ac.size=auto trainer.device=cpu", "budget:auto uses the free CUDA memory, and this run has no CUDA"),
