@@ -96,7 +96,7 @@ def _weights(config) -> dict[str, float]:
         if line and not line.startswith("#"):
             seconds, nodeid = line.split(maxsplit=1)
             weights[nodeid] = float(seconds)
-    if config.cache is not None:
+    if getattr(config, "cache", None) is not None:  # absent under -p no:cacheprovider
         weights.update(config.cache.get(_DURATIONS, {}))
     return weights
 
@@ -112,7 +112,7 @@ def pytest_runtest_logreport(report):
 def pytest_sessionfinish(session):
     # The controller of an xdist run (and a plain run) sees every test's report: keep their seconds for the
     # next run's order. A partial run (-k, one file) updates only the tests it ran.
-    if session.config.cache is not None and _SECONDS and not hasattr(session.config, "workerinput"):
+    if getattr(session.config, "cache", None) is not None and _SECONDS and not hasattr(session.config, "workerinput"):
         kept = session.config.cache.get(_DURATIONS, {})
         kept.update({k: round(v, 2) for k, v in _SECONDS.items()})
         session.config.cache.set(_DURATIONS, kept)
