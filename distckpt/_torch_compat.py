@@ -153,8 +153,44 @@ def _leaf_only_tracker_class() -> type:
                         self._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
                 return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
+            def _update_peak_stats(self, peak_state: Any) -> None:
+                _fast_update_peak_stats(self, peak_state)
+
         _TRACKER_CLASS.append(_LeafOnlyMemTracker)
     return _TRACKER_CLASS[0]
+
+
+def _fast_update_peak_stats(tracker: Any, peak_state: Any) -> None:
+    """MemTracker's private ``_update_peak_stats`` (run after every op) with the same effect, faster: it
+    reads the stats of every module tracked so far through ``WeakIdKeyDictionary.values()``, whose
+    weak-reference call (a ``hasattr`` for tensor resurrection) and the ``deepcopy`` of each flat
+    ``{kind: bytes}`` snapshot were a fifth of a fake-tensor sample step (cProfile, a 4-block GPT, torch
+    2.13). Here the dictionary's private ``data`` is read directly (the stats of a module already
+    collected are updated too: no one can read them) and snapshots are copied with ``dict``. torch 2.13;
+    tests/unit/test_torch_compat.py compares every snapshot with the stock tracker's."""
+    tracked = getattr(tracker.memory_tracking, "data", None)
+    if not isinstance(tracked, dict):  # another torch: its own (slower) update
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        MemTracker._update_peak_stats(tracker, peak_state)
+        return
+    curr_snap = tracker._curr_mem_snap
+    parents = tracker._mod_tracker.parents
+    # A list first: a weak reference's callback (a collected module) may remove an entry meanwhile.
+    for mod_stats in list(tracked.values()):
+        if mod_stats.mod_fqn in parents and peak_state in mod_stats.snapshots:
+            local = mod_stats.local_peak
+            for dev, dev_snap in curr_snap.items():
+                if local.get(dev, 0) < dev_snap[_TOTAL_KEY]:
+                    local[dev] = dev_snap[_TOTAL_KEY]
+                    mod_stats.snapshots[peak_state][-1][dev] = dict(dev_snap)
+    for dev, dev_snap in curr_snap.items():
+        if tracker._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
+            tracker._peak_mem[dev] = dev_snap[_TOTAL_KEY]
+            tracker._peak_mem_snap[dev] = dict(dev_snap)
+
+
+_TOTAL_KEY = "Total"  # torch.distributed._tools.mem_tracker._TOTAL_KEY
 
 
 def mem_tracker_states(post: bool = False) -> tuple[Any, Any]:

@@ -13,6 +13,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))  # tests/harness.py and tests/models.py
 
 from harness import DistPool  # noqa: E402
+from xdist_order import heaviest_first  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -71,4 +72,47 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:
             return scope(nodeid)
 
+        def schedule(self) -> None:
+            # Heaviest scope first (longest-processing-time order): xdist's own order is by test count, which
+            # leaves a single long test (a plan, a launcher run) for the end while the other worker idles.
+            if self.collection is None and self.collection_is_completed and self._check_nodes_have_same_collection():
+                first = next(iter(self.registered_collections.values()))
+                order = heaviest_first(list(first), scope, _weights(config))
+                for node in self.registered_collections:
+                    self.registered_collections[node] = order
+                config.option.loadscopereorder = False  # keep this order
+            super().schedule()
+
     return ByModuleFixture(config, log)
+
+
+_DURATIONS = "distckpt/durations"  # pytest's cache key: the last run's seconds per test
+
+
+def _weights(config) -> dict[str, float]:
+    """Seconds per test: tests/durations.txt, overridden by the last run's own (pytest's cache)."""
+    weights: dict[str, float] = {}
+    for line in Path(__file__).with_name("durations.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            seconds, nodeid = line.split(maxsplit=1)
+            weights[nodeid] = float(seconds)
+    if getattr(config, "cache", None) is not None:  # absent under -p no:cacheprovider
+        weights.update(config.cache.get(_DURATIONS, {}))
+    return weights
+
+
+_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    if report.when in ("setup", "call"):
+        _SECONDS[report.nodeid] = _SECONDS.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    # The controller of an xdist run (and a plain run) sees every test's report: keep their seconds for the
+    # next run's order. A partial run (-k, one file) updates only the tests it ran.
+    if getattr(session.config, "cache", None) is not None and _SECONDS and not hasattr(session.config, "workerinput"):
+        kept = session.config.cache.get(_DURATIONS, {})
+        kept.update({k: round(v, 2) for k, v in _SECONDS.items()})
+        session.config.cache.set(_DURATIONS, kept)

@@ -24,7 +24,7 @@ ROOT = os.path.dirname(HERE)
 def _pooled_ranks(dist_pool, monkeypatch):
     """doctor's ranks, in this process's runs, are the session's 2-rank pool (tests/harness.py): a fresh
     spawn per doctor run (several for a suggestion it re-verifies) cost seconds of imports each. The spawn
-    itself runs in test_console_script_on_flag_read_in_block (a fresh process) and in
+    itself runs in test_console_script_spawns_its_ranks_and_exits_1 (a fresh process) and in
     tests/distributed/test_spawn.py; another world size still spawns."""
     spawned = spawn.run_ranks
 
@@ -159,16 +159,28 @@ def test_dropout_without_rng_state_is_not_safe(capsys):
     assert "(doctor ran them: SAFE)" in out
 
 
-def test_console_script_on_flag_read_in_block():
-    """The installed `distckpt` command, in a fresh process; exit code 1 and the block named."""
+def test_console_script_spawns_its_ranks_and_exits_1():
+    """The installed `distckpt` command, in a fresh process that spawns its 2 ranks (the other tests' doctor
+    runs use the session's pool): exit code 1 and the finding printed. On a model no checkpointing setting
+    fixes (a nan loss): one spawn, where a fix doctor re-verifies would spawn again (the flag read in a block,
+    whose finding and fix test_flag_read_in_block_is_named_and_left_out checks in this process)."""
     exe = os.path.join(os.path.dirname(sys.executable), "distckpt")
     cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "distckpt.cli"]
-    proc = subprocess.run([*cmd, "doctor", "--factory", "test_doctor:broken_flag", "--steps", "1"], cwd=HERE,
+    proc = subprocess.run([*cmd, "doctor", "--factory", "test_doctor:nan_loss", "--steps", "1"], cwd=HERE,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "[NOT OK] blocks.1 [control_flow]" in proc.stdout, proc.stdout
-    assert "between forward and backward" in proc.stdout
-    assert "blocks=['blocks.0', 'blocks.2']" in proc.stdout  # the block to leave out
+    assert "(2 CPU rank(s), 1 step(s))" in proc.stdout, proc.stdout
+    assert "[NOT OK] the step [nonfinite]" in proc.stdout and "verdict: NOT SAFE" in proc.stdout
+
+
+def test_flag_read_in_block_is_named_and_left_out(capsys):
+    """Exit code 1, the block named, and the verified fix leaves it out."""
+    code = main(["doctor", "--factory", "test_doctor:broken_flag", "--steps", "1"])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "[NOT OK] blocks.1 [control_flow]" in out, out
+    assert "between forward and backward" in out
+    assert "blocks=['blocks.0', 'blocks.2']" in out  # the block to leave out
 
 
 def test_usage_errors_exit_2(capsys):

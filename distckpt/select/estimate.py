@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -285,6 +286,7 @@ def estimate_profile(model: nn.Module, blocks: list[tuple[str, nn.Module]], exam
     parameters, buffers and inputs (no memory, no values), the repeated blocks traced once per shape
     (``budget:auto`` on CUDA: a real sample step of a model near the device's size could run out of memory).
     The real tensors are left as they were; under ``torch.distributed`` every rank gets the same numbers.
+    Cached per model, block list and input shapes, as :func:`~distckpt.select.profile.profile_model` is.
 
     Args:
         model: the model, its ``blocks`` (``[(fqn, module), ...]`` in forward order) not yet checkpointed.
@@ -297,13 +299,27 @@ def estimate_profile(model: nn.Module, blocks: list[tuple[str, nn.Module]], exam
         ConfigError: the model reads tensor values in forward (it cannot run on fake tensors), or its
             blocks do not sit in one ``nn.ModuleList``/``nn.Sequential``.
     """
-    mode = compat.fake_mode()
+    import torch.distributed as dist
+
     args, kwargs = _profile._as_args(example_inputs)
-    with _fake_tensors(model, mode):
-        fake_inputs = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, (args, kwargs))
-        with mode:
-            mp, _ = _trace(model, model, blocks, _profile.Call(*fake_inputs))
-    return _profile._agree(mp)
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    # Cached as profile_model's measures are (same key): budget:auto plans again at parallelize, and a
+    # trace is seconds even for a small model.
+    key = (tuple(name for name, _ in blocks), _profile._signature((args, kwargs)), model.training, world)
+    cache = _ESTIMATES.setdefault(model, {})
+    if key not in cache:
+        mode = compat.fake_mode()
+        with _fake_tensors(model, mode):
+            fake_inputs = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t,
+                                   (args, kwargs))
+            with mode:
+                mp, _ = _trace(model, model, blocks, _profile.Call(*fake_inputs))
+        cache[key] = _profile._agree(mp)
+    return cache[key]
+
+
+# Per model: {(blocks, input shapes, training, world size): the estimated profile} (see profile._CACHE).
+_ESTIMATES: weakref.WeakKeyDictionary[nn.Module, dict[Any, ModelProfile]] = weakref.WeakKeyDictionary()
 
 
 def plan_at_scale(factory: Any, *, strategy: str = "fsdp2", world_size: int = 1, shard_size: int | None = None,
@@ -335,6 +351,9 @@ def plan_at_scale(factory: Any, *, strategy: str = "fsdp2", world_size: int = 1,
     """
     from distckpt.select.blocks import find_blocks
 
+    # The strategy, shard size and optimizer are checked (as _report checks them) before seconds of tracing.
+    static_bytes(ModelProfile(blocks=()), strategy=strategy, world_size=world_size, optimizer=optimizer,
+                 shard_size=shard_size)
     with compat.fake_mode():
         model, root, prefix, call = _subject(factory, example_inputs)
         call = _profile.Call(*_resize(_profile._as_args(call), micro_batch, seq_len))

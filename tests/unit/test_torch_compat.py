@@ -139,6 +139,35 @@ def test_mem_tracker_skips_non_leaf_params_and_tracks_the_flat_gradient():
     assert tracker.get_tracker_snapshot()[torch.device("cpu")]["Gradient"] == 8 * 4  # the flat one
 
 
+def _tracked_step(tracker, model, x):
+    tracker.track_external(model)
+    with tracker:
+        model(x).sum().backward()
+    for p in model.parameters():
+        p.grad = None
+    stats = {name: {state: [dict(s) for s in snaps] for state, snaps in tracker.memory_tracking[m].snapshots.items()}
+             for name, m in model.named_modules()}
+    return stats, tracker.get_tracker_snapshot("peak")
+
+
+@pytest.mark.parametrize("fake", [False, True])
+def test_mem_tracker_peaks_equal_the_stock_trackers(fake):
+    # compat.mem_tracker replaces MemTracker's per-op _update_peak_stats with a faster one of the same effect:
+    # every module's snapshots (forward/backward peaks, pre/post) and the global peak are the stock tracker's.
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.LayerNorm(32)),
+                          nn.Linear(32, 4))
+    x = torch.randn(16, 8)
+    with compat.fake_mode() if fake else contextlib.nullcontext():
+        stock = _tracked_step(MemTracker(), model, x)
+        ours = _tracked_step(compat.mem_tracker([]), model, x)
+    # The fast path's private field (without it the stock update runs: the same snapshots, slower).
+    assert isinstance(compat.mem_tracker([]).memory_tracking.data, dict)
+    assert ours == stock and any(snaps for per in stock[0].values() for snaps in per.values())
+
+
 def test_op_overload_types():
     overload, packet = compat.op_overload_types()
     assert isinstance(torch.ops.aten.mm.default, overload) and isinstance(torch.ops.aten.mm, packet)
