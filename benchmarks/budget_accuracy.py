@@ -164,9 +164,20 @@ NOTES = [
     "rows stay MemTracker's.",
     "- MultiTaskMLP rows are 0.5-1% high under every strategy: the prediction counts the batch, which this "
     "measure does not track.",
-    "- gpt2 (HF) under FSDP1 is 0.2% (5.5 KB) under, by the same bytes at every block's backward peak: not "
-    "explained (FSDP2 on the same model is within 0.01%; GPT-2 ties its embedding to the head, the other "
-    "models do not).",
+    "- FSDP1 concatenates a unit's parameter gradients (one autograd output per parameter view) into its flat "
+    "gradient at the end of the unit's backward, both alive at once (`budget._flat_gradients`): before it was "
+    "counted, gpt2 (HF) under FSDP1 was 0.2% (5.5 KB) under, and 1.9-2.3% under with accumulation.",
+    "- Rows with 2 micro-batches (`distckpt.accumulate` around the first): every gradient exists from the "
+    "first micro-batch on, so a block's term takes the activations' own peak in its backward (a new gradient "
+    "is a temporary until its in-place add; `BlockProfile.accumulating_overhead_bytes`), with the gradients "
+    "the last micro-batch has reduce-scattered already sharded (`budget._settled`) and, under FSDP1, the root "
+    "unit's head gradients as view temporaries. Before: gpt2 (HF) FSDP2 -1.1% (none) and +3.2% (all), "
+    "MultiTaskGPT FSDP1 -0.4..-0.6%.",
+    "- Inputs every block takes (HF GPT-2's `cache_position` and mask, Llama's mask and rotary tables) are "
+    "held once however many checkpointed blocks keep them (`BlockProfile.shared_input_bytes`): llama + LoRA "
+    "every other / all were +2.65% / +2.49%.",
+    "- The FSDP/FSDP2 rows under by a few hundred bytes (at most 0.03%, MultiTaskGPT and gpt2 (HF)): not "
+    "explained yet.",
 ]
 STRATEGIES = ("ddp", "fsdp", "fsdp2")
 DIST_MODELS = ("MultiTaskGPT", "MultiTaskMLP", "gpt2 (HF)")
@@ -225,7 +236,8 @@ def dist_steady_peak(model: nn.Module, strategy: str, inputs: Any, micro_batches
 
 
 def _dist_rank(rank: int, world: int, names: tuple[str, ...], strategies: tuple[str, ...],
-               micro_batches: int = 1) -> list[tuple]:
+               micro_batches: int = 1, labels: tuple[str, ...] | None = None) -> list[tuple]:
+    """This rank's ``(where, placement, predicted, measured)`` rows (``labels``: only those placements)."""
     rows = []
     models = _models()
     for name in names:
@@ -234,6 +246,8 @@ def _dist_rank(rank: int, world: int, names: tuple[str, ...], strategies: tuple[
         base, mp, placements = _profiled(make, inp, blocks)
         for strategy in strategies:
             for label, chosen in placements:
+                if labels is not None and label not in labels:
+                    continue
                 model = copy.deepcopy(base)
                 distckpt.wrap(model, Subset(chosen), blocks=blocks)
                 pred = predicted_peak(mp, chosen, strategy=strategy, world_size=world, optimizer="adamw",
@@ -244,13 +258,14 @@ def _dist_rank(rank: int, world: int, names: tuple[str, ...], strategies: tuple[
     return rows
 
 
-def measure_dist(names: tuple[str, ...] = DIST_MODELS, strategies: tuple[str, ...] = STRATEGIES
-                 ) -> list[tuple[str, str, int, int]]:
+def measure_dist(names: tuple[str, ...] = DIST_MODELS, strategies: tuple[str, ...] = STRATEGIES,
+                 micro_batches: int = 1) -> list[tuple[str, str, int, int]]:
     """``[(model and strategy, checkpointed, predicted, measured)]`` on 2 gloo ranks: the largest
-    error over the ranks is kept (each rank predicts and measures its own peak)."""
+    error over the ranks is kept (each rank predicts and measures its own peak); ``micro_batches > 1``:
+    gradients accumulated over that many (:func:`dist_steady_peak`)."""
     from benchmarks.ranks import run_ranks
 
-    per_rank = run_ranks(_dist_rank, 2, tuple(names), tuple(strategies))
+    per_rank = run_ranks(_dist_rank, 2, tuple(names), tuple(strategies), micro_batches)
     worst = []
     for rows in zip(*per_rank.values()):
         worst.append(max(rows, key=lambda r: abs(r[2] - r[3]) / r[3]))
@@ -275,7 +290,8 @@ def main() -> None:
             lines.append(f"| {name} | {label} | {pred / 2**20:.3f} MiB | {meas / 2**20:.3f} MiB | {100 * err:+.2f}% |")
             print(lines[-1], flush=True)
     if not a.only or "dist" in a.only:
-        for name, label, pred, meas in measure_dist():
+        rows = measure_dist() + measure_dist(micro_batches=2)
+        for name, label, pred, meas in rows:
             err = (pred - meas) / meas
             worst = max(worst, abs(err))
             lines.append(f"| {name} | {label} | {pred / 2**20:.3f} MiB | {meas / 2**20:.3f} MiB | {100 * err:+.2f}% |")

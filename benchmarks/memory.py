@@ -582,9 +582,10 @@ def _write(args: argparse.Namespace, device: torch.device, rounds: int, started:
         "forward+backward FLOPs above it in recompute, both computed from the figures below. A **no** names "
         "the budget point sized at that point's measured peak: given the same memory, the plan needed more "
         "recompute. The reason seen (CPU attention FLOPs counted, blocks keeping only what their recompute "
-        "reads): the plan predicts a placement a few KiB above its measured peak (all-`selective` and "
-        "all-`pointwise` on HF GPT-2: 7168 B, 0.01%), so a budget sized exactly at that peak does not take it"
-        " (a plan never exceeds its budget by its own prediction): distckpt's own fixed policies, not peers.",
+        "reads): the plan predicts a placement above its measured peak, so a budget sized exactly at that peak "
+        "does not take it (a plan never exceeds its budget by its own prediction). All-`selective` and "
+        "all-`pointwise` on HF GPT-2 were 7168 B above (the `cache_position` every block takes, counted once "
+        "per block): counted once since (BlockProfile.shared_input_bytes), exact.",
         "",
         f"![memory vs recompute]({png.name})",
         "",

@@ -20,6 +20,14 @@ Under FSDP/FSDP2 ``static`` holds the shards, and each term adds what is unshard
 block's parameters, the prefetched block's, FSDP2's collective buffers, the gradients made so far:
 :class:`_Sharded`).
 
+With gradient accumulation every gradient exists from the first micro-batch on, so a block's term
+takes the activations' own peak of its backward (a new gradient is a temporary until its in-place add
+into the accumulated one; measured per op in the sample step), FSDP/FSDP2 count the gradients
+unsharded except those the last micro-batch has reduce-scattered already (:func:`_settled`), and
+FSDP1 adds the concatenation of a unit's parameter gradients into its flat gradient at the end of its
+backward (:func:`_flat_gradients`, with or without accumulation). Inputs every block takes (a mask,
+``cache_position``) are held once however many checkpointed blocks keep them (:func:`_shared`).
+
 Each term pairs the activations measured at one instant with the gradients that existed then:
 a block's forward peak (no gradient yet), its backward peak (``overhead_i`` is the measured one for
 a kept block, the larger of its forward and backward ones for a checkpointed block, which
@@ -53,7 +61,7 @@ import torch
 from distckpt.errors import ConfigError
 from distckpt.options import SHARDED, STRATEGIES, check_shard_size
 from distckpt.select.policies import CHECKPOINT_MODES
-from distckpt.select.profile import RECOMPUTE_MODES, ModelProfile, _as_args, _tensors, step_device
+from distckpt.select.profile import RECOMPUTE_MODES, BlockProfile, ModelProfile, _as_args, _tensors, step_device
 from distckpt.select.selective import OP_MODES
 
 if TYPE_CHECKING:
@@ -70,6 +78,8 @@ logger = logging.getLogger("distckpt")
 MODES = CHECKPOINT_MODES  # ("none", "pointwise", "selective", "full", "offload")
 _FULL = MODES.index("full")
 _OFFLOAD = MODES.index("offload")  # not recomputed: its saved tensors go to host memory (CUDA)
+# The recomputed modes keep the block's inputs on the device (a checkpoint holds them): see _shared.
+_KEEPS_INPUTS = frozenset(MODES.index(m) for m in ("pointwise", "selective", "full"))
 
 # Optimizer state per parameter byte (AdamW: exp_avg and exp_avg_sq in the parameter's dtype).
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1, "none": 0}
@@ -264,6 +274,55 @@ def _accumulated(mp: ModelProfile, static: int, fs: _Sharded | None, grad_accumu
     return static + fs.grads(mp.trainable_bytes), replace(fs, div=1)
 
 
+def _unsplit_overhead(b: BlockProfile, mode: str | None, grad_accumulation: bool) -> int:
+    """A block's overhead over its footprint when its backward peak is not split from its gradients:
+    with gradient accumulation (every gradient exists throughout) the activations' own peak, where a
+    new gradient is a temporary until its in-place add into the accumulated one (kept: measured in the
+    sample step; checkpointed in ``mode``: in that mode's checkpointed step, the recompute included);
+    else, or where not measured, the kept block's larger forward/backward overhead (its footprint
+    bounds a checkpointed block's too)."""
+    if grad_accumulation:
+        own = b.accumulating_overhead_bytes if mode is None else b.recompute_accumulating(mode)
+        if own >= 0:
+            return own
+    return b.overhead_bytes
+
+
+def _settled(mp: ModelProfile, fs: _Sharded | None, div: int) -> list[int]:
+    """Under FSDP/FSDP2 with gradient accumulation, per block: gradient bytes that ``static`` counts
+    unsharded but that do not exist then, in either micro-batch that can peak there. In the last
+    one (gradient sync on), the blocks after it in forward order have already been reduce-scattered
+    (their shards stay, their unsharded gradients are freed); in an accumulating one, the blocks
+    before it have no gradient yet (at least: the root's may have more missing). The peak is the
+    larger of the two: the smaller of the two missing. Measured on HF GPT-2 (FSDP2, 2 ranks, every
+    block checkpointed): the peak in the third block's backward, one block's gradients sharded."""
+    if fs is None:
+        return [0] * len(mp.blocks)
+    _, own = _own_grads(mp)
+    out = []
+    for i in range(len(own)):
+        later = sum(own[i + 1:])
+        out.append(min(sum(own[:i]), later - later // div))
+    return out
+
+
+def _flat_gradients(mp: ModelProfile, static: int, fs: _Sharded | None, absent: Any, settled: list[int]
+                    ) -> list[int]:
+    """FSDP1, per block: the end of its backward, when the block's parameter gradients (one autograd
+    output per parameter view) are concatenated into its flat parameter's gradient
+    (``SplitWithSizesBackward``: a ``cat``), both alive at once beside its and the prefetched block's
+    unsharded parameters; with gradients accumulated (``no_sync``) the accumulated flat gradient too,
+    until the in-place add. Measured on HF GPT-2 (FSDP1, 2 ranks, 2 micro-batches): the step's peak, at
+    the last block's ``cat``, 72.6 KB above the block's backward peak counted otherwise. The activations
+    then: ``end_overhead_bytes`` over what the blocks before hold (0 when not measured: no bound)."""
+    if fs is None:
+        return [0] * len(mp.blocks)
+    before, own = _own_grads(mp)
+    return [0 if b.end_overhead_bytes < 0 else
+            static - settled[i] - absent(before[i]) + mp.pre_bytes + b.end_overhead_bytes + 2 * own[i] + fs.backward[i]
+            + fs.grads(mp.head_grads_bytes) for i, b in enumerate(mp.blocks)]
+
+
 def _phase_terms(mp: ModelProfile, static: int, strategy: str, world_size: int, shard_size: int | None,
                  grad_accumulation: bool) -> tuple[int, int, _Sharded | None]:
     """What every bound starts from: the shard count, ``static`` and the per-phase FSDP terms, both
@@ -303,17 +362,23 @@ def _mode_bounds(mp: ModelProfile, static: int, recompute: tuple[str, ...], *, s
         return 0 if fs is None else fs.backward[i] + fs.grads(mp.head_grads_bytes + max(0, grads - before[i]))
 
     split = not grad_accumulation and all(b.grads_at_peak_bytes >= 0 for b in mp.blocks)
+    settled = _settled(mp, fs, div) if grad_accumulation else [0] * len(mp.blocks)
+    # FSDP1 accumulating: the root unit's new gradients made by the head (one autograd output per parameter
+    # view, concatenated only at the end of the root's backward, after every block's) stay temporaries beside
+    # the accumulated flat gradient through every block's backward (measured on MultiTaskGPT: 18.2 KB).
+    views = mp.head_grads_bytes if strategy == "fsdp" and grad_accumulation else 0
+    flat = _flat_gradients(mp, static + views, fs, absent, settled) if strategy == "fsdp" else [0] * len(mp.blocks)
     plain: list[int] = []
     ckpt: dict[str, list[int]] = {m: [] for m in recompute}
     for i, b in enumerate(mp.blocks):
         base = mp.pre_bytes + b.footprint_bytes
         fw = 0 if fs is None else fs.forward
         if not split:
-            bound = static - absent(b.grads_ready_bytes) + base + b.overhead_bytes + max(
-                fw, working(i, b.grads_ready_bytes))
-            plain.append(bound)
+            phases = (static + views - settled[i] - absent(b.grads_ready_bytes) + base
+                      + max(fw, working(i, b.grads_ready_bytes)))
+            plain.append(max(flat[i], phases + _unsplit_overhead(b, None, grad_accumulation)))
             for m in recompute:
-                ckpt[m].append(bound)
+                ckpt[m].append(max(flat[i], phases + _unsplit_overhead(b, m, grad_accumulation)))
             continue
         # Measured split: the forward peak has no gradient yet; the backward peak has the gradients
         # that existed at that instant (pairing the largest activations with the gradients at the
@@ -325,7 +390,7 @@ def _mode_bounds(mp: ModelProfile, static: int, recompute: tuple[str, ...], *, s
         # overheads when that step fails; the larger alone fell 512-10000 B short on HF models).
         at_peak = static - absent(b.grads_at_peak_bytes) + base + working(i, b.grads_at_peak_bytes)
         forward = static - absent(0) + base + b.forward_overhead_bytes + fw
-        plain.append(max(forward, at_peak + b.backward_overhead_bytes))
+        plain.append(max(forward, at_peak + b.backward_overhead_bytes, flat[i]))
         for m in recompute:
             grads, over = b.recompute_peak(m)
             if grads >= 0:
@@ -335,7 +400,7 @@ def _mode_bounds(mp: ModelProfile, static: int, recompute: tuple[str, ...], *, s
                 redo = at_peak + max(0, b.backward_overhead_bytes) + max(0, b.forward_overhead_bytes)
             # An offloaded block's forward moves its saved tensors out as it goes: its own measured peak.
             own = forward if m != "offload" else static - absent(0) + base + b.offload_forward_overhead_bytes + fw
-            ckpt[m].append(max(own, redo))
+            ckpt[m].append(max(own, redo, flat[i]))
     head = mp.pre_bytes + mp.post_bytes
     grads, over = ((mp.head_grads_bytes, mp.head_overhead_bytes)
                    if grad_accumulation or mp.head_peak_grads_bytes < 0
@@ -464,39 +529,59 @@ def predicted_peak(mp: ModelProfile, selected: Any, *, strategy: str = "ddp", wo
     static, step = static_bytes(mp, optimizer=optimizer, **kw)
     options, end = _choices(mp, static, grad_accumulation=grad_accumulation, **kw)
     step = _tail(mp, static, step, grad_accumulation=grad_accumulation, **kw)
-    prefix, peak = 0, step
-    for opts, code in zip(options, _codes(mp, selected)):
+    prefix, peak, holds = 0, step, False
+    for opts, code, shared in zip(options, _codes(mp, selected), _shared(mp)):
         held, bound, _, _ = next(o for o in opts if o[3] == code)
-        peak = max(peak, prefix + bound)
-        prefix += held
+        d = shared if holds else 0  # an earlier checkpointed block holds these inputs already
+        peak = max(peak, prefix + bound - d)
+        prefix += held - (d if code in _KEEPS_INPUTS else 0)
+        holds = holds or code in _KEEPS_INPUTS
     return max(peak, prefix + end)
 
 
-def _fits(options: list[list[Choice]], end: int, step: int, budget: int) -> bool:
+def _shared(mp: ModelProfile) -> list[int]:
+    """Per block, the input bytes every earlier block takes too (``BlockProfile.shared_input_bytes``:
+    HF GPT-2's ``cache_position``, Llama's mask and rotary tables): once a block recomputed in any
+    mode (:data:`_KEEPS_INPUTS`; not ``offload``) holds them, a later block's bound and a later
+    recomputed block's held bytes count them again unless they subtract these. Counted per block,
+    all-``pointwise``/``selective`` on HF GPT-2 (8 blocks, peak in the last one's backward) was
+    predicted 7 x 1024 B above the measured peak."""
+    return [b.shared_input_bytes for b in mp.blocks]
+
+
+def _fits(options: list[list[Choice]], end: int, step: int, budget: int, shared: list[int]) -> bool:
     """Whether some choice fits ``budget``: every bound caps the bytes held before it, so the
-    fewest bytes held that meet the bounds so far is the only state that matters."""
+    fewest bytes held that meet the bounds so far is the only state that matters, once for the
+    prefixes where no block is checkpointed yet and once for those with one (:func:`_shared`)."""
     if step > budget:
         return False
-    p = 0
-    for opts in options:
-        held = [p + h for h, bound, _, _ in opts if p <= budget - bound]
-        if not held:
+    best = {False: 0}  # does some block hold the shared inputs -> the fewest bytes held
+    for opts, d in zip(options, shared):
+        nxt: dict[bool, int] = {}
+        for holds, p in best.items():
+            dd = d if holds else 0
+            for h, bound, _, code in opts:
+                if p <= budget - bound + dd:
+                    keeps = code in _KEEPS_INPUTS
+                    key, q = holds or keeps, p + h - (dd if keeps else 0)
+                    nxt[key] = min(nxt.get(key, q), q)
+        if not nxt:
             return False
-        p = min(held)
-    return p <= budget - end
+        best = nxt
+    return min(best.values()) <= budget - end
 
 
-def _min_peak(options: list[list[Choice]], end: int, step: int) -> int:
+def _min_peak(options: list[list[Choice]], end: int, step: int, shared: list[int]) -> int:
     """The smallest predicted peak over every choice of blocks (a search over the budget)."""
     full = [next(o for o in opts if o[3] == _FULL) for opts in options]
     hi = max(step, *(full[i][1] + sum(h for h, *_ in full[:i]) for i in range(len(full))),
              sum(h for h, *_ in full) + end)  # checkpointing every block fits this
     lo = step
-    if _fits(options, end, step, lo):
+    if _fits(options, end, step, lo, shared):
         return lo
     while hi - lo > 1:  # invariant: lo does not fit, hi fits
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if _fits(options, end, step, mid) else (mid, hi)
+        lo, hi = (lo, mid) if _fits(options, end, step, mid, shared) else (mid, hi)
     return hi
 
 
@@ -504,6 +589,8 @@ def _pareto(p: torch.Tensor, f: torch.Tensor, quantum: int) -> torch.Tensor:
     """Indices of the (bytes, FLOPs) states on the Pareto front, sorted by bytes: a state stays only
     if it needs fewer FLOPs than every state holding fewer bytes; above ``_MAX_STATES`` states, one
     per ``quantum`` bytes (the one with the fewest FLOPs) and the fewest-bytes state stay."""
+    if not len(p):
+        return torch.zeros(0, dtype=torch.int64)
     order = torch.argsort(f, stable=True)
     order = order[torch.argsort(p[order], stable=True)]
     p, f = p[order], f[order]
@@ -565,7 +652,8 @@ def plan_budget(mp: ModelProfile, budget: int, *, strategy: str = "ddp", world_s
     if offload_flops_per_byte is None:
         options = [[o for o in opts if o[3] != _OFFLOAD] for opts in options]
     step = _tail(mp, static, step, grad_accumulation=grad_accumulation, **where)
-    min_budget = _min_peak(options, end, step)
+    shared = _shared(mp)
+    min_budget = _min_peak(options, end, step, shared)
     if budget < min_budget:
         raise ConfigError(
             f"no choice of checkpointed blocks fits budget {_gib(budget)} ({budget} bytes): the smallest "
@@ -575,17 +663,23 @@ def plan_budget(mp: ModelProfile, budget: int, *, strategy: str = "ddp", world_s
         )
     p = torch.zeros(1, dtype=torch.int64)  # bytes held by the blocks so far
     f = torch.zeros(1, dtype=torch.int64)  # cost so far: recompute FLOPs, then checkpointed blocks (_costs)
+    g = torch.zeros(1, dtype=torch.bool)  # some block checkpointed so far: it holds the shared inputs (_shared)
     trail: list[tuple[torch.Tensor, torch.Tensor]] = []  # per block: (parent index, code in MODES)
     quantum = max(1, budget // _MAX_STATES)
-    for opts in _costs(options):
+    for opts, d in zip(_costs(options), shared):
         # Each choice of block i bounds the bytes held before it; the states that meet it go on with it.
-        parts = [((p <= budget - bound).nonzero().flatten(), held, cost, code) for held, bound, cost, code in opts]
+        dd = g.long() * d
+        parts = [((p <= budget - bound + dd).nonzero().flatten(), held, cost, code) for held, bound, cost, code in opts]
         parent = torch.cat([ok for ok, *_ in parts])
         code = torch.cat([torch.full((len(ok),), c, dtype=torch.int8) for ok, _, _, c in parts])
-        p = torch.cat([p[ok] + held for ok, held, _, _ in parts])
+        p = torch.cat([p[ok] + held - (dd[ok] if c in _KEEPS_INPUTS else 0) for ok, held, _, c in parts])
         f = torch.cat([f[ok] + cost for ok, _, cost, _ in parts])
-        sel = _pareto(p, f, quantum)
-        p, f = p[sel], f[sel]
+        g = torch.cat([g[ok] | (c in _KEEPS_INPUTS) for ok, _, _, c in parts])
+        # A state holding the shared inputs owes less later: the fronts of the two kinds are kept apart.
+        kinds = ((~g).nonzero().flatten(), g.nonzero().flatten())
+        sel = torch.cat([idx[_pareto(p[idx], f[idx], quantum)] for idx in kinds])
+        sel = sel[torch.argsort(p[sel], stable=True)]
+        p, f, g = p[sel], f[sel], g[sel]
         trail.append((parent[sel], code[sel]))
     ok = (p <= budget - end).nonzero().flatten()
     assert len(ok), "the cheapest choice fits, so some state must"  # internal invariant

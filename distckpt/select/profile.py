@@ -84,6 +84,25 @@ class BlockProfile:
             recompute's own nodes hold a second copy while it runs, and ``fork_rng`` a copy of the RNG
             state: the ``*_recompute_overhead_bytes`` include those where the measured recompute peak
             lies inside the recompute (as far as they could lift the allocator's peak above it).
+        accumulating_overhead_bytes: like ``overhead_bytes``, the largest activations and temporaries
+            of the block's forward and backward alone (not paired with the gradients of that instant):
+            the overhead when every gradient already exists (gradient accumulation), where a new
+            gradient is a temporary until its in-place add into the accumulated one. The peak of the
+            sample step pairs the activations with the gradients made so far: on HF GPT-2 it lies
+            after the block's MLP output projection's gradient became ``.grad``; with the gradients
+            accumulated the peak is the instant before (that gradient still a temporary, 41 KB more
+            activations and temporaries). ``-1``: not measured.
+        end_overhead_bytes: the activations and temporaries when the block's backward has made the
+            gradients of its inputs, over what the blocks before it (and the embeddings) hold: what
+            FSDP1 has beside the block's parameter gradients when it concatenates them into its flat
+            parameter's gradient. ``-1``: not measured.
+        recompute_accumulating_overhead_bytes, selective_recompute_accumulating_overhead_bytes,
+            pointwise_recompute_accumulating_overhead_bytes: like the ``*_recompute_overhead_bytes``, the
+            activations' own peak of the block's backward (its recompute included) in that mode's
+            checkpointed step, as ``accumulating_overhead_bytes`` is for a kept block. ``-1``: not measured.
+        shared_input_bytes: the part of ``input_bytes`` that every earlier block takes as input too (one
+            storage: HF GPT-2's ``cache_position``, Llama's mask and rotary tables), held once however
+            many checkpointed blocks keep it (0 for the first block).
         offload_held_bytes: bytes an ``"offload"`` block leaves on the device from its forward to its
             backward, measured in a sample step with every block offloaded (what its forward leaves
             alive beyond a fully checkpointed block's, i.e. beyond its output: the saved tensors it
@@ -121,6 +140,12 @@ class BlockProfile:
     pointwise_recompute_overhead_bytes: int = 0
     pointwise_recompute_grads_bytes: int = -1
     scalar_saved_bytes: int = 0
+    accumulating_overhead_bytes: int = -1
+    end_overhead_bytes: int = -1
+    recompute_accumulating_overhead_bytes: int = -1
+    selective_recompute_accumulating_overhead_bytes: int = -1
+    pointwise_recompute_accumulating_overhead_bytes: int = -1
+    shared_input_bytes: int = 0
     offload_held_bytes: int = -1
     offload_bytes: int = 0
     offload_overhead_bytes: int = 0
@@ -149,6 +174,14 @@ class BlockProfile:
         if mode == "pointwise":
             return self.pointwise_recompute_grads_bytes, self.pointwise_recompute_overhead_bytes
         return self.recompute_grads_bytes, self.recompute_overhead_bytes
+
+    def recompute_accumulating(self, mode: str) -> int:
+        """The activations' own peak over the prediction in a backward of the block checkpointed in
+        ``mode`` (``-1``: not measured, as for ``"offload"``): its bound when every gradient exists
+        (accumulation)."""
+        if mode in OP_MODES:
+            return getattr(self, f"{mode}_recompute_accumulating_overhead_bytes")
+        return self.recompute_accumulating_overhead_bytes if mode == "full" else -1
 
     @property
     def full_flops(self) -> int:
@@ -424,14 +457,24 @@ def _checkpointed_peaks(model: nn.Module, blocks: list[tuple[str, nn.Module]], a
     Returns:
         ``[(activation and temporary bytes, gradient bytes, bytes left by the forward, activation and
         temporary bytes at the peak inside the block's recompute, activation and temporary bytes at the
-        block's forward peak), ...]`` per block (the fourth: the first if the window could not be read),
-        or ``None`` when the step fails (then the budget bounds a recompute from the first step alone,
-        and offers no selective choice).
+        block's forward peak, the activations' own peak of the block's backward whatever the gradients
+        then), ...]`` per block (the fourth: the first if the window could not be read), or ``None`` when
+        the step fails (then the budget bounds a recompute from the first step alone, and offers no
+        selective choice).
     """
     tracker = memory_tracker(model, *batch)
     before: dict[int, int] = {}
     left = [0] * len(blocks)
     in_recompute = [-1] * len(blocks)
+    windows = _BackwardWindows(tracker, dev, len(blocks))  # the activations' own peaks, recomputes included
+
+    def pre(mod: nn.Module, a: Any, i: int) -> None:
+        before[i] = total()
+        windows.watch_inputs(i, a)
+
+    def post(mod: nn.Module, o: Any, i: int) -> None:
+        left[i] = total() - before[i]
+        windows.watch_outputs(i, o)
 
     def windowed(i: int) -> Callable[[], tuple[Any, Any]]:
         # Bound here, as _recompute_flops does: the wrapper's own bind passes a function like this one as is.
@@ -451,18 +494,19 @@ def _checkpointed_peaks(model: nn.Module, blocks: list[tuple[str, nn.Module]], a
 
     hooks = []
     for i, (_, m) in enumerate(blocks):
-        hooks.append(m.register_forward_pre_hook(lambda mod, a, i=i: before.__setitem__(i, total())))
-        hooks.append(m.register_forward_hook(lambda mod, a, o, i=i: left.__setitem__(i, total() - before[i])))
+        hooks.append(m.register_forward_pre_hook(lambda mod, a, i=i: pre(mod, a, i)))
+        hooks.append(m.register_forward_hook(lambda mod, a, o, i=i: post(mod, o, i)))
     try:
         with _all_checkpointed(model, blocks, [windowed(i) for i in range(len(blocks))], stores), tracker:
             loss = scalar_loss(model(*args, **kwargs))
-            loss.backward()
+            with _AfterOps(windows.after_op):
+                loss.backward()
             del loss
     except Exception as e:  # noqa: BLE001 - any failure only loses precision, never correctness
         logger.info("distckpt.select.profile: the checkpointed sample step failed (%s); recompute peaks estimated", e)
         return None
     finally:
-        for h in hooks:
+        for h in hooks + windows.hooks:
             h.remove()
     out = []
     peak_fw, peak_bw = compat.mem_tracker_states()
@@ -477,7 +521,8 @@ def _checkpointed_peaks(model: nn.Module, blocks: list[tuple[str, nn.Module]], a
         if best < 0:
             return None
         forward = max((_act(_at(snap, dev)) for snap in stats.snapshots.get(peak_fw, [])), default=0)
-        out.append((best, grads, left[i], min(in_recompute[i], best) if in_recompute[i] >= 0 else best, forward))
+        out.append((best, grads, left[i], min(in_recompute[i], best) if in_recompute[i] >= 0 else best, forward,
+                    max(best, windows.peak[i])))
     return out
 
 
@@ -547,6 +592,56 @@ def _unhooked_saved_bytes(roots: list[Any], stop: set[Any], seen: set[Any],
     return sum(found.values())
 
 
+class _AfterOps(compat.torch_dispatch_mode()):
+    """Calls ``fn`` after every op, inside MemTracker's mode (entered after it): MemTracker's per-module
+    snapshots are taken at the largest total, which pairs activations with the gradients of that
+    instant; the activations' own peak needs a look after each op."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.fn()
+        return out
+
+
+class _BackwardWindows:
+    """Each block's backward as a window (from its output's gradient to its inputs' gradients) and the
+    activations' own peak in it (:class:`_AfterOps` calls :meth:`after_op`), and the activations when
+    its inputs' gradients are made. A block's input is the previous block's output: that block's
+    output hook, registered first, runs first, so only the block's own window closes at its input."""
+
+    def __init__(self, tracker: Any, dev: torch.device, n: int) -> None:
+        self.tracker, self.dev = tracker, dev
+        self.current: int | None = None
+        self.peak = [-1] * n
+        self.end = [-1] * n
+        self.hooks: list[Any] = []  # removed after the step: an input may be the caller's own leaf tensor
+
+    def now(self) -> int:
+        return _act(_at(self.tracker.get_tracker_snapshot(), self.dev))
+
+    def after_op(self) -> None:
+        if self.current is not None:
+            self.peak[self.current] = max(self.peak[self.current], self.now())
+
+    def watch_outputs(self, i: int, out: Any) -> None:
+        self.hooks.extend(t.register_hook(lambda g, i=i: self._open(i)) for t in _tensors(out) if t.requires_grad)
+
+    def watch_inputs(self, i: int, inputs: Any) -> None:
+        self.hooks.extend(t.register_hook(lambda g, i=i: self._close(i)) for t in _tensors(inputs) if t.requires_grad)
+
+    def _open(self, i: int) -> None:
+        self.current = i
+
+    def _close(self, i: int) -> None:
+        self.end[i] = max(self.end[i], self.now())
+        if self.current == i:
+            self.current = None
+
+
 class _StepRecorder:
     """The hooks of the profiled sample step: which block saves each storage for backward, each
     block's inputs and forward FLOPs, and MemTracker's peak of the head (after the last block's
@@ -577,6 +672,7 @@ class _StepRecorder:
         self.outside_scalars = 0  # ModelProfile.scalar_saved_bytes
         self.device = torch.device("cpu")
         self.grad_hooks: list[Any] = []  # removed after the step: an input may be the caller's own leaf tensor
+        self.windows: _BackwardWindows | None = None  # each block's backward (made with the tracker)
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         key = _storage_key(t)
@@ -598,6 +694,7 @@ class _StepRecorder:
             if t.requires_grad:
                 self.pending_inputs += 1
                 self.grad_hooks.append(t.register_hook(self._input_grad))
+        self.windows.watch_inputs(i, (a, kw))
         self.flop_start[i] = self.counter.get_total_flops()
 
     def _input_grad(self, _: torch.Tensor) -> None:
@@ -624,6 +721,7 @@ class _StepRecorder:
         self.done = max(self.done, i + 1)
         roots = [t.grad_fn for t in _tensors(out) if t.grad_fn is not None]
         self.scalars[i] += _unhooked_saved_bytes(roots, self.input_nodes[i], self.walked, self._packed, self.device)
+        self.windows.watch_outputs(i, out)
         if i == self.n - 1:
             self._head_window(out)
 
@@ -657,6 +755,8 @@ class _StepRecorder:
             handles.append(m.register_forward_hook(self.post_hook, with_kwargs=True))
         self.tracker = memory_tracker(model, *batch)
         self.device = device
+        self.windows = _BackwardWindows(self.tracker, device if device.type != "cuda" else
+                                        torch.device("cuda", device.index or 0), self.n)
         cuda = device.type == "cuda"
         try:
             with _preserved_state(model, device):
@@ -672,14 +772,15 @@ class _StepRecorder:
                     # The inputs were kept only to tell storages apart in forward; kept in backward they
                     # would inflate every backward snapshot by the later blocks' inputs.
                     self.keep.clear()
-                    loss.backward()
+                    with _AfterOps(self.windows.after_op):
+                        loss.backward()
                     del loss
                     self._close_tail()
                 return torch.cuda.max_memory_allocated(device) - cuda_base if cuda else 0
         finally:
             for h in handles:
                 h.remove()
-            for h in self.grad_hooks:
+            for h in self.grad_hooks + self.windows.hooks:
                 h.remove()
             self.grad_hooks.clear()
             self.keep.clear()
@@ -724,6 +825,16 @@ def _attribute(rec: _StepRecorder, batch_keys: set[tuple[str, int]]) -> _Attribu
     return att
 
 
+def _shared_inputs(rec: _StepRecorder, batch_keys: set[tuple[str, int]]) -> list[int]:
+    """Per block, the bytes of its inputs (batch excluded) that every earlier block takes too."""
+    out, common = [], None
+    for keys in rec.input_keys:
+        own = {k: b for k, b in keys.items() if k not in batch_keys}
+        out.append(0 if common is None else sum(b for k, b in own.items() if k in common))
+        common = set(own) if common is None else common & set(own)
+    return out
+
+
 def _block_overheads(rec: _StepRecorder, att: _Attribution, dev: torch.device) -> dict[str, list[int]]:
     """How far the measured activation+temporary memory at each block's forward and backward peak
     exceeds the model "held so far + this block's footprint": makes the prediction exact on this step."""
@@ -731,6 +842,8 @@ def _block_overheads(rec: _StepRecorder, att: _Attribution, dev: torch.device) -
     n = rec.n
     out: dict[str, list[int]] = {k: [0] * n for k in ("overhead", "overhead_fw", "overhead_bw")}
     out["grads_peak"] = [-1] * n
+    out["accumulating"] = [-1] * n
+    out["end"] = [-1] * n
     out["measured_blocks"] = []
     prefix = 0
     held = att.held
@@ -748,6 +861,10 @@ def _block_overheads(rec: _StepRecorder, att: _Attribution, dev: torch.device) -
                 out["overhead_bw"][i] = measured_bw - base
                 # Gradient bytes in the snapshot where activations and temporaries peak (the same instant).
                 out["grads_peak"][i] = _at(max(bw_snaps, key=lambda s: _act(_at(s, dev))), dev).get("Gradient", 0)
+            if rec.windows.peak[i] >= 0:  # the activations' own peak, whatever gradients existed then
+                out["accumulating"][i] = max(0, max(measured_fw, measured_bw, rec.windows.peak[i]) - base)
+        if rec.windows.end[i] >= 0:
+            out["end"][i] = max(0, rec.windows.end[i] - att.pre - prefix)
         prefix += held[i]
     return out
 
@@ -788,25 +905,28 @@ def _head_and_tail(rec: _StepRecorder, model: nn.Module, att: _Attribution, meas
 
 def _over_prediction(peaks: list[tuple[int, ...]], rec: _StepRecorder, att: _Attribution,
                      batch_keys: set[tuple[str, int]], extra: list[int], during: list[int]
-                     ) -> tuple[list[int], list[int]]:
+                     ) -> tuple[list[int], list[int], list[int]]:
     """Each block's measured backward peak in a checkpointed step over what the prediction holds
     there (the prefix of checkpointed blocks, each holding its inputs plus ``extra``), and the
     gradient bytes at that peak. Plus the part of what the recompute holds only while it runs and
     MemTracker does not see (``during``: its nodes' wrapped numbers, :attr:`BlockProfile.scalar_saved_bytes`,
     and ``fork_rng``'s copy of the RNG state) that can be alive at the CPU allocator's peak: as far as
-    the peak inside the recompute plus it exceeds the block's peak (none when that peak is after it)."""
+    the peak inside the recompute plus it exceeds the block's peak (none when that peak is after it).
+    Third: the same over the activations' own peak (for accumulation, see
+    :attr:`BlockProfile.recompute_accumulating_overhead_bytes`)."""
     # What the checkpointed blocks before i really hold: their inputs, each storage once and not block
     # i's own (the mask and rotary tables are every block's input; input_bytes counts them per block, so
     # the prediction stays above the measure when some are kept).
     held_in: dict[tuple[str, int], int] = {}
-    over, grads_at = [], []
-    for i, (act, grads, _, inside, *_) in enumerate(peaks):
+    over, grads_at, own = [], [], []
+    for i, (act, grads, _, inside, _, own_act) in enumerate(peaks):
         before = sum(b for k, b in held_in.items() if k not in rec.input_keys[i]) + sum(extra[:i])
-        copy_alive = max(0, min(during[i], inside + during[i] - act))
-        over.append(act - (att.pre + before + att.inner[i] + att.in_bytes[i]) + copy_alive)
+        model = att.pre + before + att.inner[i] + att.in_bytes[i]
+        over.append(act - model + max(0, min(during[i], inside + during[i] - act)))
+        own.append(own_act - model + max(0, min(during[i], inside + during[i] - own_act)))
         grads_at.append(grads)
         held_in.update((k, b) for k, b in rec.input_keys[i].items() if k not in batch_keys)
-    return over, grads_at
+    return over, grads_at, own
 
 
 def _recompute_profile(model: nn.Module, rec: _StepRecorder, att: _Attribution, args: tuple[Any, ...],
@@ -818,10 +938,12 @@ def _recompute_profile(model: nn.Module, rec: _StepRecorder, att: _Attribution, 
     full one (the bytes its forward leaves alive beyond full's: the op outputs it keeps, as ``distckpt
     plan`` counts them), and the recompute FLOPs (one FLOP-only step per mode)."""
     n = rec.n
-    out = {"recompute_overhead_bytes": [0] * n, "recompute_grads_bytes": [-1] * n, "recompute_flops": [-1] * n}
+    out = {"recompute_overhead_bytes": [0] * n, "recompute_grads_bytes": [-1] * n, "recompute_flops": [-1] * n,
+           "recompute_accumulating_overhead_bytes": [-1] * n}
     for mode in OP_MODES:
         out.update({f"{mode}_held_bytes": [-1] * n, f"{mode}_flops": [0] * n,
-                    f"{mode}_recompute_overhead_bytes": [0] * n, f"{mode}_recompute_grads_bytes": [-1] * n})
+                    f"{mode}_recompute_overhead_bytes": [0] * n, f"{mode}_recompute_grads_bytes": [-1] * n,
+                    f"{mode}_recompute_accumulating_overhead_bytes": [-1] * n})
     out.update(offload_held_bytes=[-1] * n, offload_bytes=[0] * n, offload_overhead_bytes=[0] * n,
                offload_forward_overhead_bytes=[0] * n, offload_grads_bytes=[-1] * n)
     if not n or not modes:
@@ -834,8 +956,8 @@ def _recompute_profile(model: nn.Module, rec: _StepRecorder, att: _Attribution, 
     # What a recompute holds only while it runs, unseen by MemTracker: its own nodes' wrapped numbers and
     # the CPU RNG state torch.random.fork_rng keeps around it (preserve_rng_state; checkpoint.recompute_fn).
     during = [w + _rng_state_bytes(device) for w in rec.scalars]
-    out["recompute_overhead_bytes"], out["recompute_grads_bytes"] = _over_prediction(full, rec, att, batch_keys,
-                                                                                     [0] * n, during)
+    (out["recompute_overhead_bytes"], out["recompute_grads_bytes"],
+     out["recompute_accumulating_overhead_bytes"]) = _over_prediction(full, rec, att, batch_keys, [0] * n, during)
     if full_flops is not None:
         out["recompute_flops"] = full_flops
     for mode in (m for m in OP_MODES if m in modes):
@@ -850,8 +972,9 @@ def _recompute_profile(model: nn.Module, rec: _StepRecorder, att: _Attribution, 
         extra = [max(0, s[2] - f[2]) for s, f in zip(peaks, full)]
         out[f"{mode}_held_bytes"] = [att.in_bytes[i] + extra[i] for i in range(n)]
         out[f"{mode}_flops"] = flops
-        out[f"{mode}_recompute_overhead_bytes"], out[f"{mode}_recompute_grads_bytes"] = _over_prediction(
-            peaks, rec, att, batch_keys, extra, during)
+        (out[f"{mode}_recompute_overhead_bytes"], out[f"{mode}_recompute_grads_bytes"],
+         out[f"{mode}_recompute_accumulating_overhead_bytes"]) = _over_prediction(peaks, rec, att, batch_keys,
+                                                                                 extra, during)
     if "offload" in modes:
         out.update(_offload_profile(model, rec, att, (args, kwargs, batch), batch_keys, device, dev, full))
     return out
@@ -967,6 +1090,7 @@ def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inpu
     head = _head_and_tail(rec, model, att, ov["measured_blocks"], dev)
     redo = _recompute_profile(model, rec, att, args, kwargs, batch, batch_keys, device, dev, modes)
     ready, head_grads = _grads_ready(rec, params, dev)
+    shared = _shared_inputs(rec, batch_keys)
 
     held = att.held
     profiles = tuple(
@@ -975,7 +1099,8 @@ def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inpu
             saved_input_bytes=att.saved_input[i], overhead_bytes=ov["overhead"][i],
             grads_ready_bytes=ready[i], forward_overhead_bytes=ov["overhead_fw"][i],
             backward_overhead_bytes=ov["overhead_bw"][i], grads_at_peak_bytes=ov["grads_peak"][i],
-            scalar_saved_bytes=rec.scalars[i],
+            scalar_saved_bytes=rec.scalars[i], accumulating_overhead_bytes=ov["accumulating"][i],
+            end_overhead_bytes=ov["end"][i], shared_input_bytes=shared[i],
             **{k: v[i] for k, v in redo.items()},
         )
         for i, (name, _) in enumerate(blocks)

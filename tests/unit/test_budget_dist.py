@@ -88,10 +88,33 @@ def _accumulation_rows(rank: int, world_size: int):
 @pytest.mark.dist
 def test_predicted_peak_with_gradient_accumulation(dist_pool):
     # Two micro-batches, distckpt.accumulate around the first (no_sync / set_requires_gradient_sync(False)):
-    # every block's gradients stay unsharded until the last micro-batch (budget._accumulated). Measured:
-    # DDP +0.5%, FSDP +0.2..+0.3%, FSDP2 +0.6..+3.5%. The earlier "two blocks' parameters and one block's
-    # gradients" term was 5-6% under under FSDP/FSDP2 here.
+    # every block's gradients stay unsharded until the last micro-batch reduce-scatters them block by block
+    # (budget._accumulated, budget._settled). Measured: DDP +0.5%, FSDP +0.2%, FSDP2 +0.6..+0.7% (the batch,
+    # predicted but not tracked here). The earlier "two blocks' parameters and one block's gradients" term
+    # was 5-6% under under FSDP/FSDP2 here.
     for rows in dist_pool.run(_accumulation_rows):
         assert len(rows) == 9
         for where, label, pred, meas in rows:
-            assert 0.999 * meas <= pred <= 1.04 * meas, (where, label, pred, meas)
+            assert 0.999 * meas <= pred <= 1.03 * meas, (where, label, pred, meas)
+
+
+def _gpt2_accumulation_rows(rank: int, world_size: int):
+    from benchmarks.budget_accuracy import _dist_rank
+
+    return _dist_rank(rank, world_size, ("gpt2 (HF)", "MultiTaskGPT"), ("fsdp", "fsdp2"), 2, ("none", "all"))
+
+
+@pytest.mark.dist
+def test_hf_gpt2_predicted_peak_with_gradient_accumulation(dist_pool):
+    # HF GPT-2 was predicted low here: FSDP1 -1.9..-2.3% (its peak: the last block's parameter gradients
+    # concatenated into its flat gradient beside the accumulated one, budget._flat_gradients), FSDP2 -1.1%
+    # with no block checkpointed (a new gradient is a temporary until its in-place add:
+    # BlockProfile.accumulating_overhead_bytes), and FSDP2 +3.2% with every block checkpointed (the later
+    # blocks' gradients already reduce-scattered in the last micro-batch: budget._settled). MultiTaskGPT under
+    # FSDP1 -0.4..-0.6% (the root unit's head gradients, view temporaries until the root's backward ends).
+    # Now within 0.03%.
+    pytest.importorskip("transformers")
+    for rows in dist_pool.run(_gpt2_accumulation_rows):
+        assert len(rows) == 8
+        for where, label, pred, meas in rows:
+            assert 0.999 * meas <= pred <= 1.01 * meas, (where, label, pred, meas)
