@@ -20,7 +20,7 @@ import torch.utils.checkpoint as tuc
 
 from distckpt._dist import local_shard as _local
 from distckpt._dist import unwrap_ddp as _inner
-from distckpt.apply.wrap import _clean_fqn, checkpointing_disabled, is_checkpointed
+from distckpt.apply.wrap import _clean_fqn, checkpoint_mode, checkpointing_disabled, is_checkpointed
 from distckpt.errors import ConfigError, RecomputeMismatchError
 
 __all__ = ["Mismatch", "RecomputeReport", "verify_recompute"]
@@ -355,7 +355,10 @@ def verify_recompute(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tens
         ConfigError: ``loss_fn`` does not return a scalar tensor.
     """
     inner = _inner(model)
-    blocks = [(_clean_fqn(n), m) for n, m in inner.named_modules() if is_checkpointed(m)]
+    # Offloaded blocks recompute nothing: no recompute to compare op by op (their saved tensors' round trip
+    # to the host is still checked, by the gradients below).
+    blocks = [(_clean_fqn(n), m) for n, m in inner.named_modules()
+              if is_checkpointed(m) and checkpoint_mode(m) != "offload"]
     params = [(_clean_fqn(n), p) for n, p in inner.named_parameters()]
     buffers = [(_clean_fqn(n), b) for n, b in inner.named_buffers()]
     calls: list[_Call] = []

@@ -4,6 +4,7 @@ backward and a BatchNorm updated twice are caught and named; the model is left a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys as _sys
 
 import pytest
@@ -140,6 +141,28 @@ def test_selective_policy_passes_and_is_checked():
     report = verify_recompute(distckpt.wrap(Net(p=0.3), "selective", preserve_rng_state=False), loss_fn,
                               raise_on_mismatch=False)
     assert report.mismatches[0].kind == "rng"
+
+
+def test_offloaded_blocks_are_not_reported_as_recomputed_but_their_gradients_are_checked():
+    from distckpt.select.policies import Placement
+
+    model = distckpt.wrap(Net(p=0.3), Placement(("offload", "full", "offload")))
+    report = verify_recompute(model, loss_fn)
+    assert report.ok and report.blocks == ["blocks.1"], report  # the one block that recomputes
+    # The gradient comparison covers the offloaded blocks: break one's saved-tensor round trip and it fails.
+    import distckpt.apply.recompute as recompute
+
+    class Corrupting(recompute.PinnedHostStore):
+        def to_host(self, t):
+            return (t.device, t * 2)
+
+        def to_device(self, packed):
+            return packed[1]
+
+    model._modules["blocks"][0]._distckpt_options = dataclasses.replace(
+        model.blocks[0]._distckpt_options, store=Corrupting())
+    bad = verify_recompute(model, loss_fn, raise_on_mismatch=False)
+    assert not bad.ok and any(m.module.startswith("blocks.0") for m in bad.mismatches), bad
 
 
 class Narrowing(nn.Module):
