@@ -113,8 +113,8 @@ class ACConfig:
     blocks: Optional[list[str]] = None  # FQN globs; None: distckpt finds the repeated blocks
     reentrant: bool = False
     offload: bool = False  # keep the saved block inputs in host memory
-    # budget: the "offload" mode's price, FLOPs per byte moved to the host and back (null: measured on CUDA;
-    # off CUDA offload is not offered)
+    # budget: the "offload" mode's price, FLOPs per byte moved to the host and back (null: offload not offered;
+    # off CUDA it never is)
     offload_flops_per_byte: Optional[float] = None
 
 

@@ -89,7 +89,7 @@ def _run_dir(run_dir: str | os.PathLike[str] | None) -> str:
 def ac_policy(cfg: DictConfig, world: int) -> Any:
     """``ac.policy`` as a policy object; a budget gets every run-level fact the memory plan needs (the
     strategy and shard size, the optimizer's state, whether gradients accumulate over micro-batches), and
-    ``ac.offload_flops_per_byte`` (the offload mode's price; null: measured on CUDA)."""
+    ``ac.offload_flops_per_byte`` (the offload mode's price; null: not offered)."""
     policy = distckpt.parse_policy(cfg.ac.policy)
     if not isinstance(policy, distckpt.Budget):
         return policy

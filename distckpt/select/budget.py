@@ -644,7 +644,7 @@ def plan_budget(mp: ModelProfile, budget: int, *, strategy: str = "ddp", world_s
     static, step = static_bytes(mp, optimizer=optimizer, **where)
     if offload_flops_per_byte is not None and not offload_flops_per_byte > 0:
         raise ConfigError(f"offload_flops_per_byte must be a positive number (FLOPs per byte moved), got "
-                          f"{offload_flops_per_byte!r}; leave it None to measure it on CUDA.")
+                          f"{offload_flops_per_byte!r}; None: offload not offered.")
     if offload_flops_per_byte is not None and math.isinf(offload_flops_per_byte):
         offload_flops_per_byte = None  # priced out: not offered
     options, end = _choices(mp, static, selective=selective, grad_accumulation=grad_accumulation,
@@ -716,18 +716,21 @@ def auto_budget(device_type: str) -> int:
     return int(free + torch.cuda.memory_allocated())
 
 
-def offload_offered(device_type: str, offload_flops_per_byte: float | None) -> bool:
-    """Whether a budget may choose ``"offload"``: on CUDA (the ratio measured unless given); elsewhere
-    host memory is the step's own, so only with a given ratio and a host store outside the step's
-    allocator (a test's: :func:`distckpt.apply.recompute.host_store`). An infinite price turns it off
-    (no offload sample step, no pinned host memory for it)."""
-    if offload_flops_per_byte is not None and math.isinf(offload_flops_per_byte):
+def offload_offered(device_type: str, offload_flops_per_byte: float | str | None) -> bool:
+    """Whether a budget may choose ``"offload"``: only when asked for (a ratio, or ``"auto"`` to measure
+    it; ``None``, the default until offload has been measured on a GPU, and ``math.inf``: not offered,
+    no offload sample step, no pinned host memory for it), on CUDA; elsewhere host memory is the step's
+    own, so only with a given ratio and a host store outside the step's allocator (a test's:
+    :func:`distckpt.apply.recompute.host_store`)."""
+    if offload_flops_per_byte is None or (offload_flops_per_byte != "auto" and math.isinf(offload_flops_per_byte)):
         return False
     if device_type == "cuda":
         return True
+    if offload_flops_per_byte == "auto":
+        return False  # measured on CUDA only
     from distckpt.apply import recompute
 
-    return offload_flops_per_byte is not None and bool(getattr(recompute.host_store(), "escapes_allocator", False))
+    return bool(getattr(recompute.host_store(), "escapes_allocator", False))
 
 
 def budget_profile(candidates: Candidates, device_type: str, budget_bytes: int | None, *,
@@ -762,7 +765,7 @@ def budget_profile(candidates: Candidates, device_type: str, budget_bytes: int |
 def select_for_budget(candidates: Candidates, budget_bytes: int | None, *, strategy: str = "ddp",
                       optimizer: str = "adamw", grad_accumulation: bool = False,
                       shard_size: int | None = None, selective: bool = True,
-                      offload_flops_per_byte: float | None = None) -> BudgetPlan:
+                      offload_flops_per_byte: float | str | None = None) -> BudgetPlan:
     """The plan for ``budget:SIZE`` (``None``: ``budget:auto``): which blocks to checkpoint, and how.
 
     Args:
@@ -778,9 +781,9 @@ def select_for_budget(candidates: Candidates, budget_bytes: int | None, *, strat
             ``parallelize`` uses).
         selective: offer the op-level modes (``pointwise``, ``selective``) per block, besides none and
             full (``False``: the profile does not measure them either).
-        offload_flops_per_byte: the price of ``"offload"`` in FLOPs per byte moved; ``None``: measured on
-            CUDA (:func:`distckpt.select.transfer.flops_per_byte`), not offered elsewhere
-            (:func:`offload_offered`).
+        offload_flops_per_byte: the price of ``"offload"`` in FLOPs per byte moved; ``"auto"``: measured on
+            CUDA (:func:`distckpt.select.transfer.flops_per_byte`); ``None``: not offered; off CUDA offered
+            only to tests (:func:`offload_offered`).
 
     Returns:
         A :class:`BudgetPlan` (``modes``: one of :data:`MODES` per block of ``candidates.blocks``).
@@ -792,7 +795,7 @@ def select_for_budget(candidates: Candidates, budget_bytes: int | None, *, strat
     device = step_device(candidates.model, batch)
     offer = offload_offered(device.type, offload_flops_per_byte)
     mp, budget_bytes = budget_profile(candidates, device.type, budget_bytes, selective=selective, offload=offer)
-    if offer and offload_flops_per_byte is None and any(b.offload_held_bytes >= 0 for b in mp.blocks):
+    if offer and offload_flops_per_byte == "auto" and any(b.offload_held_bytes >= 0 for b in mp.blocks):
         from distckpt.select.transfer import flops_per_byte
 
         dtype = next((p.dtype for p in candidates.model.parameters() if p.is_floating_point()), torch.float32)
@@ -801,7 +804,8 @@ def select_for_budget(candidates: Candidates, budget_bytes: int | None, *, strat
         shard_size = int(os.environ["LOCAL_WORLD_SIZE"])
     result = plan_budget(mp, budget_bytes, strategy=strategy, world_size=candidates.world_size, optimizer=optimizer,
                          grad_accumulation=grad_accumulation, shard_size=shard_size, selective=selective,
-                         offload_flops_per_byte=offload_flops_per_byte if offer else None)
+                         offload_flops_per_byte=offload_flops_per_byte if offer and offload_flops_per_byte != "auto"
+                         else None)
     logger.info(
         "distckpt budget %s: %d of %d blocks full, %d selective, %d pointwise, %d offloaded (%s moved per step), "
         "predicted peak %s, recompute %.3g GFLOP", _gib(budget_bytes), result.modes.count("full"), len(mp.blocks),

@@ -169,9 +169,10 @@ class Budget:
     (op-level: keep every matmul/attention output, recompute only the FLOP-free ops), ``selective``
     (recompute every other matmul too) or full checkpointing (``selective=False``: none or full, and
     the profile skips the op-level sample steps). On CUDA a block may also be ``offload``ed (not
-    recomputed; its saved tensors kept in pinned host memory), priced at ``offload_flops_per_byte``
-    FLOPs per byte moved (``None``: measured once per device, matmul FLOP/s over host-link bytes/s);
-    off CUDA offload is not offered. The selection itself lives in :mod:`distckpt.select.budget`.
+    recomputed; its saved tensors kept in pinned host memory) when asked for: priced at
+    ``offload_flops_per_byte`` FLOPs per byte moved, or ``"auto"``: measured once per device (matmul
+    FLOP/s over host-link bytes/s). ``None`` (the default, until offload has been measured on a GPU)
+    and off CUDA: not offered. The selection itself lives in :mod:`distckpt.select.budget`.
     """
 
     bytes: int | None
@@ -180,19 +181,19 @@ class Budget:
     grad_accumulation: bool = False
     shard_size: int | None = None  # "hsdp": ranks per shard group (default: LOCAL_WORLD_SIZE)
     selective: bool = True  # offer the op-level modes (pointwise, selective) per block (False: none or full)
-    # "offload" per block: its price in FLOPs per byte moved to the host and back (None: measured on CUDA,
-    # not offered elsewhere, where host memory is the step's own; math.inf: never offered, not profiled).
-    offload_flops_per_byte: float | None = None
+    # "offload" per block: its price in FLOPs per byte moved to the host and back, "auto" to measure it on CUDA;
+    # None (default) or math.inf: not offered, not profiled. Off CUDA host memory is the step's own: not offered.
+    offload_flops_per_byte: float | str | None = None
 
     def __post_init__(self) -> None:
         if self.bytes is not None and (not isinstance(self.bytes, int) or self.bytes <= 0):
             raise ConfigError(f"budget:SIZE needs a positive size, got {self.bytes!r}. Valid forms: {SPEC_FORMS}.")
         ratio = self.offload_flops_per_byte
-        if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or
-                                  math.isnan(ratio) or ratio <= 0):
+        if ratio is not None and ratio != "auto" and (isinstance(ratio, bool) or not isinstance(ratio, (int, float))
+                                                      or math.isnan(ratio) or ratio <= 0):
             raise ConfigError(f"Budget(offload_flops_per_byte=...) must be a positive number (FLOPs per byte moved "
-                              f"to the host and back), got {ratio!r}; None measures it on CUDA, math.inf turns "
-                              "offload off.")
+                              f"to the host and back) or 'auto' (measured on CUDA), got {ratio!r}; None or "
+                              "math.inf: offload not offered.")
 
     def strategy_for(self, world_size: int) -> str:
         """The strategy the plan assumes: the one given, else DDP with several ranks, else none."""

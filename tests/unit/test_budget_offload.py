@@ -227,8 +227,10 @@ def test_the_ratio_decides_between_offload_and_recompute():
 
 
 def test_offload_offered_only_on_cuda_or_with_a_test_store_and_a_ratio(monkeypatch):
-    assert offload_offered("cuda", None)
-    assert not offload_offered("cpu", None) and not offload_offered("cpu", 10.0)  # host memory is the step's own
+    assert offload_offered("cuda", "auto") and offload_offered("cuda", 10.0)
+    assert not offload_offered("cuda", None)  # asked for only, until offload is measured on a GPU
+    assert not offload_offered("cpu", None) and not offload_offered("cpu", 10.0)
+    assert not offload_offered("cpu", "auto")  # host memory is the step's own
     monkeypatch.setattr(recompute, "host_store", lambda: NumpyStore())
     assert offload_offered("cpu", 10.0) and not offload_offered("cpu", None)
     # An infinite price turns it off everywhere (no offload sample step, no pinned host memory).
@@ -236,6 +238,9 @@ def test_offload_offered_only_on_cuda_or_with_a_test_store_and_a_ratio(monkeypat
     assert Budget(2**20, offload_flops_per_byte=float("inf")).offload_flops_per_byte == float("inf")
     with pytest.raises(ConfigError, match="positive"):
         Budget(2**20, offload_flops_per_byte=float("nan"))
+    assert Budget(2**20, offload_flops_per_byte="auto").offload_flops_per_byte == "auto"
+    with pytest.raises(ConfigError, match="'auto'"):
+        Budget(2**20, offload_flops_per_byte="fast")
 
 
 def test_budget_policy_plans_offload_on_the_cpu_with_the_test_store():

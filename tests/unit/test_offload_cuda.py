@@ -72,5 +72,6 @@ def test_cuda_budget_offers_offload_and_fits():
     budget = (predicted_peak(mp, [], **KW) + predicted_peak(mp, range(n), **KW)) // 2
     plan = plan_budget(mp, budget, offload_flops_per_byte=1e-6, selective=False, **KW)  # bytes nearly free
     assert plan.offloaded and plan.recompute_flops == 0
-    model = distckpt.wrap(copy.deepcopy(base), distckpt.Budget(budget, selective=False, **KW), example_inputs=inputs)
+    offered = distckpt.Budget(budget, selective=False, offload_flops_per_byte="auto", **KW)
+    model = distckpt.wrap(copy.deepcopy(base), offered, example_inputs=inputs)
     assert _peak(model, inputs) <= budget
