@@ -133,12 +133,25 @@ class CompiledBudget(nn.Module):
             return self.compiled(*args, **kwargs)
 
 
+def storage_bytes(tensors: Any) -> int:
+    """Bytes of the distinct storages of ``tensors`` (non-tensors skipped; views and tied tensors once)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if torch.is_tensor(t)}
+    return sum(storages.values())
+
+
 def _live_bytes(model: nn.Module, opt: torch.optim.Optimizer, inputs: tuple, kwargs: dict) -> int:
     """Bytes of the distinct storages of parameters, buffers, optimizer state and batch."""
     state = [t for s in opt.state.values() for t in s.values()]
-    tensors = [*model.parameters(), *model.buffers(), *state, *inputs, *kwargs.values()]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if torch.is_tensor(t)}
-    return sum(storages.values())
+    return storage_bytes([*model.parameters(), *model.buffers(), *state, *inputs, *kwargs.values()])
+
+
+def loss_allocator_peak(model: nn.Module, inputs: dict[str, torch.Tensor]) -> int:
+    """The CPU allocator's peak of one forward+backward of ``model(**inputs).loss`` (a Hugging Face
+    model), its parameters, buffers and batch included; the gradients are cleared after."""
+    live = storage_bytes([*model.parameters(), *model.buffers(), *inputs.values()])
+    peak = allocator_peak(lambda: model(**inputs).loss.backward(), live)
+    model.zero_grad(set_to_none=True)
+    return peak
 
 
 def allocator_peak(run: Callable[[], Any], live: int) -> int:

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for benchmarks
 
 import distckpt  # noqa: E402
-from benchmarks.memory import allocator_peak  # noqa: E402
+from benchmarks.memory import loss_allocator_peak  # noqa: E402
 from benchmarks.models import SIZES, GPTConfig, batch, hf_gpt2  # noqa: E402
 from distckpt import Budget  # noqa: E402
 from distckpt.apply.wrap import checkpoint_mode  # noqa: E402
@@ -76,14 +76,6 @@ def test_accumulating_step_peaks_at_the_activations_own_peak():
     assert predicted_peak(paired, ("none",) * n, **kw) < measured
 
 
-def _allocator_peak(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> int:
-    tensors = [*model.parameters(), *model.buffers(), *inputs.values()]
-    live = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
-    peak = allocator_peak(lambda: model(**inputs).loss.backward(), live)
-    model.zero_grad(set_to_none=True)
-    return peak
-
-
 def test_budget_at_the_all_pointwise_peak_gets_a_plan_without_recompute_flops():
     base, inputs = _gpt2(SIZES["tiny"])  # 4 blocks, each taking the same cache_position (512 B)
     mp = profile_model(base, _blocks(base), inputs)
@@ -91,14 +83,14 @@ def test_budget_at_the_all_pointwise_peak_gets_a_plan_without_recompute_flops():
     assert [b.shared_input_bytes for b in mp.blocks] == [0] + [64 * 8] * (n - 1)
     kw = dict(strategy="none", optimizer="none")
     pointwise = ("pointwise",) * n
-    measured = _allocator_peak(distckpt.wrap(copy.deepcopy(base), Placement(pointwise)), inputs)
+    measured = loss_allocator_peak(distckpt.wrap(copy.deepcopy(base), Placement(pointwise)), inputs)
     # The CPU allocator sees the RNG states and wrapped numbers the prediction counts: exact.
     assert predicted_peak(mp, pointwise, **kw) == measured
     plan = plan_budget(mp, measured, **kw)
     assert plan.recompute_flops == 0 and plan.peak_bytes <= measured, plan
     model = distckpt.wrap(copy.deepcopy(base), Budget(measured, **kw), example_inputs=inputs)
     modes = tuple(checkpoint_mode(b) for b in model.transformer.h)
-    assert modes == plan.modes and _allocator_peak(model, inputs) <= measured, modes
+    assert modes == plan.modes and loss_allocator_peak(model, inputs) <= measured, modes
     # Counted once per block, the shared input makes the same budget need recompute FLOPs.
     per_block = dataclasses.replace(mp, blocks=tuple(dataclasses.replace(b, shared_input_bytes=0) for b in mp.blocks))
     assert predicted_peak(per_block, pointwise, **kw) == measured + (n - 1) * 64 * 8

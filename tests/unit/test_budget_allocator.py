@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for benchmarks
 
 import distckpt  # noqa: E402
-from benchmarks.memory import allocator_peak  # noqa: E402
+from benchmarks.memory import loss_allocator_peak  # noqa: E402
 from benchmarks.models import GPTConfig, batch, hf_gpt2  # noqa: E402
 from distckpt import Budget  # noqa: E402
 from distckpt.apply.wrap import checkpoint_mode  # noqa: E402
@@ -27,16 +27,6 @@ pytest.importorskip("transformers")
 
 CFG = GPTConfig(vocab=128, seq=64, dim=64, heads=2, layers=2)
 KW = dict(strategy="none", optimizer="none", selective=False)  # none or full per block: full's sample steps only
-
-
-def _peak(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> int:
-    """The CPU allocator's peak of forward+backward, parameters and batch included (as
-    tests/unit/test_budget_measured.py and benchmarks/memory.py measure it)."""
-    tensors = [*model.parameters(), *model.buffers(), *inputs.values()]
-    live = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
-    peak = allocator_peak(lambda: model(**inputs).loss.backward(), live)
-    model.zero_grad(set_to_none=True)
-    return peak
 
 
 def test_prediction_bounds_the_allocator_peak_and_a_budget_at_it_holds():
@@ -51,7 +41,7 @@ def test_prediction_bounds_the_allocator_peak_and_a_budget_at_it_holds():
     measured = {}
     for mode in ("none", "full"):
         modes = (mode,) * n
-        measured[mode] = _peak(distckpt.wrap(copy.deepcopy(base), Placement(modes)), inputs)
+        measured[mode] = loss_allocator_peak(distckpt.wrap(copy.deepcopy(base), Placement(modes)), inputs)
         # An upper bound of the allocator's peak, and no looser than the wrapped numbers' own bytes.
         predicted = predicted_peak(mp, modes, strategy="none", optimizer="none")
         assert measured[mode] <= predicted <= measured[mode] + 24 * n, (mode, predicted - measured[mode])
@@ -61,4 +51,4 @@ def test_prediction_bounds_the_allocator_peak_and_a_budget_at_it_holds():
     for budget in (smallest, measured["full"]):
         model = distckpt.wrap(copy.deepcopy(base), Budget(budget, **KW), example_inputs=inputs)
         modes = tuple(checkpoint_mode(b) for b in model.transformer.h)
-        assert _peak(model, inputs) <= budget, (budget, modes)
+        assert loss_allocator_peak(model, inputs) <= budget, (budget, modes)
