@@ -299,13 +299,10 @@ def estimate_profile(model: nn.Module, blocks: list[tuple[str, nn.Module]], exam
         ConfigError: the model reads tensor values in forward (it cannot run on fake tensors), or its
             blocks do not sit in one ``nn.ModuleList``/``nn.Sequential``.
     """
-    import torch.distributed as dist
-
     args, kwargs = _profile._as_args(example_inputs)
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     # Cached as profile_model's measures are (same key): budget:auto plans again at parallelize, and a
     # trace is seconds even for a small model.
-    key = (tuple(name for name, _ in blocks), _profile._signature((args, kwargs)), model.training, world)
+    key = _profile._cache_key(model, blocks, example_inputs)
     cache = _ESTIMATES.setdefault(model, {})
     if key not in cache:
         mode = compat.fake_mode()

@@ -1176,6 +1176,16 @@ _CACHE: weakref.WeakKeyDictionary[nn.Module, dict[Any, tuple[frozenset[str], Mod
     weakref.WeakKeyDictionary())
 
 
+def _cache_key(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inputs: Any) -> tuple[Any, ...]:
+    """What a cached profile of ``model`` (:data:`_CACHE`, and the estimator's) is valid for: the block
+    list, the input shapes, train/eval and the world size (a profile measured before the process group
+    existed was not agreed between the ranks: a plan redone at parallelize must not use it as is)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return tuple(name for name, _ in blocks), _signature(_as_args(example_inputs)), model.training, world
+
+
 def _recompute_modes(modes: Any) -> frozenset[str]:
     """``modes`` as a set, with ``"full"`` added when an op-level mode is asked (its reference step).
 
@@ -1220,13 +1230,8 @@ def profile_model(model: nn.Module, blocks: list[tuple[str, nn.Module]], example
         ValueError: when the model's output holds nothing to call backward on.
         ConfigError: an unknown mode.
     """
-    import torch.distributed as dist
-
     wanted = _recompute_modes(modes)
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    # The world size is part of the key: a profile measured before the process group existed was not
-    # agreed between the ranks (a plan redone at parallelize must not use it as is).
-    key = (tuple(name for name, _ in blocks), _signature(_as_args(example_inputs)), model.training, world)
+    key = _cache_key(model, blocks, example_inputs)
     cache = _CACHE.setdefault(model, {})
     measured, mp = cache.get(key, (frozenset(), None))
     if mp is None or not wanted <= measured:
