@@ -44,7 +44,7 @@ def setup(tmp_path_factory):
     example = [w.replace("/tmp/gpt2-tiny", pre) for w in launcher_overrides(cmd)]
     assert {"model.lora.r=4", "data=multitask", "data.batch_size=12", "data.tasks.lm.weight=2",
             "data.tasks.cls.weight=1"} <= set(example)  # 8 lm + 4 cls samples per batch
-    over = [*example, "model.seq_len=16",
+    over = [*example, "model.seq_len=16", "model.lora.alpha=8",  # alpha: reaches the saved adapter config
             "data.tasks.lm.data.n=48", "data.tasks.cls.data.n=24",  # 6 batches per epoch each: 8 steps cross one
             "+trainer.task_weights={lm: 1.0, cls: 0.5}", "trainer=debug", "trainer.max_steps=8",
             "trainer.save_every=0", "trainer.eval_every=0"]
@@ -66,6 +66,8 @@ def test_two_task_lora_on_2_ranks_matches_a_single_process(strategy, setup, tmp_
     trained = final_params(tmp_path / strategy, over)
     assert_params_equal(trained, final_params(ref_dir, over), exact=False)
     assert_saved_adapter(tmp_path / strategy, pretrained, trained)
+    adapter = json.loads((tmp_path / strategy / "hf" / "adapter_config.json").read_text())
+    assert (adapter["r"], adapter["lora_alpha"]) == (4, 8)
 
 
 def test_task_shares_must_split_over_the_ranks(setup):
