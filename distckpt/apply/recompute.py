@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import inspect
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -213,27 +214,75 @@ def _static_storages(module: nn.Module) -> set[int]:
     return {compat.storage_id(t) for t in (*module.parameters(), *module.buffers())}
 
 
-def _block_offload_hooks(module: nn.Module, store: Any) -> torch.autograd.graph.saved_tensors_hooks:
+class _HostCopy:
+    """One host copy of a tensor an offloaded forward saved, shared by every saved tensor of that forward
+    with its storage, offset, sizes, strides, dtype and version (an input used twice, a tensor two ops save:
+    moved out once), and brought back once per backward as one device tensor for all of them."""
+
+    __slots__ = ("store", "kept", "uses", "left", "back")
+
+    def __init__(self, store: Any, kept: Any) -> None:
+        self.store, self.kept = store, kept
+        self.uses = self.left = 0  # saved tensors sharing it; those not yet unpacked in this backward
+        self.back: torch.Tensor | None = None
+
+    def to_device(self) -> torch.Tensor:
+        back = self.back if self.back is not None else self.store.to_device(self.kept)
+        self.left -= 1
+        # Held for the other saved tensors until each is unpacked (as a step without offload holds the tensor
+        # until its last use), then let go; a second backward of a retained graph brings it back again.
+        self.back = back if self.left > 0 else None
+        if self.left <= 0:
+            self.left = self.uses
+        return back
+
+
+@contextlib.contextmanager
+def _block_offload_hooks(module: nn.Module, store: Any) -> Iterator[None]:
     """The ``"offload"`` mode's hooks: every tensor the block's forward saves goes to ``store`` and comes
-    back in its backward, except parameters and views of the block's parameters or buffers (a linear
-    layer's weight, its transpose): they stay on the device for the optimizer anyway, so copying them
-    each step only costs link time and host memory. That is where this differs from
-    ``torch.autograd.graph.save_on_cpu``, which copies every saved tensor, weights and CPU tensors too."""
+    back in its backward, by this rule:
+
+    - not copied: parameters and views of the block's parameters or buffers (a linear layer's weight, its
+      transpose): they stay on the device for the optimizer anyway, so copying them each step only costs
+      link time and host memory; and what the store keeps as is (a tensor already in host memory). That is
+      where this differs from ``torch.autograd.graph.save_on_cpu``, which copies weights and CPU tensors too;
+    - copied once per forward: a tensor saved again (same storage, offset, sizes, strides, dtype and
+      version) shares the first copy, and both get the same device tensor back.
+
+    The memo of that forward holds weak references to the device tensors only (a strong one would keep
+    them on the device) and is dropped when the forward ends; the copies live as long as the graph."""
     static = _static_storages(module)
+    memo: dict[tuple[Any, ...], tuple[weakref.ref[torch.Tensor], _HostCopy]] = {}
 
     def pack(t: torch.Tensor) -> Any:
-        if isinstance(t, nn.Parameter) or compat.storage_id(t) in static:
+        strided = t.layout == torch.strided  # a sparse tensor has no storage to compare: copied as it is
+        if isinstance(t, nn.Parameter) or (strided and compat.storage_id(t) in static):
             return t
-        kept = store.to_host(t)
-        return t if kept is t else (store, kept)
+        key = (compat.storage_id(t), t.device, t.dtype, t.storage_offset(), t.size(), t.stride(),
+               compat.version(t)) if strided else None
+        hit = memo.get(key) if key is not None else None
+        # The first tensor still alive: its storage is, so no other storage has taken its address since.
+        if hit is not None and hit[0]() is not None:
+            held = hit[1]
+        else:
+            kept = store.to_host(t)
+            if kept is t:
+                return t
+            held = _HostCopy(store, kept)
+            if key is not None:
+                memo[key] = (weakref.ref(t), held)
+        held.uses += 1
+        held.left += 1
+        return held
 
     def unpack(packed: Any) -> torch.Tensor:
-        if isinstance(packed, torch.Tensor):
-            return packed
-        owner, kept = packed
-        return owner.to_device(kept)
+        return packed if isinstance(packed, torch.Tensor) else packed.to_device()
 
-    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+    finally:
+        memo.clear()
 
 
 def _has_nested_tensor(value: Any, grad_only: bool = False) -> bool:
