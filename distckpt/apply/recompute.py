@@ -37,7 +37,7 @@ class CheckpointOptions:
     offload: str | None = None
     context_fn: Callable[[], tuple[Any, Any]] | None = None  # op-level (selective) contexts
     recompute: bool = True  # False: the "offload" mode (no checkpoint; saved tensors go to host memory)
-    store: Any = None  # the "offload" mode's host store (None: host_store()); the profile passes a counting one
+    store: Any = None  # the host store of both offloads (None: host_store()); the profile passes a counting one
 
 
 # Arguments through which a (Hugging Face) layer writes a KV cache. The recompute would write it a
@@ -147,36 +147,13 @@ def _context_fn(opts: CheckpointOptions, module: nn.Module) -> Callable[[], tupl
     return context_fn
 
 
-def _offload_hooks(pin_memory: bool) -> torch.autograd.graph.saved_tensors_hooks:
-    """Keep the tensors saved at checkpoint boundaries (the blocks' inputs) in host memory.
-
-    Written here rather than ``torch.autograd.graph.save_on_cpu`` because that copies tensors
-    that already live on the CPU, which would double their memory for nothing.
-    """
-
-    def pack(t: torch.Tensor) -> Any:
-        if t.device.type == "cpu":
-            return t
-        host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=pin_memory)
-        host.copy_(t, non_blocking=pin_memory)
-        return (t.device, host)
-
-    def unpack(packed: Any) -> torch.Tensor:
-        if isinstance(packed, torch.Tensor):
-            return packed
-        device, host = packed
-        return host.to(device, non_blocking=pin_memory)
-
-    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
-
-
 class PinnedHostStore:
-    """Where the ``"offload"`` mode keeps a block's saved tensors: page-locked host memory for a CUDA
-    tensor (the copy out is ``non_blocking``: a later kernel that reuses the freed device block runs
-    after it on the same stream, and the host copy is read only by the copy back, queued after it), and
-    the tensor itself for one already in host memory (CPU tensors: a copy would double their memory).
-    The strides are kept (``empty_like``), so a backward sees the layout its forward saved: the same
-    kernels, bitwise the same gradients."""
+    """Where both offloads (the ``"offload"`` mode, ``offload="cpu"``) keep what a block saves:
+    page-locked host memory for a CUDA tensor (the copy out is ``non_blocking``: a later kernel that
+    reuses the freed device block runs after it on the same stream, and the host copy is read only by
+    the copy back, queued after it), and the tensor itself for one already in host memory (CPU tensors:
+    a copy would double their memory). The strides are kept (``empty_like``), so a backward sees the
+    layout its forward saved: the same kernels, bitwise the same gradients."""
 
     escapes_allocator = False  # on a CPU step host memory is the step's own memory: nothing to gain
 
@@ -198,7 +175,7 @@ _PINNED = PinnedHostStore()
 
 
 def host_store() -> Any:
-    """The store the ``"offload"`` mode uses: :class:`PinnedHostStore`. The one seam tests replace
+    """The store both offloads use: :class:`PinnedHostStore`. The one seam tests replace
     (``monkeypatch.setattr(recompute, "host_store", ...)``) with a store whose host memory the CPU
     step's allocator does not see (tests/offload_store.py), to measure on the CPU what pinned memory
     is to a CUDA device: never changed by the library. A store has ``to_host(t)`` (returning ``t``
@@ -238,9 +215,10 @@ class _HostCopy:
 
 
 @contextlib.contextmanager
-def _block_offload_hooks(module: nn.Module, store: Any) -> Iterator[None]:
-    """The ``"offload"`` mode's hooks: every tensor the block's forward saves goes to ``store`` and comes
-    back in its backward, by this rule:
+def _offload_hooks(module: nn.Module, store: Any) -> Iterator[None]:
+    """Saved-tensor hooks that keep in ``store`` what is saved while they are on: every tensor an offloaded
+    block's forward saves (the ``"offload"`` mode), or what checkpoint saves at a block's boundary (its
+    inputs, ``offload="cpu"``). The one copy rule of both:
 
     - not copied: parameters and views of the block's parameters or buffers (a linear layer's weight, its
       transpose): they stay on the device for the optimizer anyway, so copying them each step only costs
@@ -351,9 +329,15 @@ def _run_reentrant(module: nn.Module, inner: Callable[..., Any], opts: Checkpoin
 def run_checkpointed(module: nn.Module, inner: Callable[..., Any], opts: CheckpointOptions,
                       args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if not opts.recompute:  # the "offload" mode: nothing is recomputed, so the values are bitwise the same
-        with _block_offload_hooks(module, host_store() if opts.store is None else opts.store):
+        with _offload_hooks(module, host_store() if opts.store is None else opts.store):
             return inner(*args, **kwargs)
-    offload = _offload_hooks(torch.cuda.is_available()) if opts.offload else contextlib.nullcontext()
+    # offload="cpu": the same hooks and store around the checkpoint, which saves the block's inputs outside
+    # its own hooks. Its former copy of its own differed in what no step's values can tell: it made inputs
+    # contiguous (now strides are kept, as the forward had them), pinned whenever CUDA was available (now
+    # for CUDA tensors, the only ones copied) and copied a parameter passed as an input (now kept: it stays
+    # on the device anyway, as it would without offload).
+    offload = (_offload_hooks(module, host_store() if opts.store is None else opts.store) if opts.offload
+               else contextlib.nullcontext())
     with offload:
         if opts.reentrant:
             return _run_reentrant(module, inner, opts, args, kwargs)
