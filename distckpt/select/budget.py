@@ -320,6 +320,40 @@ def _costs(options: list[list[Choice]]) -> list[list[Choice]]:
     return [[(held, bound, flops * scale + (code != 0), code) for held, bound, flops, code in opts] for opts in options]
 
 
+def _cheapest_codes(options: list[list[Choice]], end: int, budget: int, shared: list[int]) -> list[int]:
+    """The Pareto dynamic program of :func:`plan_budget`: per block, the code in :data:`MODES` of the
+    cheapest choice (see :func:`_costs`) that fits ``budget``, which some choice must (:func:`_min_peak`)."""
+    p = torch.zeros(1, dtype=torch.int64)  # bytes held by the blocks so far
+    f = torch.zeros(1, dtype=torch.int64)  # cost so far: recompute FLOPs, then checkpointed blocks (_costs)
+    g = torch.zeros(1, dtype=torch.bool)  # some block checkpointed so far: it holds the shared inputs (_shared)
+    trail: list[tuple[torch.Tensor, torch.Tensor]] = []  # per block: (parent index, code in MODES)
+    quantum = max(1, budget // _MAX_STATES)
+    for opts, d in zip(_costs(options), shared):
+        # Each choice of block i bounds the bytes held before it; the states that meet it go on with it.
+        dd = g.long() * d
+        parts = [((p <= budget - bound + dd).nonzero().flatten(), held, cost, code) for held, bound, cost, code in opts]
+        parent = torch.cat([ok for ok, *_ in parts])
+        code = torch.cat([torch.full((len(ok),), c, dtype=torch.int8) for ok, _, _, c in parts])
+        p = torch.cat([p[ok] + held - (dd[ok] if c in _KEEPS_INPUTS else 0) for ok, held, _, c in parts])
+        f = torch.cat([f[ok] + cost for ok, _, cost, _ in parts])
+        g = torch.cat([g[ok] | (c in _KEEPS_INPUTS) for ok, _, _, c in parts])
+        # A state holding the shared inputs owes less later: the fronts of the two kinds are kept apart.
+        kinds = ((~g).nonzero().flatten(), g.nonzero().flatten())
+        sel = torch.cat([idx[_pareto(p[idx], f[idx], quantum)] for idx in kinds])
+        sel = sel[torch.argsort(p[sel], stable=True)]
+        p, f, g = p[sel], f[sel], g[sel]
+        trail.append((parent[sel], code[sel]))
+    ok = (p <= budget - end).nonzero().flatten()
+    assert len(ok), "the cheapest choice fits, so some state must"  # internal invariant
+    best = int(ok[torch.argmin(f[ok])])  # the front is sorted by bytes: argmin keeps the fewest bytes on ties
+    codes = [0] * len(options)
+    for i in range(len(options) - 1, -1, -1):
+        parent, code = trail[i]
+        codes[i] = int(code[best])
+        best = int(parent[best])
+    return codes
+
+
 def plan_budget(mp: ModelProfile, budget: int, *, strategy: str = "ddp", world_size: int = 1,
                 optimizer: str = "adamw", grad_accumulation: bool = False, shard_size: int | None = None,
                 selective: bool = True, offload_flops_per_byte: float | None = None) -> BudgetPlan:
@@ -361,34 +395,7 @@ def plan_budget(mp: ModelProfile, budget: int, *, strategy: str = "ddp", world_s
             f"under {strategy} with world size {world_size} take {_gib(static)}). Use budget:{min_budget} or "
             "more, shard with FSDP, or use a smaller batch."
         )
-    p = torch.zeros(1, dtype=torch.int64)  # bytes held by the blocks so far
-    f = torch.zeros(1, dtype=torch.int64)  # cost so far: recompute FLOPs, then checkpointed blocks (_costs)
-    g = torch.zeros(1, dtype=torch.bool)  # some block checkpointed so far: it holds the shared inputs (_shared)
-    trail: list[tuple[torch.Tensor, torch.Tensor]] = []  # per block: (parent index, code in MODES)
-    quantum = max(1, budget // _MAX_STATES)
-    for opts, d in zip(_costs(options), shared):
-        # Each choice of block i bounds the bytes held before it; the states that meet it go on with it.
-        dd = g.long() * d
-        parts = [((p <= budget - bound + dd).nonzero().flatten(), held, cost, code) for held, bound, cost, code in opts]
-        parent = torch.cat([ok for ok, *_ in parts])
-        code = torch.cat([torch.full((len(ok),), c, dtype=torch.int8) for ok, _, _, c in parts])
-        p = torch.cat([p[ok] + held - (dd[ok] if c in _KEEPS_INPUTS else 0) for ok, held, _, c in parts])
-        f = torch.cat([f[ok] + cost for ok, _, cost, _ in parts])
-        g = torch.cat([g[ok] | (c in _KEEPS_INPUTS) for ok, _, _, c in parts])
-        # A state holding the shared inputs owes less later: the fronts of the two kinds are kept apart.
-        kinds = ((~g).nonzero().flatten(), g.nonzero().flatten())
-        sel = torch.cat([idx[_pareto(p[idx], f[idx], quantum)] for idx in kinds])
-        sel = sel[torch.argsort(p[sel], stable=True)]
-        p, f, g = p[sel], f[sel], g[sel]
-        trail.append((parent[sel], code[sel]))
-    ok = (p <= budget - end).nonzero().flatten()
-    assert len(ok), "the cheapest choice fits, so some state must"  # internal invariant
-    best = int(ok[torch.argmin(f[ok])])  # the front is sorted by bytes: argmin keeps the fewest bytes on ties
-    codes = [0] * len(options)
-    for i in range(len(options) - 1, -1, -1):
-        parent, code = trail[i]
-        codes[i] = int(code[best])
-        best = int(parent[best])
+    codes = _cheapest_codes(options, end, budget, shared)
     modes = tuple(MODES[c] for c in codes)
     peak = predicted_peak(mp, modes, optimizer=optimizer, grad_accumulation=grad_accumulation, **where)
     assert peak <= budget, (peak, budget)

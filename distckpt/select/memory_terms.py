@@ -291,6 +291,13 @@ def _mode_bounds(mp: ModelProfile, static: int, recompute: tuple[str, ...], *, s
             # An offloaded block's forward moves its saved tensors out as it goes: its own measured peak.
             own = forward if m != "offload" else static - absent(0) + base + b.offload_forward_overhead_bytes + fw
             ckpt[m].append(max(own, redo, flat[i]))
+    return plain, ckpt, _head_bound(mp, static, fs, absent, grad_accumulation)
+
+
+def _head_bound(mp: ModelProfile, static: int, fs: _Sharded | None, absent: Any, grad_accumulation: bool) -> int:
+    """:func:`_mode_bounds`' end offset: the head's peak (between the last block's forward and its
+    backward), ``static`` and ``fs`` as :func:`_phase_terms` made them, ``absent(grads)`` the gradient bytes
+    ``static`` counts that do not exist yet."""
     head = mp.pre_bytes + mp.post_bytes
     grads, over = ((mp.head_grads_bytes, mp.head_overhead_bytes)
                    if grad_accumulation or mp.head_peak_grads_bytes < 0
@@ -300,7 +307,7 @@ def _mode_bounds(mp: ModelProfile, static: int, recompute: tuple[str, ...], *, s
                    # backward begins.
                    else (mp.head_peak_grads_bytes, mp.head_peak_overhead_bytes))
     end = static - absent(grads) + head + over + (0 if fs is None else fs.head + fs.grads(grads))
-    return plain, ckpt, end
+    return end
 
 
 def _tail(mp: ModelProfile, static: int, step: int, *, strategy: str, world_size: int,

@@ -83,7 +83,7 @@ class _RecomputeWindow:
 def _checkpointed_peaks(model: nn.Module, blocks: list[tuple[str, nn.Module]], args: tuple[Any, ...],
                         kwargs: dict[str, Any], batch: list[torch.Tensor], dev: torch.device,
                         context_fn: Callable[[], tuple[Any, Any]] | None = None, stores: list[Any] | None = None
-                        ) -> list[tuple[int, int, int, int, int]] | None:
+                        ) -> list[tuple[int, int, int, int, int, int]] | None:
     """Activations+temporaries and gradients at each block's backward peak in a sample step with
     every block checkpointed (non-reentrant, no cache in the blocks, as distckpt runs them; under
     ``context_fn``: selective; with ``stores``: every block offloaded instead), and the bytes each block
@@ -143,6 +143,15 @@ def _checkpointed_peaks(model: nn.Module, blocks: list[tuple[str, nn.Module]], a
     finally:
         for h in hooks + windows.hooks:
             h.remove()
+    return _read_peaks(tracker, blocks, dev, left, in_recompute, windows.peak)
+
+
+def _read_peaks(tracker: Any, blocks: list[tuple[str, nn.Module]], dev: torch.device, left: list[int],
+                in_recompute: list[int], own_peak: list[int]) -> list[tuple[int, int, int, int, int, int]] | None:
+    """:func:`_checkpointed_peaks`' result from the step's MemTracker, per block: its backward peak and the
+    gradients then, the bytes its forward left (``left``), the peak inside its recompute (``in_recompute``,
+    ``-1``: not read), its forward peak and the activations' own peak (``own_peak``); ``None`` when a block
+    has no backward snapshot."""
     out = []
     peak_fw, peak_bw = compat.mem_tracker_states()
     for i, (_, m) in enumerate(blocks):
@@ -157,7 +166,7 @@ def _checkpointed_peaks(model: nn.Module, blocks: list[tuple[str, nn.Module]], a
             return None
         forward = max((_act(_at(snap, dev)) for snap in stats.snapshots.get(peak_fw, [])), default=0)
         out.append((best, grads, left[i], min(in_recompute[i], best) if in_recompute[i] >= 0 else best, forward,
-                    max(best, windows.peak[i])))
+                    max(best, own_peak[i])))
     return out
 
 
