@@ -150,7 +150,7 @@ NOTES = [
     "after) is tracked as an external tensor from the step's start; MemTracker alone sees it only from the "
     "first gradient copied into it in backward. The prediction counts it as one more gradient-sized buffer.",
     "- FSDP/FSDP2: parallelize makes every block its own unit, checkpointed or not. The model counts, phase "
-    "by phase, what FSDP holds unsharded beside the shards (distckpt/select/budget.py `_Sharded`, measured per "
+    "by phase, what FSDP holds unsharded beside the shards (distckpt/select/memory_terms.py `_Sharded`, measured per "
     "module and phase with MemTracker and read off torch's FSDP code): a block's parameters (FSDP2: and its "
     "all-gather output) in its forward; in its backward its own and the prefetched previous block's parameters, "
     "FSDP2 the reduce-scatter input of the block whose backward came before, and the gradients made so far "
@@ -165,12 +165,12 @@ NOTES = [
     "- MultiTaskMLP rows are 0.5-1% high under every strategy: the prediction counts the batch, which this "
     "measure does not track.",
     "- FSDP1 concatenates a unit's parameter gradients (one autograd output per parameter view) into its flat "
-    "gradient at the end of the unit's backward, both alive at once (`budget._flat_gradients`): before it was "
+    "gradient at the end of the unit's backward, both alive at once (`memory_terms._flat_gradients`): before it was "
     "counted, gpt2 (HF) under FSDP1 was 0.2% (5.5 KB) under, and 1.9-2.3% under with accumulation.",
     "- Rows with 2 micro-batches (`distckpt.accumulate` around the first): every gradient exists from the "
     "first micro-batch on, so a block's term takes the activations' own peak in its backward (a new gradient "
     "is a temporary until its in-place add; `BlockProfile.accumulating_overhead_bytes`), with the gradients "
-    "the last micro-batch has reduce-scattered already sharded (`budget._settled`) and, under FSDP1, the root "
+    "the last micro-batch has reduce-scattered already sharded (`memory_terms._settled`) and, under FSDP1, the root "
     "unit's head gradients as view temporaries. Before: gpt2 (HF) FSDP2 -1.1% (none) and +3.2% (all), "
     "MultiTaskGPT FSDP1 -0.4..-0.6%.",
     "- Inputs every block takes (HF GPT-2's `cache_position` and mask, Llama's mask and rotary tables) are "

@@ -26,7 +26,8 @@ from torch.utils._pytree import tree_map
 from distckpt import _torch_compat as compat
 from distckpt.errors import ConfigError
 from distckpt.select import profile as _profile
-from distckpt.select.budget import MODES, optimizer_terms, plan_budget, predicted_peak, shards, static_bytes
+from distckpt.select.budget import MODES, plan_budget, predicted_peak
+from distckpt.select.memory_terms import optimizer_terms, shards, static_bytes
 from distckpt.select.profile import ModelProfile
 from distckpt.select.selective import share_reach
 

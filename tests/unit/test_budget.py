@@ -17,7 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, f
 import distckpt  # noqa: E402
 from benchmarks.models import GPT, GPTConfig, batch  # noqa: E402
 from distckpt import Budget, ConfigError, parse_policy  # noqa: E402
-from distckpt.select.budget import _bounds, plan_budget, predicted_peak, static_bytes  # noqa: E402
+from distckpt.select.budget import plan_budget, predicted_peak, static_bytes  # noqa: E402
+from distckpt.select.memory_terms import _bounds  # noqa: E402
 from distckpt.select.profile import BlockProfile, ModelProfile, profile_model  # noqa: E402
 
 CPU = torch.device("cpu")

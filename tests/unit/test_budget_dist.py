@@ -68,7 +68,7 @@ def _accuracy_rows(rank: int, world_size: int, strategies: tuple[str, ...]):
 def test_predicted_peak_per_rank_within_three_percent(dist_pool):
     # Each rank's MemTracker peak of a steady-state AdamW step, DDP's C++ gradient bucket tracked from
     # the step's start (MemTracker alone sees it only once backward writes into it). FSDP and FSDP2 with
-    # none, every other and all blocks checkpointed: the per-phase unsharded working set (budget._Sharded)
+    # none, every other and all blocks checkpointed: the per-phase unsharded working set (memory_terms._Sharded)
     # within 3% and not under by more than 0.1% (measured +0.8..+1.0%: the batch is predicted but not
     # tracked here). Counting two blocks' parameters and one block's gradients at every peak was 5-8% high
     # with blocks kept. (The other side, a block's own gradients counted as shards, 1.3% low on MultiTaskGPT
@@ -89,7 +89,7 @@ def _accumulation_rows(rank: int, world_size: int):
 def test_predicted_peak_with_gradient_accumulation(dist_pool):
     # Two micro-batches, distckpt.accumulate around the first (no_sync / set_requires_gradient_sync(False)):
     # every block's gradients stay unsharded until the last micro-batch reduce-scatters them block by block
-    # (budget._accumulated, budget._settled). Measured: DDP +0.5%, FSDP +0.2%, FSDP2 +0.6..+0.7% (the batch,
+    # (memory_terms._accumulated, memory_terms._settled). Measured: DDP +0.5%, FSDP +0.2%, FSDP2 +0.6..+0.7% (the batch,
     # predicted but not tracked here). The earlier "two blocks' parameters and one block's gradients" term
     # was 5-6% under under FSDP/FSDP2 here.
     for rows in dist_pool.run(_accumulation_rows):
@@ -107,10 +107,10 @@ def _gpt2_accumulation_rows(rank: int, world_size: int):
 @pytest.mark.dist
 def test_hf_gpt2_predicted_peak_with_gradient_accumulation(dist_pool):
     # HF GPT-2 was predicted low here: FSDP1 -1.9..-2.3% (its peak: the last block's parameter gradients
-    # concatenated into its flat gradient beside the accumulated one, budget._flat_gradients), FSDP2 -1.1%
+    # concatenated into its flat gradient beside the accumulated one, memory_terms._flat_gradients), FSDP2 -1.1%
     # with no block checkpointed (a new gradient is a temporary until its in-place add:
     # BlockProfile.accumulating_overhead_bytes), and FSDP2 +3.2% with every block checkpointed (the later
-    # blocks' gradients already reduce-scattered in the last micro-batch: budget._settled). MultiTaskGPT under
+    # blocks' gradients already reduce-scattered in the last micro-batch: memory_terms._settled). MultiTaskGPT under
     # FSDP1 -0.4..-0.6% (the root unit's head gradients, view temporaries until the root's backward ends).
     # Now within 0.03%.
     pytest.importorskip("transformers")

@@ -193,7 +193,7 @@ def test_budget_above_all_pointwise_recomputes_no_flops():
 
 
 def test_profile_measures_only_the_modes_a_budget_can_use(monkeypatch):
-    import distckpt.select.profile as prof
+    import distckpt.select.recompute_passes as prof
 
     steps = []  # one entry per sample step with every block checkpointed (memory), by its context_fn
     real = prof._checkpointed_peaks

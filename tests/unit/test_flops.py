@@ -12,7 +12,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-import distckpt.select.profile as profile_mod
+import distckpt.select.recompute_passes as passes_mod
+import distckpt.select.recorder as recorder_mod
 from distckpt import _torch_compat as compat
 from distckpt.select.flops import attention_flop_formulas, flop_counter
 from distckpt.select.profile import profile_model
@@ -127,7 +128,9 @@ def test_profile_counts_attention_in_forward_and_full_recompute_only(monkeypatch
     x = torch.randn(b, s, d)
     blocks = [("0", model[0]), ("1", model[1])]
     new = profile_model(model, blocks, (x,))
-    monkeypatch.setattr(profile_mod, "flop_counter", lambda: FlopCounterMode(display=False))  # torch's counter
+    # torch's counter, in the first step (forward FLOPs) and the recompute FLOP steps
+    for mod in (recorder_mod, passes_mod):
+        monkeypatch.setattr(mod, "flop_counter", lambda: FlopCounterMode(display=False))
     m = copy.deepcopy(model)  # a new model: profiles are cached per model
     old = profile_model(m, [("0", m[0]), ("1", m[1])], (x,))
     hd = d // 4

@@ -27,7 +27,7 @@ def test_predicted_peaks_within_5_percent_of_measured(name, factory):
 def test_per_rank_peaks_within_5_percent_on_two_ranks_ddp_and_fsdp2(dist_pool, monkeypatch):
     # One run of 2 gloo ranks: each rank's steady-state step per policy under DDP (its C++ gradient
     # bucket counted from the step's start; the plan counts it as one more gradient-sized buffer) and FSDP2
-    # (every block its own unit; the plan counts what is unsharded per phase: budget._Sharded).
+    # (every block its own unit; the plan counts what is unsharded per phase: memory_terms._Sharded).
     # The ranks are the session's pool (tests/harness.py, one thread each as the spawn's are on 2 cores)
     # instead of a spawn of their own (seconds of imports; the spawn is tested in tests/distributed/
     # test_spawn.py): MemTracker's peaks count the step's own tensors, whatever the process ran before.

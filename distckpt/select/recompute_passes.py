@@ -1,0 +1,329 @@
+"""The profile's checkpointed sample steps: every block recomputed in one mode (or offloaded), for each
+block's recompute peak, what it keeps over full checkpointing, and its recompute FLOPs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from distckpt import _torch_compat as compat
+from distckpt.select.flops import flop_counter
+from distckpt.select.recorder import _AfterOps, _Attribution, _BackwardWindows, _StepRecorder
+from distckpt.select.sample_step import _act, _at, _preserved_state, _rng_state_bytes, memory_tracker, scalar_loss
+from distckpt.select.selective import OP_MODES, bind, mode_context_fn
+
+logger = logging.getLogger("distckpt")
+
+
+@contextlib.contextmanager
+def _all_checkpointed(model: nn.Module, blocks: list[tuple[str, nn.Module]],
+                      context_fns: list[Callable[[], tuple[Any, Any]] | None],
+                      stores: list[Any] | None = None) -> Iterator[None]:
+    """Every block checkpointed by distckpt's own wrapper (the code a plan runs; a hand-made
+    checkpoint of forward missed HF's cache handling: a cache written twice, measured on Llama),
+    block i under ``context_fns[i]`` (``None``: full recompute), or with ``stores`` offloaded into
+    ``stores[i]`` (the ``"offload"`` mode); gradients dropped on the way out."""
+    from distckpt.apply.recompute import CheckpointOptions, cache_positions, stateful_norms
+    from distckpt.apply.wrap import _checkpointed_class, unwrap
+
+    mods = [m for _, m in blocks]
+    try:
+        for i, (m, fn) in enumerate(zip(mods, context_fns)):
+            orig = type(m)
+            m.__class__ = _checkpointed_class(orig)
+            m._distckpt_options = (CheckpointOptions(False, True, None, fn) if stores is None else
+                                   CheckpointOptions(recompute=False, store=stores[i]))
+            m._distckpt_norms = stateful_norms(m)
+            m._distckpt_cache_slots = cache_positions(orig)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the wrapper's one-time "runs without a KV cache" notice
+            yield
+    finally:
+        unwrap(model, mods)
+        for p in model.parameters():
+            p.grad = None
+
+
+class _RecomputeWindow:
+    """A recompute context around ``inner`` that restarts MemTracker's running peak for the recompute
+    and stores the activations and temporaries at the peak inside it in ``peaks[i]`` (``2**62`` when
+    the window cannot be read: as if the block's peak lay inside it). Checkpoint stops a recompute
+    early by raising through this context; ``__exit__`` hands the exception to ``inner`` unchanged.
+    (An earlier note said a ``contextlib.contextmanager`` here measured a lower recompute peak; that
+    was the block's first recompute learning what it reads (``selective._Reach``), not the generator:
+    rechecked on torch 2.13, the HF GPT-2 profile is the same field for field either way.)"""
+
+    def __init__(self, tracker: Any, inner: Any, dev: torch.device, peaks: list[int], i: int) -> None:
+        self.tracker, self.inner, self.dev, self.peaks, self.i = tracker, inner, dev, peaks, i
+        self.saved: Any = None
+
+    def __enter__(self) -> Any:
+        self.saved = compat.mem_tracker_restart_peak(self.tracker)
+        return self.inner.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return self.inner.__exit__(*exc)
+        finally:
+            if self.saved is None:
+                self.peaks[self.i] = 2**62
+            else:
+                snap = compat.mem_tracker_peak_snapshot(self.tracker)
+                self.peaks[self.i] = max(self.peaks[self.i], _act(_at(snap, self.dev)) if snap else 0)
+                compat.mem_tracker_merge_peak(self.tracker, self.saved)
+
+
+def _checkpointed_peaks(model: nn.Module, blocks: list[tuple[str, nn.Module]], args: tuple[Any, ...],
+                        kwargs: dict[str, Any], batch: list[torch.Tensor], dev: torch.device,
+                        context_fn: Callable[[], tuple[Any, Any]] | None = None, stores: list[Any] | None = None
+                        ) -> list[tuple[int, int, int, int, int, int]] | None:
+    """Activations+temporaries and gradients at each block's backward peak in a sample step with
+    every block checkpointed (non-reentrant, no cache in the blocks, as distckpt runs them; under
+    ``context_fn``: selective; with ``stores``: every block offloaded instead), and the bytes each block
+    leaves alive after its forward.
+
+    Returns:
+        ``[(activation and temporary bytes, gradient bytes, bytes left by the forward, activation and
+        temporary bytes at the peak inside the block's recompute, activation and temporary bytes at the
+        block's forward peak, the activations' own peak of the block's backward whatever the gradients
+        then), ...]`` per block (the fourth: the first if the window could not be read), or ``None`` when
+        the step fails (then the budget bounds a recompute from the first step alone, and offers no
+        selective choice).
+    """
+    tracker = memory_tracker(model, *batch)
+    before: dict[int, int] = {}
+    left = [0] * len(blocks)
+    in_recompute = [-1] * len(blocks)
+    windows = _BackwardWindows(tracker, dev, len(blocks))  # the activations' own peaks, recomputes included
+
+    def pre(mod: nn.Module, a: Any, i: int) -> None:
+        before[i] = total()
+        windows.watch_inputs(i, a)
+
+    def post(mod: nn.Module, o: Any, i: int) -> None:
+        left[i] = total() - before[i]
+        windows.watch_outputs(i, o)
+
+    def windowed(i: int) -> Callable[[], tuple[Any, Any]]:
+        # Bound here, as _recompute_flops does: the wrapper's own bind passes a function like this one as is.
+        own = bind(context_fn, blocks[i][1])  # the block's reach (selective._Reach)
+
+        def pair() -> tuple[Any, Any]:
+            fwd, rec = own()
+            return fwd, _RecomputeWindow(tracker, rec, dev, in_recompute, i)
+
+        return pair
+
+    def total() -> int:
+        snap = tracker.get_tracker_snapshot()
+        if stores is not None:  # offloaded: the host copies (pinned CPU tensors on CUDA) are not device memory
+            return _at(snap, dev).get("Total", 0)
+        return sum(d.get("Total", 0) for d in snap.values())
+
+    hooks = []
+    for i, (_, m) in enumerate(blocks):
+        hooks.append(m.register_forward_pre_hook(lambda mod, a, i=i: pre(mod, a, i)))
+        hooks.append(m.register_forward_hook(lambda mod, a, o, i=i: post(mod, o, i)))
+    try:
+        with _all_checkpointed(model, blocks, [windowed(i) for i in range(len(blocks))], stores), tracker:
+            loss = scalar_loss(model(*args, **kwargs))
+            with _AfterOps(windows.after_op):
+                loss.backward()
+            del loss
+    except Exception as e:  # noqa: BLE001 - any failure only loses precision, never correctness
+        logger.info("distckpt.select.profile: the checkpointed sample step failed (%s); recompute peaks estimated", e)
+        return None
+    finally:
+        for h in hooks + windows.hooks:
+            h.remove()
+    return _read_peaks(tracker, blocks, dev, left, in_recompute, windows.peak)
+
+
+def _read_peaks(tracker: Any, blocks: list[tuple[str, nn.Module]], dev: torch.device, left: list[int],
+                in_recompute: list[int], own_peak: list[int]) -> list[tuple[int, int, int, int, int, int]] | None:
+    """:func:`_checkpointed_peaks`' result from the step's MemTracker, per block: its backward peak and the
+    gradients then, the bytes its forward left (``left``), the peak inside its recompute (``in_recompute``,
+    ``-1``: not read), its forward peak and the activations' own peak (``own_peak``); ``None`` when a block
+    has no backward snapshot."""
+    out = []
+    peak_fw, peak_bw = compat.mem_tracker_states()
+    for i, (_, m) in enumerate(blocks):
+        stats = tracker.memory_tracking.get(m)
+        best, grads = -1, 0
+        for snap in stats.snapshots.get(peak_bw, []) if stats is not None else []:
+            d = snap.get(dev) or next(iter(snap.values()), {})
+            act = d.get("Activation", 0) + d.get("Temp", 0)
+            if act > best:
+                best, grads = act, d.get("Gradient", 0)
+        if best < 0:
+            return None
+        forward = max((_act(_at(snap, dev)) for snap in stats.snapshots.get(peak_fw, [])), default=0)
+        out.append((best, grads, left[i], min(in_recompute[i], best) if in_recompute[i] >= 0 else best, forward,
+                    max(best, own_peak[i])))
+    return out
+
+
+def _recompute_flops(model: nn.Module, blocks: list[tuple[str, nn.Module]], args: tuple[Any, ...],
+                     kwargs: dict[str, Any], context_fn: Callable[[], tuple[Any, Any]] | None) -> list[int] | None:
+    """FLOPs each block's recompute really runs, every block checkpointed (``context_fn``: selective),
+    counted by ``FlopCounterMode`` around each recompute, in a step of its own (a memory peak measured
+    inside ``FlopCounterMode`` is inflated under checkpointing). ``None`` when the step fails."""
+    counter = flop_counter()
+    flops = [0] * len(blocks)
+
+    def counting(i: int) -> Callable[[], tuple[Any, Any]]:
+        own = bind(context_fn, blocks[i][1])  # the block's reach, learned here
+
+        def pair() -> tuple[Any, Any]:
+            fwd, rec = own()
+
+            @contextlib.contextmanager
+            def recompute() -> Iterator[None]:
+                start = counter.get_total_flops()
+                try:  # checkpoint stops a recompute early by raising through this context
+                    with rec:
+                        yield
+                finally:
+                    flops[i] += counter.get_total_flops() - start
+
+            return fwd, recompute()
+
+        return pair
+
+    try:
+        with _all_checkpointed(model, blocks, [counting(i) for i in range(len(blocks))]), counter:
+            scalar_loss(model(*args, **kwargs)).backward()
+    except Exception as e:  # noqa: BLE001 - any failure only loses precision, never correctness
+        logger.info("distckpt.select.profile: the recompute FLOP count failed (%s)", e)
+        return None
+    return flops
+
+
+def _over_prediction(peaks: list[tuple[int, ...]], rec: _StepRecorder, att: _Attribution,
+                     batch_keys: set[tuple[str, int]], extra: list[int], during: list[int]
+                     ) -> tuple[list[int], list[int], list[int]]:
+    """Each block's measured backward peak in a checkpointed step over what the prediction holds
+    there (the prefix of checkpointed blocks, each holding its inputs plus ``extra``), and the
+    gradient bytes at that peak. Plus the part of what the recompute holds only while it runs and
+    MemTracker does not see (``during``: its nodes' wrapped numbers, :attr:`BlockProfile.scalar_saved_bytes`,
+    and ``fork_rng``'s copy of the RNG state) that can be alive at the CPU allocator's peak: as far as
+    the peak inside the recompute plus it exceeds the block's peak (none when that peak is after it).
+    Third: the same over the activations' own peak (for accumulation, see
+    :attr:`BlockProfile.recompute_accumulating_overhead_bytes`)."""
+    # What the checkpointed blocks before i really hold: their inputs, each storage once and not block
+    # i's own (the mask and rotary tables are every block's input; input_bytes counts them per block, so
+    # the prediction stays above the measure when some are kept).
+    held_in: dict[tuple[str, int], int] = {}
+    over, grads_at, own = [], [], []
+    for i, (act, grads, _, inside, _, own_act) in enumerate(peaks):
+        before = sum(b for k, b in held_in.items() if k not in rec.input_keys[i]) + sum(extra[:i])
+        model = att.pre + before + att.inner[i] + att.in_bytes[i]
+        over.append(act - model + max(0, min(during[i], inside + during[i] - act)))
+        own.append(own_act - model + max(0, min(during[i], inside + during[i] - own_act)))
+        grads_at.append(grads)
+        held_in.update((k, b) for k, b in rec.input_keys[i].items() if k not in batch_keys)
+    return over, grads_at, own
+
+
+def _recompute_profile(model: nn.Module, rec: _StepRecorder, att: _Attribution, args: tuple[Any, ...],
+                       kwargs: dict[str, Any], batch: list[torch.Tensor], batch_keys: set[tuple[str, int]],
+                       device: torch.device, dev: torch.device, modes: frozenset[str]) -> dict[str, list[int]]:
+    """The recompute side of every block in each of ``modes`` ("full", "selective", "pointwise"; full
+    is measured whenever another one is, as their reference), as :class:`BlockProfile` fields: backward
+    peaks in a step with every block checkpointed (one per mode), what an op-level block holds over a
+    full one (the bytes its forward leaves alive beyond full's: the op outputs it keeps, as ``distckpt
+    plan`` counts them), and the recompute FLOPs (one FLOP-only step per mode)."""
+    n = rec.n
+    out = {"recompute_overhead_bytes": [0] * n, "recompute_grads_bytes": [-1] * n, "recompute_flops": [-1] * n,
+           "recompute_accumulating_overhead_bytes": [-1] * n}
+    for mode in OP_MODES:
+        out.update({f"{mode}_held_bytes": [-1] * n, f"{mode}_flops": [0] * n,
+                    f"{mode}_recompute_overhead_bytes": [0] * n, f"{mode}_recompute_grads_bytes": [-1] * n,
+                    f"{mode}_recompute_accumulating_overhead_bytes": [-1] * n})
+    out.update(offload_held_bytes=[-1] * n, offload_bytes=[0] * n, offload_overhead_bytes=[0] * n,
+               offload_forward_overhead_bytes=[0] * n, offload_grads_bytes=[-1] * n)
+    if not n or not modes:
+        return out
+    with _preserved_state(model, device):
+        full = _checkpointed_peaks(model, rec.blocks, args, kwargs, batch, dev)
+        full_flops = _recompute_flops(model, rec.blocks, args, kwargs, None)
+    if full is None:
+        return out
+    # What a recompute holds only while it runs, unseen by MemTracker: its own nodes' wrapped numbers and
+    # the CPU RNG state torch.random.fork_rng keeps around it (preserve_rng_state; checkpoint.recompute_fn).
+    during = [w + _rng_state_bytes(device) for w in rec.scalars]
+    (out["recompute_overhead_bytes"], out["recompute_grads_bytes"],
+     out["recompute_accumulating_overhead_bytes"]) = _over_prediction(full, rec, att, batch_keys, [0] * n, during)
+    if full_flops is not None:
+        out["recompute_flops"] = full_flops
+    for mode in (m for m in OP_MODES if m in modes):
+        fn = mode_context_fn(mode)
+        with _preserved_state(model, device):
+            # FLOPs first: that step's recompute teaches each block what it reads (selective._Reach),
+            # so the peaks are those of every later step (and of training, which keeps the reach).
+            flops = _recompute_flops(model, rec.blocks, args, kwargs, fn)
+            peaks = _checkpointed_peaks(model, rec.blocks, args, kwargs, batch, dev, fn) if flops is not None else None
+        if peaks is None or flops is None:
+            continue  # this mode cannot run on this model: the budget does not offer it
+        extra = [max(0, s[2] - f[2]) for s, f in zip(peaks, full)]
+        out[f"{mode}_held_bytes"] = [att.in_bytes[i] + extra[i] for i in range(n)]
+        out[f"{mode}_flops"] = flops
+        (out[f"{mode}_recompute_overhead_bytes"], out[f"{mode}_recompute_grads_bytes"],
+         out[f"{mode}_recompute_accumulating_overhead_bytes"]) = _over_prediction(peaks, rec, att, batch_keys,
+                                                                                 extra, during)
+    if "offload" in modes:
+        out.update(_offload_profile(model, rec, att, (args, kwargs, batch), batch_keys, device, dev, full))
+    return out
+
+
+class _CountingStore:
+    """A host store that counts the bytes ``inner`` moves to the host (the offload mode's traffic, one way)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.bytes = inner, 0
+        self.escapes_allocator = inner.escapes_allocator
+
+    def to_host(self, t: torch.Tensor) -> Any:
+        kept = self.inner.to_host(t)
+        if kept is not t:
+            self.bytes += t.numel() * t.element_size()
+        return kept
+
+    def to_device(self, packed: Any) -> torch.Tensor:
+        return self.inner.to_device(packed)
+
+
+def _offload_profile(model: nn.Module, rec: _StepRecorder, att: _Attribution, step: tuple[Any, Any, Any],
+                     batch_keys: set[tuple[str, int]], device: torch.device, dev: torch.device,
+                     full: list[tuple[int, ...]]) -> dict[str, list[int]]:
+    """The ``"offload"`` side of every block, as :class:`BlockProfile` fields, from a sample step with every
+    block offloaded into the host store in use (``recompute.host_store()``, counted per block): what each
+    forward leaves on the device beyond full checkpointing's (its output), the bytes it moves, and its
+    backward peak (the saved tensors back) over the prediction's prefix there. Empty when the step fails."""
+    from distckpt.apply import recompute
+
+    args, kwargs, batch = step
+    stores = [_CountingStore(recompute.host_store()) for _ in rec.blocks]
+    with _preserved_state(model, device):
+        peaks = _checkpointed_peaks(model, rec.blocks, args, kwargs, batch, dev, stores=stores)
+    if peaks is None:
+        return {}
+    left = [max(0, p[2] - f[2]) for p, f in zip(peaks, full)]
+    # A block input that another part of the model saved first (a producer that saves its output) stays on
+    # the device when that part is kept: counted held, as the none mode counts it in this block's bytes.
+    kept = [sum(b for k, b in rec.input_keys[i].items() if k not in batch_keys and rec.first_saver.get(k, (i,))[0] != i)
+            for i in range(rec.n)]
+    # The prefix in that step: what the offloaded blocks before left on the device (their inputs are not kept).
+    base = [att.pre + sum(left[:i]) + att.inner[i] + att.in_bytes[i] for i in range(rec.n)]
+    return dict(offload_held_bytes=[a + b for a, b in zip(left, kept)], offload_bytes=[s.bytes for s in stores],
+                offload_overhead_bytes=[p[0] - b for p, b in zip(peaks, base)],
+                offload_forward_overhead_bytes=[p[4] - b for p, b in zip(peaks, base)],
+                offload_grads_bytes=[p[1] for p in peaks])
+
