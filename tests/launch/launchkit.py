@@ -156,3 +156,26 @@ def write_tiny_gpt2(path: Path) -> Path:
                                      attn_pdrop=0.0)
     transformers.GPT2LMHeadModel(config).save_pretrained(path)
     return path
+
+
+def assert_saved_adapter(run_dir: Path, pretrained: str | Path, trained: dict[str, torch.Tensor]) -> None:
+    """``run_dir/hf/`` of a LoRA run from ``pretrained``: the adapter loads with peft onto the pretrained base and
+    is the trained one (``trained``: the run's final parameters), the base stayed the pretrained one, and the
+    task head is saved too."""
+    import peft
+    import transformers
+
+    out = run_dir / "hf"
+    assert (out / "adapter_config.json").is_file() and (out / "task_head.pt").is_file()
+    base = transformers.AutoModelForCausalLM.from_pretrained(pretrained, local_files_only=True)
+    original = {k: v.clone() for k, v in base.state_dict().items()}
+    loaded = peft.PeftModel.from_pretrained(base, out).state_dict()
+    lora = {k: v for k, v in loaded.items() if "lora_" in k}
+    assert lora and all(torch.equal(v, trained[f"lm.{k}"]) for k, v in lora.items())  # the trained adapter
+    assert any(k.endswith("lora_B.default.weight") and v.abs().sum() > 0 for k, v in lora.items())  # B starts at 0
+    frozen = {k[3:]: v for k, v in trained.items() if k.startswith("lm.") and "lora_" not in k}
+    for k, v in frozen.items():  # the base stayed the pretrained one
+        k = k.replace("base_model.model.", "").replace(".base_layer", "")
+        assert torch.equal(v, original[k]), k
+    head = torch.load(out / "task_head.pt")
+    assert torch.equal(head["weight"], trained["cls_head.weight"])

@@ -1,6 +1,7 @@
 """The seed's pattern from config (pytorch#121594): a pretrained LM fine-tuned with LoRA on two tasks whose
 data sets are mixed by sampling weight, one forward per task batch before one backward, under DDP and
-FSDP2 on 2 ranks against a single process without checkpointing."""
+FSDP2 on 2 ranks against a single process without checkpointing; the LoRA adapter each run writes loads
+with peft (the launcher's 2-rank LoRA test, once a torchrun of its own in test_hf.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from launchkit import (
     ROOT,
     assert_params_equal,
+    assert_saved_adapter,
     compose,
     env,
     example_commands,
@@ -42,30 +44,34 @@ def setup(tmp_path_factory):
     example = [w.replace("/tmp/gpt2-tiny", pre) for w in launcher_overrides(cmd)]
     assert {"model.lora.r=4", "data=multitask", "data.batch_size=12", "data.tasks.lm.weight=2",
             "data.tasks.cls.weight=1"} <= set(example)  # 8 lm + 4 cls samples per batch
-    over = [*example, "model.seq_len=16",
+    over = [*example, "model.seq_len=16", "model.lora.alpha=8",  # alpha: reaches the saved adapter config
             "data.tasks.lm.data.n=48", "data.tasks.cls.data.n=24",  # 6 batches per epoch each: 8 steps cross one
             "+trainer.task_weights={lm: 1.0, cls: 0.5}", "trainer=debug", "trainer.max_steps=8",
             "trainer.save_every=0", "trainer.eval_every=0"]
     ref = train(compose([*over, "strategy=none", "ac=none"]), run_dir=root / "ref")
-    return over, root / "ref", ref
+    return over, root / "ref", ref, pre
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_two_task_lora_on_2_ranks_matches_a_single_process(strategy, setup, tmp_path):
-    over, ref_dir, ref = setup
+    over, ref_dir, ref, pretrained = setup
     proc = torchrun([*over, f"strategy={strategy}", "trainer.guard_every=1"], tmp_path / strategy)
     assert "grad sync: 8 steps compared across 2 ranks, all in sync" in proc.stdout
+    assert "hf weights" in proc.stdout
     records = [json.loads(line) for line in (tmp_path / strategy / "metrics.jsonl").read_text().splitlines()]
     for r in records:  # both tasks' losses logged; the loss is their weighted sum
         assert r["loss"] == pytest.approx(r["lm"] + 0.5 * r["cls"], rel=1e-5)
     assert records[-1]["lm"] == pytest.approx(ref.losses["lm"], rel=1e-4)
     assert records[-1]["cls"] == pytest.approx(ref.losses["cls"], rel=1e-4)
-    assert_params_equal(final_params(tmp_path / strategy, over), final_params(ref_dir, over), exact=False)
-    assert (tmp_path / strategy / "hf" / "adapter_config.json").is_file()
+    trained = final_params(tmp_path / strategy, over)
+    assert_params_equal(trained, final_params(ref_dir, over), exact=False)
+    assert_saved_adapter(tmp_path / strategy, pretrained, trained)
+    adapter = json.loads((tmp_path / strategy / "hf" / "adapter_config.json").read_text())
+    assert (adapter["r"], adapter["lora_alpha"]) == (4, 8)
 
 
 def test_task_shares_must_split_over_the_ranks(setup):
-    over, _, _ = setup
+    over, _, _, _ = setup
     with pytest.raises(ConfigError, match=r"data.tasks.lm: weight 5 gives 10 of data.batch_size=12 samples, not a "
                                           r"multiple of 1 ranks x trainer.grad_accum=4"):
         validate(compose([*over, "data.tasks.lm.weight=5", "strategy=none", "trainer.grad_accum=4"]), 1)
@@ -73,7 +79,7 @@ def test_task_shares_must_split_over_the_ranks(setup):
 
 
 def test_a_task_must_name_a_loss_of_the_model(setup, tmp_path):
-    over, _, _ = setup
+    over, _, _, _ = setup
     bad = [*over, "strategy=none", "+data.tasks.ner={weight: 1.0, data: {name: synthetic, n: 48, n_eval: 0}}",
            "data.batch_size=16"]
     with pytest.raises(ConfigError, match=r"data.tasks.ner: the model's forward on this task's batch returns "

@@ -31,9 +31,11 @@ from launch.run import train
 pytestmark = pytest.mark.launch
 
 # Resume tests: more steps, checkpoints every 4, a shuffled data set of 40 samples (5 global batches of 8
-# per epoch: 30 steps are 6 epochs). (Dropout's RNG restore is tested in process, where the
-# single-process reference can use it too.)
-LONG = [*TINY, "trainer.max_steps=30", "trainer.save_every=4", "trainer.keep_last=0", "data.n=40"]
+# per epoch: 16 steps are 3 epochs and a step, enough for the kills at 10 and 14 below and their replays;
+# was 30 steps, 6 epochs, which no assertion needed). (Dropout's RNG restore is tested in process, where
+# the single-process reference can use it too.)
+LONG_STEPS = 16
+LONG = [*TINY, f"trainer.max_steps={LONG_STEPS}", "trainer.save_every=4", "trainer.keep_last=0", "data.n=40"]
 
 
 @pytest.fixture(scope="module")
@@ -59,10 +61,10 @@ def _metrics(run: Path) -> list[dict]:
 
 def test_ddp_matches_single_process(uninterrupted, tmp_path):
     run, proc = uninterrupted
-    assert "strategy=ddp x2" in proc.stdout and "0 -> 30 of 30" in proc.stdout
+    assert "strategy=ddp x2" in proc.stdout and f"0 -> {LONG_STEPS} of {LONG_STEPS}" in proc.stdout
     ref = train(compose([*LONG, "strategy=none", "ac=none"]), run_dir=tmp_path / "none")
     last = _metrics(run)[-1]
-    assert last["step"] == 30 and last["loss"] == pytest.approx(ref.losses["loss"], rel=1e-4)
+    assert last["step"] == LONG_STEPS and last["loss"] == pytest.approx(ref.losses["loss"], rel=1e-4)
     assert_params_equal(final_params(run, LONG), final_params(tmp_path / "none", LONG), exact=False)
     assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml", "metrics.jsonl"]
 
@@ -100,7 +102,7 @@ def test_kill_9_and_torchrun_restart_resume_bitwise(kill, workers, uninterrupted
                     run, extra=["--standalone", "--max-restarts=1"])
     assert f"resumed from step_{kill - 2}" in proc.stdout
     steps = [r["step"] for r in _metrics(run)]
-    assert steps.count(kill - 1) == 2 and steps[-1] == 30  # two steps ran twice: before the kill and after
+    assert steps.count(kill - 1) == 2 and steps[-1] == LONG_STEPS  # two steps ran twice: before the kill and after
     assert_params_equal(final_params(run, LONG), final_params(uninterrupted[0], LONG), exact=True)
 
 
@@ -130,7 +132,7 @@ def test_sigterm_saves_on_every_rank_at_the_same_step_then_resumes_bitwise(unint
     # Both ranks wrote their part of that checkpoint (each rank's RNG state is a per-rank entry).
     meta = FileSystemReader(str(run / "checkpoints" / f"step_{stop}")).read_metadata()
     assert {"train.rng.rank0.torch", "train.rng.rank1.torch"} <= meta.state_dict_metadata.keys()
-    if stop == 30:
+    if stop == LONG_STEPS:
         pytest.skip("SIGTERM arrived only after the last step (a very slow machine); nothing to resume")
     torchrun([*LONG, "strategy=ddp"], run)  # the same command resumes from the SIGTERM save
     assert_params_equal(final_params(run, LONG), final_params(uninterrupted[0], LONG), exact=True)
