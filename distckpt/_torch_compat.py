@@ -258,6 +258,13 @@ def storage_id(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+def version(t: torch.Tensor) -> int:
+    """``t``'s version counter (the private ``_version``, shared by the views of one storage and bumped by
+    each in-place write): tells an offloaded forward that a tensor it saved before was written since, so
+    a second save of it is not the first's copy. torch 2.13."""
+    return t._version
+
+
 def sdpa_flop_count_fns() -> tuple[Callable[..., int], Callable[..., int]]:
     """torch's own FLOP arithmetic for attention, ``sdpa_flop_count(q, k, v)`` and
     ``sdpa_backward_flop_count(grad_out, q, k, v)`` (shapes ``[batch, heads, seq, dim]``; GQA: fewer

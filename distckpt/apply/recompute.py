@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import inspect
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,7 @@ class CheckpointOptions:
     offload: str | None = None
     context_fn: Callable[[], tuple[Any, Any]] | None = None  # op-level (selective) contexts
     recompute: bool = True  # False: the "offload" mode (no checkpoint; saved tensors go to host memory)
-    store: Any = None  # the "offload" mode's host store (None: host_store()); the profile passes a counting one
+    store: Any = None  # the host store of both offloads (None: host_store()); the profile passes a counting one
 
 
 # Arguments through which a (Hugging Face) layer writes a KV cache. The recompute would write it a
@@ -146,36 +147,13 @@ def _context_fn(opts: CheckpointOptions, module: nn.Module) -> Callable[[], tupl
     return context_fn
 
 
-def _offload_hooks(pin_memory: bool) -> torch.autograd.graph.saved_tensors_hooks:
-    """Keep the tensors saved at checkpoint boundaries (the blocks' inputs) in host memory.
-
-    Written here rather than ``torch.autograd.graph.save_on_cpu`` because that copies tensors
-    that already live on the CPU, which would double their memory for nothing.
-    """
-
-    def pack(t: torch.Tensor) -> Any:
-        if t.device.type == "cpu":
-            return t
-        host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=pin_memory)
-        host.copy_(t, non_blocking=pin_memory)
-        return (t.device, host)
-
-    def unpack(packed: Any) -> torch.Tensor:
-        if isinstance(packed, torch.Tensor):
-            return packed
-        device, host = packed
-        return host.to(device, non_blocking=pin_memory)
-
-    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
-
-
 class PinnedHostStore:
-    """Where the ``"offload"`` mode keeps a block's saved tensors: page-locked host memory for a CUDA
-    tensor (the copy out is ``non_blocking``: a later kernel that reuses the freed device block runs
-    after it on the same stream, and the host copy is read only by the copy back, queued after it), and
-    the tensor itself for one already in host memory (CPU tensors: a copy would double their memory).
-    The strides are kept (``empty_like``), so a backward sees the layout its forward saved: the same
-    kernels, bitwise the same gradients."""
+    """Where both offloads (the ``"offload"`` mode, ``offload="cpu"``) keep what a block saves:
+    page-locked host memory for a CUDA tensor (the copy out is ``non_blocking``: a later kernel that
+    reuses the freed device block runs after it on the same stream, and the host copy is read only by
+    the copy back, queued after it), and the tensor itself for one already in host memory (CPU tensors:
+    a copy would double their memory). The strides are kept (``empty_like``), so a backward sees the
+    layout its forward saved: the same kernels, bitwise the same gradients."""
 
     escapes_allocator = False  # on a CPU step host memory is the step's own memory: nothing to gain
 
@@ -197,7 +175,7 @@ _PINNED = PinnedHostStore()
 
 
 def host_store() -> Any:
-    """The store the ``"offload"`` mode uses: :class:`PinnedHostStore`. The one seam tests replace
+    """The store both offloads use: :class:`PinnedHostStore`. The one seam tests replace
     (``monkeypatch.setattr(recompute, "host_store", ...)``) with a store whose host memory the CPU
     step's allocator does not see (tests/offload_store.py), to measure on the CPU what pinned memory
     is to a CUDA device: never changed by the library. A store has ``to_host(t)`` (returning ``t``
@@ -213,27 +191,76 @@ def _static_storages(module: nn.Module) -> set[int]:
     return {compat.storage_id(t) for t in (*module.parameters(), *module.buffers())}
 
 
-def _block_offload_hooks(module: nn.Module, store: Any) -> torch.autograd.graph.saved_tensors_hooks:
-    """The ``"offload"`` mode's hooks: every tensor the block's forward saves goes to ``store`` and comes
-    back in its backward, except parameters and views of the block's parameters or buffers (a linear
-    layer's weight, its transpose): they stay on the device for the optimizer anyway, so copying them
-    each step only costs link time and host memory. That is where this differs from
-    ``torch.autograd.graph.save_on_cpu``, which copies every saved tensor, weights and CPU tensors too."""
+class _HostCopy:
+    """One host copy of a tensor an offloaded forward saved, shared by every saved tensor of that forward
+    with its storage, offset, sizes, strides, dtype and version (an input used twice, a tensor two ops save:
+    moved out once), and brought back once per backward as one device tensor for all of them."""
+
+    __slots__ = ("store", "kept", "uses", "left", "back")
+
+    def __init__(self, store: Any, kept: Any) -> None:
+        self.store, self.kept = store, kept
+        self.uses = self.left = 0  # saved tensors sharing it; those not yet unpacked in this backward
+        self.back: torch.Tensor | None = None
+
+    def to_device(self) -> torch.Tensor:
+        back = self.back if self.back is not None else self.store.to_device(self.kept)
+        self.left -= 1
+        # Held for the other saved tensors until each is unpacked (as a step without offload holds the tensor
+        # until its last use), then let go; a second backward of a retained graph brings it back again.
+        self.back = back if self.left > 0 else None
+        if self.left <= 0:
+            self.left = self.uses
+        return back
+
+
+@contextlib.contextmanager
+def _offload_hooks(module: nn.Module, store: Any) -> Iterator[None]:
+    """Saved-tensor hooks that keep in ``store`` what is saved while they are on: every tensor an offloaded
+    block's forward saves (the ``"offload"`` mode), or what checkpoint saves at a block's boundary (its
+    inputs, ``offload="cpu"``). The one copy rule of both:
+
+    - not copied: parameters and views of the block's parameters or buffers (a linear layer's weight, its
+      transpose): they stay on the device for the optimizer anyway, so copying them each step only costs
+      link time and host memory; and what the store keeps as is (a tensor already in host memory). That is
+      where this differs from ``torch.autograd.graph.save_on_cpu``, which copies weights and CPU tensors too;
+    - copied once per forward: a tensor saved again (same storage, offset, sizes, strides, dtype and
+      version) shares the first copy, and both get the same device tensor back.
+
+    The memo of that forward holds weak references to the device tensors only (a strong one would keep
+    them on the device) and is dropped when the forward ends; the copies live as long as the graph."""
     static = _static_storages(module)
+    memo: dict[tuple[Any, ...], tuple[weakref.ref[torch.Tensor], _HostCopy]] = {}
 
     def pack(t: torch.Tensor) -> Any:
-        if isinstance(t, nn.Parameter) or compat.storage_id(t) in static:
+        strided = t.layout == torch.strided  # a sparse tensor has no storage to compare: copied as it is
+        if isinstance(t, nn.Parameter) or (strided and compat.storage_id(t) in static):
             return t
-        kept = store.to_host(t)
-        return t if kept is t else (store, kept)
+        key = (compat.storage_id(t), t.device, t.dtype, t.storage_offset(), t.size(), t.stride(),
+               compat.version(t)) if strided else None
+        hit = memo.get(key) if key is not None else None
+        # The first tensor still alive: its storage is, so no other storage has taken its address since.
+        if hit is not None and hit[0]() is not None:
+            held = hit[1]
+        else:
+            kept = store.to_host(t)
+            if kept is t:
+                return t
+            held = _HostCopy(store, kept)
+            if key is not None:
+                memo[key] = (weakref.ref(t), held)
+        held.uses += 1
+        held.left += 1
+        return held
 
     def unpack(packed: Any) -> torch.Tensor:
-        if isinstance(packed, torch.Tensor):
-            return packed
-        owner, kept = packed
-        return owner.to_device(kept)
+        return packed if isinstance(packed, torch.Tensor) else packed.to_device()
 
-    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+    finally:
+        memo.clear()
 
 
 def _has_nested_tensor(value: Any, grad_only: bool = False) -> bool:
@@ -302,9 +329,15 @@ def _run_reentrant(module: nn.Module, inner: Callable[..., Any], opts: Checkpoin
 def run_checkpointed(module: nn.Module, inner: Callable[..., Any], opts: CheckpointOptions,
                       args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if not opts.recompute:  # the "offload" mode: nothing is recomputed, so the values are bitwise the same
-        with _block_offload_hooks(module, host_store() if opts.store is None else opts.store):
+        with _offload_hooks(module, host_store() if opts.store is None else opts.store):
             return inner(*args, **kwargs)
-    offload = _offload_hooks(torch.cuda.is_available()) if opts.offload else contextlib.nullcontext()
+    # offload="cpu": the same hooks and store around the checkpoint, which saves the block's inputs outside
+    # its own hooks. Its former copy of its own differed in what no step's values can tell: it made inputs
+    # contiguous (now strides are kept, as the forward had them), pinned whenever CUDA was available (now
+    # for CUDA tensors, the only ones copied) and copied a parameter passed as an input (now kept: it stays
+    # on the device anyway, as it would without offload).
+    offload = (_offload_hooks(module, host_store() if opts.store is None else opts.store) if opts.offload
+               else contextlib.nullcontext())
     with offload:
         if opts.reentrant:
             return _run_reentrant(module, inner, opts, args, kwargs)

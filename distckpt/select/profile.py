@@ -313,9 +313,6 @@ def _signature(value: Any) -> Any:
 RECOMPUTE_MODES = ("full", *OP_MODES)
 PROFILE_MODES = (*RECOMPUTE_MODES, "offload")
 
-_CACHE_OFF = {"use_cache": False, "past_key_values": None, "past_key_value": None, "layer_past": None}
-
-
 def step_device(model: nn.Module, batch: list[torch.Tensor]) -> torch.device:
     """Where a sample step of ``model`` on ``batch`` runs: its first parameter's device, else the batch's
     (else the CPU)."""

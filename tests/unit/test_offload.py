@@ -1,5 +1,6 @@
 """offload="cpu": exact with every policy, and what it moves is exactly the checkpointed blocks'
-inputs (the tensors checkpoint keeps), seen through a spy on its saved-tensor hooks."""
+inputs (the tensors checkpoint keeps), seen through a spy on the host store its hooks use (the "offload"
+mode's: one copy rule for both)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, f
 import distckpt  # noqa: E402
 from benchmarks.models import GPT, GPTConfig, batch  # noqa: E402
 from distckpt import Budget  # noqa: E402
+from distckpt.apply import recompute  # noqa: E402
 from distckpt.apply.wrap import is_checkpointed  # noqa: E402
-
-wrap_mod = sys.modules["distckpt.apply.recompute"]  # the run-time of checkpointed blocks
+from tests.offload_store import use_numpy_store  # noqa: E402
 
 CFG = GPTConfig(vocab=64, seq=16, dim=16, heads=2, layers=4, dropout=0.1)
 POLICIES = ["full", "every:2", "first:1", "fraction:0.5", "selective", "budget"]
@@ -26,22 +27,12 @@ POLICIES = ["full", "every:2", "first:1", "fraction:0.5", "selective", "budget"]
 
 @pytest.fixture
 def packed(monkeypatch):
-    """Record every tensor the offload hooks' pack receives (the real hooks still run)."""
+    """Record every tensor the offload hooks hand the host store (the library's own, which still keeps it)."""
     seen: list[torch.Tensor] = []
-    original = wrap_mod._offload_hooks
-
-    def spying(pin_memory: bool):
-        hooks = original(pin_memory)
-        pack = hooks.pack_hook
-
-        def record(t: torch.Tensor):
-            seen.append(t)
-            return pack(t)
-
-        hooks.pack_hook = record
-        return hooks
-
-    monkeypatch.setattr(wrap_mod, "_offload_hooks", spying)
+    store = recompute.PinnedHostStore()
+    real = store.to_host
+    store.to_host = lambda t: seen.append(t) or real(t)
+    monkeypatch.setattr(recompute, "host_store", lambda: store)
     return seen
 
 
@@ -74,6 +65,42 @@ def test_exact_and_moves_exactly_the_block_inputs(policy, reentrant, packed):
     assert [t.untyped_storage().data_ptr() for t in packed] == [t.untyped_storage().data_ptr() for t in block_inputs]
     assert all(t.shape == (2, CFG.seq, CFG.dim) for t in packed)
     loss.backward()
+    for (n, a), b in zip(ref.named_parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad), n
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_test_store_sees_exactly_the_block_inputs_once(reentrant):
+    """Through the test store (which copies CPU tensors, as the pinned store copies CUDA ones) the bytes moved
+    are the checkpointed blocks' inputs, each once though a block takes it twice, and gradients stay exact."""
+
+    class Twice(torch.nn.Module):  # its input passed twice: checkpoint saves it twice
+        def __init__(self, d: int) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(d, d)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return x + torch.tanh(self.fc(y))
+
+    class Net(torch.nn.Module):
+        def __init__(self, d: int = 16, n: int = 3) -> None:
+            super().__init__()
+            self.inp = torch.nn.Linear(d, d)
+            self.blocks = torch.nn.ModuleList(Twice(d) for _ in range(n))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.inp(x)
+            for b in self.blocks:
+                x = b(x, x)
+            return x.square().mean()
+
+    torch.manual_seed(0)
+    ref, x = Net(), torch.randn(8, 16)
+    model = distckpt.wrap(copy.deepcopy(ref), "full", offload="cpu", reentrant=reentrant)
+    ref(x).backward()
+    with use_numpy_store() as store:
+        model(x).backward()
+    assert store.packs == store.unpacks == 3 and store.bytes == 3 * x.numel() * 4, (store.packs, store.bytes)
     for (n, a), b in zip(ref.named_parameters(), model.parameters()):
         assert torch.equal(a.grad, b.grad), n
 
