@@ -71,7 +71,10 @@ class BlockProfile:
             when not measured (then the budget uses ``grads_ready_bytes`` with ``overhead_bytes``).
         recompute_overhead_bytes: like ``backward_overhead_bytes``, measured in a second sample step
             with every block checkpointed (the recompute runs the block's forward while the
-            backward's temporaries exist), relative to the prefix of checkpointed inputs.
+            backward's temporaries exist), relative to the prefix of checkpointed inputs; at the peak of
+            the block's own backward, which ends when another block's recompute begins (an input shared
+            with earlier blocks, such as an encoder-decoder's encoder output, gets its last gradient in
+            theirs: :class:`distckpt.select.recompute_passes._OwnBackward`).
         recompute_grads_bytes: gradient bytes at that peak; ``-1`` when that step could not run.
         recompute_flops: FLOPs the recompute of a fully checkpointed block really runs (measured in a
             FLOP-only step; non-reentrant checkpoint stops once backward has what it needs); ``-1``

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -16,7 +16,15 @@ import torch.nn as nn
 from distckpt import _torch_compat as compat
 from distckpt.select.flops import flop_counter
 from distckpt.select.recorder import _AfterOps, _Attribution, _BackwardWindows, _StepRecorder
-from distckpt.select.sample_step import _act, _at, _preserved_state, _rng_state_bytes, memory_tracker, scalar_loss
+from distckpt.select.sample_step import (
+    _act,
+    _at,
+    _preserved_state,
+    _rng_state_bytes,
+    _tensors,
+    memory_tracker,
+    scalar_loss,
+)
 from distckpt.select.selective import OP_MODES, bind, mode_context_fn
 
 logger = logging.getLogger("distckpt")
@@ -55,16 +63,21 @@ class _RecomputeWindow:
     """A recompute context around ``inner`` that restarts MemTracker's running peak for the recompute
     and stores the activations and temporaries at the peak inside it in ``peaks[i]`` (``2**62`` when
     the window cannot be read: as if the block's peak lay inside it). Checkpoint stops a recompute
-    early by raising through this context; ``__exit__`` hands the exception to ``inner`` unchanged.
+    early by raising through this context; ``__exit__`` hands the exception to ``inner`` unchanged;
+    ``on_enter`` is called first (:meth:`_OwnBackward.recompute_begins`).
     (An earlier note said a ``contextlib.contextmanager`` here measured a lower recompute peak; that
     was the block's first recompute learning what it reads (``selective._Reach``), not the generator:
     rechecked on torch 2.13, the HF GPT-2 profile is the same field for field either way.)"""
 
-    def __init__(self, tracker: Any, inner: Any, dev: torch.device, peaks: list[int], i: int) -> None:
+    def __init__(self, tracker: Any, inner: Any, dev: torch.device, peaks: list[int], i: int,
+                 on_enter: Callable[[], None] | None = None) -> None:
         self.tracker, self.inner, self.dev, self.peaks, self.i = tracker, inner, dev, peaks, i
+        self.on_enter = on_enter
         self.saved: Any = None
 
     def __enter__(self) -> Any:
+        if self.on_enter is not None:
+            self.on_enter()
         self.saved = compat.mem_tracker_restart_peak(self.tracker)
         return self.inner.__enter__()
 
@@ -78,6 +91,63 @@ class _RecomputeWindow:
                 snap = compat.mem_tracker_peak_snapshot(self.tracker)
                 self.peaks[self.i] = max(self.peaks[self.i], _act(_at(snap, self.dev)) if snap else 0)
                 compat.mem_tracker_merge_peak(self.tracker, self.saved)
+
+
+class _OwnBackward:
+    """Each block's own backward in a sample step with every block checkpointed, and the activations,
+    temporaries and gradients at its peak (the instant of the largest total, as MemTracker's per-module
+    peak). MemTracker's backward of a module ends once every input has its gradient: an input shared
+    with earlier blocks (an encoder-decoder's ``encoder_hidden_states``, T5's position bias made by its
+    first layer) gets its whole gradient only in the first consumer's backward, so the window of every
+    later block also held the earlier blocks' recomputes (BART's last decoder layer: its peak there
+    was the first decoder layer's recompute, 127 KB over the measured step when that layer is kept).
+    Here a block's backward also ends when another block's recompute begins (every block is
+    checkpointed, so each backward starts with its recompute); what runs after that is the other
+    block's, whose own window holds it. :class:`_AfterOps` calls :meth:`after_op`."""
+
+    def __init__(self, tracker: Any, dev: torch.device, n: int) -> None:
+        self.tracker, self.dev = tracker, dev
+        self.open: set[int] = set()
+        self.closed: set[int] = set()
+        self.watched: set[int] = set()
+        self.peak: list[tuple[int, int, int] | None] = [None] * n  # (total, activations+temporaries, gradients)
+        self.hooks: list[Any] = []  # removed after the step: an input may be the caller's own leaf tensor
+
+    def _look(self, blocks: Iterable[int]) -> None:
+        d = _at(self.tracker.get_tracker_snapshot(), self.dev)
+        total = d.get("Total", 0)
+        for i in blocks:
+            if self.peak[i] is None or total > self.peak[i][0]:
+                self.peak[i] = (total, _act(d), d.get("Gradient", 0))
+
+    def after_op(self) -> None:
+        if self.open:
+            self._look(self.open)
+
+    def watch(self, i: int, inputs: Any, out: Any) -> None:
+        """Open block i's window at its outputs' first gradient, close it at its inputs' last (the
+        first forward only: a recompute runs the block's forward again, on inputs backward never reaches)."""
+        if i in self.watched:
+            return
+        self.watched.add(i)
+        needing = [t for t in _tensors(inputs) if t.requires_grad]
+        if needing:
+            self.hooks.append(torch.autograd.graph.register_multi_grad_hook(needing, lambda _, i=i: self._close(i)))
+        self.hooks.extend(t.register_hook(lambda _, i=i: self._open(i)) for t in _tensors(out) if t.requires_grad)
+
+    def recompute_begins(self, i: int) -> None:
+        for j in self.open - {i}:
+            self._close(j)
+        self._open(i)
+
+    def _open(self, i: int) -> None:
+        if i not in self.open and i not in self.closed:
+            self.open.add(i)
+            self._look((i,))
+
+    def _close(self, i: int) -> None:
+        self.open.discard(i)
+        self.closed.add(i)
 
 
 def _checkpointed_peaks(model: nn.Module, blocks: list[tuple[str, nn.Module]], args: tuple[Any, ...],
@@ -102,14 +172,22 @@ def _checkpointed_peaks(model: nn.Module, blocks: list[tuple[str, nn.Module]], a
     left = [0] * len(blocks)
     in_recompute = [-1] * len(blocks)
     windows = _BackwardWindows(tracker, dev, len(blocks))  # the activations' own peaks, recomputes included
+    own_backward = _OwnBackward(tracker, dev, len(blocks))  # each block's backward peak, its own window only
+    inputs: dict[int, Any] = {}
 
     def pre(mod: nn.Module, a: Any, i: int) -> None:
         before[i] = total()
         windows.watch_inputs(i, a)
+        inputs[i] = a
 
     def post(mod: nn.Module, o: Any, i: int) -> None:
         left[i] = total() - before[i]
         windows.watch_outputs(i, o)
+        own_backward.watch(i, inputs.pop(i, ()), o)
+
+    def after_op() -> None:
+        windows.after_op()
+        own_backward.after_op()
 
     def windowed(i: int) -> Callable[[], tuple[Any, Any]]:
         # Bound here, as _recompute_flops does: the wrapper's own bind passes a function like this one as is.
@@ -117,7 +195,7 @@ def _checkpointed_peaks(model: nn.Module, blocks: list[tuple[str, nn.Module]], a
 
         def pair() -> tuple[Any, Any]:
             fwd, rec = own()
-            return fwd, _RecomputeWindow(tracker, rec, dev, in_recompute, i)
+            return fwd, _RecomputeWindow(tracker, rec, dev, in_recompute, i, lambda: own_backward.recompute_begins(i))
 
         return pair
 
@@ -134,24 +212,26 @@ def _checkpointed_peaks(model: nn.Module, blocks: list[tuple[str, nn.Module]], a
     try:
         with _all_checkpointed(model, blocks, [windowed(i) for i in range(len(blocks))], stores), tracker:
             loss = scalar_loss(model(*args, **kwargs))
-            with _AfterOps(windows.after_op):
+            with _AfterOps(after_op):
                 loss.backward()
             del loss
     except Exception as e:  # noqa: BLE001 - any failure only loses precision, never correctness
         logger.info("distckpt.select.profile: the checkpointed sample step failed (%s); recompute peaks estimated", e)
         return None
     finally:
-        for h in hooks + windows.hooks:
+        for h in hooks + windows.hooks + own_backward.hooks:
             h.remove()
-    return _read_peaks(tracker, blocks, dev, left, in_recompute, windows.peak)
+    return _read_peaks(tracker, blocks, dev, left, in_recompute, windows.peak, own_backward.peak)
 
 
 def _read_peaks(tracker: Any, blocks: list[tuple[str, nn.Module]], dev: torch.device, left: list[int],
-                in_recompute: list[int], own_peak: list[int]) -> list[tuple[int, int, int, int, int, int]] | None:
+                in_recompute: list[int], own_peak: list[int], backward: list[tuple[int, int, int] | None]
+                ) -> list[tuple[int, int, int, int, int, int]] | None:
     """:func:`_checkpointed_peaks`' result from the step's MemTracker, per block: its backward peak and the
-    gradients then, the bytes its forward left (``left``), the peak inside its recompute (``in_recompute``,
-    ``-1``: not read), its forward peak and the activations' own peak (``own_peak``); ``None`` when a block
-    has no backward snapshot."""
+    gradients then (in its own window, ``backward``, where one was seen: :class:`_OwnBackward`), the bytes
+    its forward left (``left``), the peak inside its recompute (``in_recompute``, ``-1``: not read), its
+    forward peak and the activations' own peak (``own_peak``); ``None`` when a block has no backward
+    snapshot."""
     out = []
     peak_fw, peak_bw = compat.mem_tracker_states()
     for i, (_, m) in enumerate(blocks):
@@ -164,6 +244,8 @@ def _read_peaks(tracker: Any, blocks: list[tuple[str, nn.Module]], dev: torch.de
                 best, grads = act, d.get("Gradient", 0)
         if best < 0:
             return None
+        if backward[i] is not None:
+            _, best, grads = backward[i]
         forward = max((_act(_at(snap, dev)) for snap in stats.snapshots.get(peak_fw, [])), default=0)
         out.append((best, grads, left[i], min(in_recompute[i], best) if in_recompute[i] >= 0 else best, forward,
                     max(best, own_peak[i])))

@@ -265,7 +265,9 @@ def _train_batch(fam: zoo.Family, batch: dict[str, Any]) -> dict[str, Any]:
 
 def _prediction_vs_measure(name: str, choices: list[tuple[int, ...]]) -> None:
     """The budget's memory model never predicts below the measured peak (MemTracker, own pass) for
-    each choice of checkpointed blocks, and is exact with none checkpointed."""
+    each choice of checkpointed blocks, nor more than 3% above it (issue 10; T5 and BART were 8-9% above
+    with only their last decoder layer checkpointed, its recompute peak measured in a window that held
+    the previous layer's recompute), and is exact with none checkpointed."""
     fam = zoo.FAMILIES[name]
     plain, batch, _ = _reference(name)
     batch = _train_batch(fam, batch)
@@ -282,6 +284,7 @@ def _prediction_vs_measure(name: str, choices: list[tuple[int, ...]]) -> None:
         predicted = predicted_peak(mp, sel, strategy="none", optimizer="none")
         slack[sel] = predicted - measured
         assert predicted >= measured, (sel, predicted, measured)
+        assert predicted - measured <= 0.03 * measured, (sel, predicted, measured)
     RESULTS[name]["prediction_choices"] = len(choices)
     RESULTS[name]["prediction_none_slack"] = slack[()]
     RESULTS[name]["prediction_max_slack"] = max(slack.values())
