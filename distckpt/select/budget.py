@@ -131,7 +131,9 @@ class BudgetPlan:
         return self.recompute_flops + self.transfer_flops
 
 
-Choice = tuple[int, int, int, int]  # (bytes held, bound on the prefix, recompute FLOPs, code in MODES)
+# (bytes held, bound on the prefix, recompute FLOPs, code in MODES, floor): ``floor`` is the part of the
+# bound that inputs an earlier checkpointed block holds do not lower (see _shared).
+Choice = tuple[int, int, int, int, int]
 
 
 def _transfer_cost(nbytes: int, flops_per_byte: float | None) -> int:
@@ -141,10 +143,11 @@ def _transfer_cost(nbytes: int, flops_per_byte: float | None) -> int:
     return round(2 * nbytes * flops_per_byte) if flops_per_byte else 0
 
 
-def _offload_choice(b: Any, bound: int, w: int, outside: int, flops_per_byte: float | None) -> Choice:
+def _offload_choice(b: Any, bound: int, w: int, outside: int, flops_per_byte: float | None, floor: int) -> Choice:
     """An offloaded block: it holds on the device only what it could not move (measured), and in its
     backward its saved tensors come back (its measured peak, ``bound``); no RNG state (no checkpoint)."""
-    return (b.offload_held_bytes + w, bound + w + outside, _transfer_cost(b.offload_bytes, flops_per_byte), _OFFLOAD)
+    return (b.offload_held_bytes + w, bound + w + outside, _transfer_cost(b.offload_bytes, flops_per_byte), _OFFLOAD,
+            floor + w + outside)
 
 
 def _choices(mp: ModelProfile, static: int, *, selective: bool = True, offload_flops_per_byte: float | None = None,
@@ -167,22 +170,32 @@ def _choices(mp: ModelProfile, static: int, *, selective: bool = True, offload_f
 
     ``"offload"`` is a choice wherever the profile measured it, its cost the transfer's FLOP-equivalent
     at ``offload_flops_per_byte`` (``None``: 0, for a prediction; :func:`plan_budget` offers it only with
-    a ratio)."""
+    a ratio).
+
+    Each choice's ``floor``: FSDP1's flat-gradient bound (``memory_terms._flat_gradients``, the end of the
+    block's backward), which the shared inputs do not lower (:func:`_shared`): it does not count them
+    (they are counted once, in the earlier checkpointed block's held input), so subtracting them there
+    counted them zero times. Lowered by them too, HF GPT-2 under FSDP1 (2 ranks, every other or every
+    block checkpointed, peak at a checkpointed block's gradient concatenation) was predicted 184-276 B
+    under the measured peak (640 B short: its mask and ``cache_position``); now 364-412 B over, as with
+    no block checkpointed."""
     op_modes = OP_MODES if selective else ()
     offload = ("offload",) if any(b.offload_held_bytes >= 0 for b in mp.blocks) else ()
-    plain, bounds, end = _mode_bounds(mp, static, ("full", *op_modes, *offload), **kw)
+    plain, bounds, end, flat = _mode_bounds(mp, static, ("full", *op_modes, *offload), **kw)
     rng, outside = mp.rng_state_bytes, mp.scalar_saved_bytes
     out = []
     for i, b in enumerate(mp.blocks):
         w = b.scalar_saved_bytes
-        options = [(b.activation_bytes + w, plain[i] + w + outside, 0, 0)]
+        options = [(b.activation_bytes + w, plain[i] + w + outside, 0, 0, flat[i] + w + outside)]
         for mode in op_modes:
             held, flops = b.mode_held_flops(mode)
             if held >= 0:
-                options.append((held + rng + w, bounds[mode][i] + rng + w + outside, flops, MODES.index(mode)))
-        options.append((b.input_bytes + rng + w, bounds["full"][i] + rng + w + outside, b.full_flops, _FULL))
+                options.append((held + rng + w, bounds[mode][i] + rng + w + outside, flops, MODES.index(mode),
+                                flat[i] + rng + w + outside))
+        options.append((b.input_bytes + rng + w, bounds["full"][i] + rng + w + outside, b.full_flops, _FULL,
+                        flat[i] + rng + w + outside))
         if offload and b.offload_held_bytes >= 0:
-            options.append(_offload_choice(b, bounds["offload"][i], w, outside, offload_flops_per_byte))
+            options.append(_offload_choice(b, bounds["offload"][i], w, outside, offload_flops_per_byte, flat[i]))
         out.append(options)
     return out, end + outside
 
@@ -231,9 +244,9 @@ def predicted_peak(mp: ModelProfile, selected: Any, *, strategy: str = "ddp", wo
     step = _tail(mp, static, step, grad_accumulation=grad_accumulation, **kw)
     prefix, peak, holds = 0, step, False
     for opts, code, shared in zip(options, _codes(mp, selected), _shared(mp)):
-        held, bound, _, _ = next(o for o in opts if o[3] == code)
+        held, bound, _, _, floor = next(o for o in opts if o[3] == code)
         d = shared if holds else 0  # an earlier checkpointed block holds these inputs already
-        peak = max(peak, prefix + bound - d)
+        peak = max(peak, prefix + max(bound - d, floor))
         prefix += held - (d if code in _KEEPS_INPUTS else 0)
         holds = holds or code in _KEEPS_INPUTS
     return max(peak, prefix + end)
@@ -260,8 +273,8 @@ def _fits(options: list[list[Choice]], end: int, step: int, budget: int, shared:
         nxt: dict[bool, int] = {}
         for holds, p in best.items():
             dd = d if holds else 0
-            for h, bound, _, code in opts:
-                if p <= budget - bound + dd:
+            for h, bound, _, code, floor in opts:
+                if p <= budget - max(bound - dd, floor):
                     keeps = code in _KEEPS_INPUTS
                     key, q = holds or keeps, p + h - (dd if keeps else 0)
                     nxt[key] = min(nxt.get(key, q), q)
@@ -317,7 +330,8 @@ def _costs(options: list[list[Choice]]) -> list[list[Choice]]:
     scale = len(options) + 1
     if (sum(max(o[2] for o in opts) for opts in options) + 1) * scale >= 2**62:
         return options
-    return [[(held, bound, flops * scale + (code != 0), code) for held, bound, flops, code in opts] for opts in options]
+    return [[(held, bound, flops * scale + (code != 0), code, floor) for held, bound, flops, code, floor in opts]
+            for opts in options]
 
 
 def _cheapest_codes(options: list[list[Choice]], end: int, budget: int, shared: list[int]) -> list[int]:
@@ -331,7 +345,8 @@ def _cheapest_codes(options: list[list[Choice]], end: int, budget: int, shared: 
     for opts, d in zip(_costs(options), shared):
         # Each choice of block i bounds the bytes held before it; the states that meet it go on with it.
         dd = g.long() * d
-        parts = [((p <= budget - bound + dd).nonzero().flatten(), held, cost, code) for held, bound, cost, code in opts]
+        parts = [((p <= budget - (bound - dd).clamp(min=floor)).nonzero().flatten(), held, cost, code)
+                 for held, bound, cost, code, floor in opts]
         parent = torch.cat([ok for ok, *_ in parts])
         code = torch.cat([torch.full((len(ok),), c, dtype=torch.int8) for ok, _, _, c in parts])
         p = torch.cat([p[ok] + held - (dd[ok] if c in _KEEPS_INPUTS else 0) for ok, held, _, c in parts])

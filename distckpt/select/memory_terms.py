@@ -78,7 +78,12 @@ def static_bytes(mp: ModelProfile, *, strategy: str = "ddp", world_size: int = 1
     else:
         local = params + grads + k * grads + (grads if strategy == "ddp" and ws > 1 else 0)
         local_grads = grads
-    base = local + steps + mp.buffer_bytes + mp.batch_bytes
+    # parallelize's SyncState (distckpt.parallel.param_sync) keeps two per-parameter tensors for the whole
+    # run: the window's used bits (bool) and the gradients fired (int32), 5 B per trainable parameter.
+    # MemTracker sees them only once an op touches them (the end of a backward): under accumulation that
+    # is before the peak (the second micro-batch), where MultiTaskGPT under FSDP1 was 111-175 B under.
+    sync = 5 * mp.trainable_tensors if strategy != "none" else 0
+    base = local + steps + sync + mp.buffer_bytes + mp.batch_bytes
     # Optimizer step temporaries: foreach kernels on CUDA make a copy of the state list (sqrt of
     # exp_avg_sq); the per-tensor CPU path makes two of a parameter's size while the previous
     # parameter's denominator is still alive (profile.adam_step_temp_bytes).
@@ -224,17 +229,19 @@ def _phase_terms(mp: ModelProfile, static: int, strategy: str, world_size: int, 
 
 def _bounds(mp: ModelProfile, static: int, *, recompute: str = "full", **kw: Any) -> tuple[list[int], list[int], int]:
     """:func:`_mode_bounds` for one recompute mode: ``(plain, ckpt, end)``."""
-    plain, ckpt, end = _mode_bounds(mp, static, (recompute,), **kw)
+    plain, ckpt, end, _ = _mode_bounds(mp, static, (recompute,), **kw)
     return plain, ckpt[recompute], end
 
 
 def _mode_bounds(mp: ModelProfile, static: int, recompute: tuple[str, ...], *, strategy: str = "ddp",
                  world_size: int = 1, grad_accumulation: bool = False, shard_size: int | None = None
-                 ) -> tuple[list[int], dict[str, list[int]], int]:
+                 ) -> tuple[list[int], dict[str, list[int]], int, list[int]]:
     """Per-block offsets with ``peak >= static + P_{i-1} + c_i`` when block i is kept (``plain``)
     and when it is checkpointed in each mode of ``recompute`` (``ckpt[mode]``; ``"selective"`` or
-    ``"pointwise"``: that op-level recompute's measured peaks), and the end offset
-    (``peak >= static + P_{n-1} + end``); the terms every mode shares are computed once.
+    ``"pointwise"``: that op-level recompute's measured peaks), the end offset
+    (``peak >= static + P_{n-1} + end``), and per block FSDP1's flat-gradient bound
+    (:func:`_flat_gradients`, 0 under other strategies), which every mode's bound includes; the terms
+    every mode shares are computed once.
 
     ``static`` counts every gradient. Without gradient accumulation (``zero_grad(set_to_none=True)``,
     PyTorch's default), backward creates them block by block from the last: while block i runs its
@@ -291,7 +298,7 @@ def _mode_bounds(mp: ModelProfile, static: int, recompute: tuple[str, ...], *, s
             # An offloaded block's forward moves its saved tensors out as it goes: its own measured peak.
             own = forward if m != "offload" else static - absent(0) + base + b.offload_forward_overhead_bytes + fw
             ckpt[m].append(max(own, redo, flat[i]))
-    return plain, ckpt, _head_bound(mp, static, fs, absent, grad_accumulation)
+    return plain, ckpt, _head_bound(mp, static, fs, absent, grad_accumulation), flat
 
 
 def _head_bound(mp: ModelProfile, static: int, fs: _Sharded | None, absent: Any, grad_accumulation: bool) -> int:

@@ -69,14 +69,14 @@ def test_predicted_peak_per_rank_within_three_percent(dist_pool):
     # Each rank's MemTracker peak of a steady-state AdamW step, DDP's C++ gradient bucket tracked from
     # the step's start (MemTracker alone sees it only once backward writes into it). FSDP and FSDP2 with
     # none, every other and all blocks checkpointed: the per-phase unsharded working set (memory_terms._Sharded)
-    # within 3% and not under by more than 0.1% (measured +0.8..+1.0%: the batch is predicted but not
-    # tracked here). Counting two blocks' parameters and one block's gradients at every peak was 5-8% high
+    # within 3% and never under (measured +0.8..+1.0%: the batch is predicted but not tracked here).
+    # Counting two blocks' parameters and one block's gradients at every peak was 5-8% high
     # with blocks kept. (The other side, a block's own gradients counted as shards, 1.3% low on MultiTaskGPT
     # with a checkpointed block next to a kept one: test_budget.py::test_sharded_working_set_per_phase.)
     for rows in dist_pool.run(_accuracy_rows, ("ddp", "fsdp", "fsdp2")):
         assert len(rows) == 9
         for where, label, pred, meas in rows:
-            assert 0.999 * meas <= pred <= 1.03 * meas, (where, label, pred, meas)
+            assert meas <= pred <= 1.03 * meas, (where, label, pred, meas)
 
 
 def _accumulation_rows(rank: int, world_size: int):
@@ -91,11 +91,11 @@ def test_predicted_peak_with_gradient_accumulation(dist_pool):
     # every block's gradients stay unsharded until the last micro-batch reduce-scatters them block by block
     # (memory_terms._accumulated, memory_terms._settled). Measured: DDP +0.5%, FSDP +0.2%, FSDP2 +0.6..+0.7% (the batch,
     # predicted but not tracked here). The earlier "two blocks' parameters and one block's gradients" term
-    # was 5-6% under under FSDP/FSDP2 here.
+    # was 5-6% under under FSDP/FSDP2 here. Never under (the budget's contract).
     for rows in dist_pool.run(_accumulation_rows):
         assert len(rows) == 9
         for where, label, pred, meas in rows:
-            assert 0.999 * meas <= pred <= 1.03 * meas, (where, label, pred, meas)
+            assert meas <= pred <= 1.03 * meas, (where, label, pred, meas)
 
 
 def _gpt2_accumulation_rows(rank: int, world_size: int):
@@ -112,9 +112,13 @@ def test_hf_gpt2_predicted_peak_with_gradient_accumulation(dist_pool):
     # BlockProfile.accumulating_overhead_bytes), and FSDP2 +3.2% with every block checkpointed (the later
     # blocks' gradients already reduce-scattered in the last micro-batch: memory_terms._settled). MultiTaskGPT under
     # FSDP1 -0.4..-0.6% (the root unit's head gradients, view temporaries until the root's backward ends).
-    # Now within 0.03%.
+    # Now within 0.03%, and never under (parallelize's per-parameter SyncState tensors, which MemTracker
+    # meets in the first micro-batch's end of backward, were MultiTaskGPT FSDP1's 111-175 B under: now in
+    # memory_terms.static_bytes) except MultiTaskGPT FSDP1 with every block checkpointed: 92-156 B under,
+    # not explained yet (256 B below the other placements' margin).
     pytest.importorskip("transformers")
+    known = {("MultiTaskGPT, fsdp, 2 ranks, 2 micro-batches", "all"): 256}
     for rows in dist_pool.run(_gpt2_accumulation_rows):
         assert len(rows) == 8
         for where, label, pred, meas in rows:
-            assert 0.999 * meas <= pred <= 1.01 * meas, (where, label, pred, meas)
+            assert meas - known.get((where, label), 0) <= pred <= 1.01 * meas, (where, label, pred, meas)

@@ -41,7 +41,7 @@ def test_per_rank_peaks_within_5_percent_on_two_ranks_ddp_and_fsdp2(dist_pool, m
     for strategy, rows in results.items():
         assert set(rows) == {"none", "full", "pointwise", "selective", "budget"}
         for policy, (pred, meas) in rows.items():
-            assert abs(pred / meas - 1) < 0.05, (strategy, policy, pred, meas)
+            assert meas <= pred < 1.05 * meas, (strategy, policy, pred, meas)  # never under: the budget's contract
 
 
 def test_llama_70b_shaped_on_64_ranks_fsdp2():
