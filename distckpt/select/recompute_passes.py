@@ -103,7 +103,7 @@ class _OwnBackward:
     was the first decoder layer's recompute, 127 KB over the measured step when that layer is kept).
     Here a block's backward also ends when another block's recompute begins (every block is
     checkpointed, so each backward starts with its recompute); what runs after that is the other
-    block's, whose own window holds it. :class:`_AfterOps` calls :meth:`after_op`."""
+    block's, whose own window holds it. After each op :meth:`seen` is given MemTracker's snapshot."""
 
     def __init__(self, tracker: Any, dev: torch.device, n: int) -> None:
         self.tracker, self.dev = tracker, dev
@@ -113,16 +113,17 @@ class _OwnBackward:
         self.peak: list[tuple[int, int, int] | None] = [None] * n  # (total, activations+temporaries, gradients)
         self.hooks: list[Any] = []  # removed after the step: an input may be the caller's own leaf tensor
 
-    def _look(self, blocks: Iterable[int]) -> None:
-        d = _at(self.tracker.get_tracker_snapshot(), self.dev)
+    def _look(self, blocks: Iterable[int], d: dict[str, int] | None = None) -> None:
+        d = _at(self.tracker.get_tracker_snapshot(), self.dev) if d is None else d
         total = d.get("Total", 0)
         for i in blocks:
             if self.peak[i] is None or total > self.peak[i][0]:
                 self.peak[i] = (total, _act(d), d.get("Gradient", 0))
 
-    def after_op(self) -> None:
+    def seen(self, d: dict[str, int]) -> None:
+        """After an op, with ``d`` the device's current snapshot (read once for every window watching)."""
         if self.open:
-            self._look(self.open)
+            self._look(self.open, d)
 
     def watch(self, i: int, inputs: Any, out: Any) -> None:
         """Open block i's window at its outputs' first gradient, close it at its inputs' last (the
@@ -185,9 +186,11 @@ def _checkpointed_peaks(model: nn.Module, blocks: list[tuple[str, nn.Module]], a
         windows.watch_outputs(i, o)
         own_backward.watch(i, inputs.pop(i, ()), o)
 
-    def after_op() -> None:
-        windows.after_op()
-        own_backward.after_op()
+    def after_op() -> None:  # one snapshot (MemTracker deep-copies it) for both windows
+        if windows.current is not None or own_backward.open:
+            d = _at(tracker.get_tracker_snapshot(), dev)
+            windows.seen(d)
+            own_backward.seen(d)
 
     def windowed(i: int) -> Callable[[], tuple[Any, Any]]:
         # Bound here, as _recompute_flops does: the wrapper's own bind passes a function like this one as is.

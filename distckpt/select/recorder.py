@@ -81,7 +81,12 @@ class _BackwardWindows:
 
     def after_op(self) -> None:
         if self.current is not None:
-            self.peak[self.current] = max(self.peak[self.current], self.now())
+            self.seen(_at(self.tracker.get_tracker_snapshot(), self.dev))
+
+    def seen(self, d: dict[str, int]) -> None:
+        """After an op, with ``d`` the device's current snapshot (read once for every window watching)."""
+        if self.current is not None:
+            self.peak[self.current] = max(self.peak[self.current], _act(d))
 
     def watch_outputs(self, i: int, out: Any) -> None:
         self.hooks.extend(t.register_hook(lambda g, i=i: self._open(i)) for t in _tensors(out) if t.requires_grad)
