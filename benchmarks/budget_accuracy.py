@@ -43,8 +43,9 @@ class Tower(nn.Module):
     def __init__(self, d_in: int, d: int, layers: int, out: int):
         super().__init__()
         self.inp = nn.Linear(d_in, d)
-        self.layers = nn.ModuleList(nn.TransformerEncoderLayer(d, 2, 2 * d, dropout=0.0, batch_first=True)
-                                    for _ in range(layers))
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(d, 2, 2 * d, dropout=0.0, batch_first=True) for _ in range(layers)
+        )
         self.proj = nn.Linear(d, out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -87,18 +88,37 @@ def _models() -> dict[str, tuple[Callable[[], nn.Module], Callable[[], Any], Any
     return {
         # benchmarks/memory.py's "GPT small" (seq 128, vocab 512, 8 layers), batch 2 as there.
         "GPT small (memory benchmark)": (lambda: GPT(SIZES["small"]), lambda: batch(SIZES["small"], 2), Block),
-        "MultiTaskGPT": (lambda: MultiTaskGPT(), lambda: ({"tokens": torch.randint(0, 64, (4, 32), generator=g),
-                                                          "label": torch.randint(0, 4, (4,), generator=g)},), None),
-        "MultiTaskMLP": (lambda: MultiTaskMLP(), lambda: ({"x": torch.randn(64, 32, generator=g),
-                                                          "y_a": torch.randint(0, 10, (64,), generator=g),
-                                                          "y_b": torch.randint(0, 2, (64,), generator=g)},), None),
+        "MultiTaskGPT": (
+            lambda: MultiTaskGPT(),
+            lambda: (
+                {"tokens": torch.randint(0, 64, (4, 32), generator=g), "label": torch.randint(0, 4, (4,), generator=g)},
+            ),
+            None,
+        ),
+        "MultiTaskMLP": (
+            lambda: MultiTaskMLP(),
+            lambda: (
+                {
+                    "x": torch.randn(64, 32, generator=g),
+                    "y_a": torch.randint(0, 10, (64,), generator=g),
+                    "y_b": torch.randint(0, 2, (64,), generator=g),
+                },
+            ),
+            None,
+        ),
         "gpt2 (HF)": zoo("gpt2"),
         "llama (HF)": zoo("llama"),
         "llama + LoRA": zoo("llama_lora"),
-        "two-tower (CLIP-like)": (TwoTower, lambda: (torch.randn(8, 16, 48, generator=g),
-                                                     torch.randn(8, 12, 16, generator=g)), nn.TransformerEncoderLayer),
-        "heterogeneous MLP chain": (lambda: Chain((16, 128, 32, 96, 24, 64)),
-                                    lambda: (torch.randn(512, 8, generator=g),), _is_block),
+        "two-tower (CLIP-like)": (
+            TwoTower,
+            lambda: (torch.randn(8, 16, 48, generator=g), torch.randn(8, 12, 16, generator=g)),
+            nn.TransformerEncoderLayer,
+        ),
+        "heterogeneous MLP chain": (
+            lambda: Chain((16, 128, 32, 96, 24, 64)),
+            lambda: (torch.randn(512, 8, generator=g),),
+            _is_block,
+        ),
     }
 
 
@@ -118,8 +138,9 @@ def steady_peak(model: nn.Module, inputs: Any) -> int:
     return mt.get_tracker_snapshot("peak")[CPU]["Total"]
 
 
-def _profiled(make: Callable[[], nn.Module], inputs: Any, blocks: Any
-              ) -> tuple[nn.Module, Any, list[tuple[str, list[int]]]]:
+def _profiled(
+    make: Callable[[], nn.Module], inputs: Any, blocks: Any
+) -> tuple[nn.Module, Any, list[tuple[str, list[int]]]]:
     """The model (seeded, in training mode), its profile, and the placements every row measures."""
     torch.manual_seed(0)
     base = make()
@@ -139,8 +160,7 @@ def measure(name: str, make: Callable[[], nn.Module], inputs: Any, blocks: Any) 
     for label, chosen in placements:
         model = copy.deepcopy(base)
         distckpt.wrap(model, Subset(chosen), blocks=blocks)
-        rows.append((label, predicted_peak(mp, chosen, strategy="none", optimizer="adamw"),
-                     steady_peak(model, inputs)))
+        rows.append((label, predicted_peak(mp, chosen, strategy="none", optimizer="adamw"), steady_peak(model, inputs)))
     return rows
 
 
@@ -250,8 +270,14 @@ def dist_steady_peak(model: nn.Module, strategy: str, inputs: Any, micro_batches
     return mt.get_tracker_snapshot("peak")[CPU]["Total"]
 
 
-def _dist_rank(rank: int, world: int, names: tuple[str, ...], strategies: tuple[str, ...],
-               micro_batches: int = 1, labels: tuple[str, ...] | None = None) -> list[tuple]:
+def _dist_rank(
+    rank: int,
+    world: int,
+    names: tuple[str, ...],
+    strategies: tuple[str, ...],
+    micro_batches: int = 1,
+    labels: tuple[str, ...] | None = None,
+) -> list[tuple]:
     """This rank's ``(where, placement, predicted, measured)`` rows (``labels``: only those placements)."""
     rows = []
     models = _models()
@@ -265,16 +291,23 @@ def _dist_rank(rank: int, world: int, names: tuple[str, ...], strategies: tuple[
                     continue
                 model = copy.deepcopy(base)
                 distckpt.wrap(model, Subset(chosen), blocks=blocks)
-                pred = predicted_peak(mp, chosen, strategy=strategy, world_size=world, optimizer="adamw",
-                                      grad_accumulation=micro_batches > 1)
+                pred = predicted_peak(
+                    mp,
+                    chosen,
+                    strategy=strategy,
+                    world_size=world,
+                    optimizer="adamw",
+                    grad_accumulation=micro_batches > 1,
+                )
                 accum = f", {micro_batches} micro-batches" if micro_batches > 1 else ""
                 where = f"{name}, {strategy}, 2 ranks{accum}"
                 rows.append((where, label, pred, dist_steady_peak(model, strategy, inp, micro_batches)))
     return rows
 
 
-def measure_dist(names: tuple[str, ...] = DIST_MODELS, strategies: tuple[str, ...] = STRATEGIES,
-                 micro_batches: int = 1) -> list[tuple[str, str, int, int]]:
+def measure_dist(
+    names: tuple[str, ...] = DIST_MODELS, strategies: tuple[str, ...] = STRATEGIES, micro_batches: int = 1
+) -> list[tuple[str, str, int, int]]:
     """``[(model and strategy, checkpointed, predicted, measured)]`` on 2 gloo ranks: the largest
     error over the ranks is kept (each rank predicts and measures its own peak); ``micro_batches > 1``:
     gradients accumulated over that many (:func:`dist_steady_peak`)."""
@@ -292,9 +325,14 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "budget_accuracy.md"))
     ap.add_argument("--only", nargs="*", default=None)
     a = ap.parse_args()
-    lines = ["# Budget planner: predicted vs measured peak (CPU, MemTracker, AdamW steady-state step)", "",
-             f"torch {torch.__version__}; error = (predicted - measured) / measured.", "",
-             "| model | checkpointed | predicted | measured | error |", "|---|---|---|---|---|"]
+    lines = [
+        "# Budget planner: predicted vs measured peak (CPU, MemTracker, AdamW steady-state step)",
+        "",
+        f"torch {torch.__version__}; error = (predicted - measured) / measured.",
+        "",
+        "| model | checkpointed | predicted | measured | error |",
+        "|---|---|---|---|---|",
+    ]
     worst = 0.0
     for name, (make, inputs, blocks) in _models().items():
         if a.only and name not in a.only:

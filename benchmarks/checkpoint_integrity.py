@@ -41,11 +41,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     torch.manual_seed(0)
-    model = MultiTaskGPT(vocab_size=8192, seq_len=64, d_model=args.d_model, n_layer=args.n_layer,
-                         n_head=8, n_classes=4)
+    model = MultiTaskGPT(vocab_size=8192, seq_len=64, d_model=args.d_model, n_layer=args.n_layer, n_head=8, n_classes=4)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    sum(model({"tokens": torch.randint(0, 8192, (2, 64)), "label": torch.zeros(2, dtype=torch.long)}).values()
-        ).backward()
+    sum(
+        model({"tokens": torch.randint(0, 8192, (2, 64)), "label": torch.zeros(2, dtype=torch.long)}).values()
+    ).backward()
     opt.step()
     state = TrainState(model, opt)
     root = Path(tempfile.mkdtemp(prefix="distckpt-integrity-"))

@@ -72,8 +72,15 @@ def measure(steps: int, batch_size: int, world: int = 2) -> dict[str, float]:
     n_params, times, check_times = results[0]
     plain, guarded = statistics.median(times[False]), statistics.median(times[True])
     check = statistics.median(check_times)
-    return {"params": n_params, "steps": steps, "plain_s": plain, "guarded_s": guarded,
-            "overhead": guarded / plain - 1, "check_s": check, "check_fraction": check / plain}
+    return {
+        "params": n_params,
+        "steps": steps,
+        "plain_s": plain,
+        "guarded_s": guarded,
+        "overhead": guarded / plain - 1,
+        "check_s": check,
+        "check_fraction": check / plain,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -86,16 +93,16 @@ def main(argv: list[str] | None = None) -> None:
     text = f"""# GradSyncGuard overhead (every=1)
 
 `python -m benchmarks.guards --steps {args.steps} --batch {args.batch}`: 2 gloo CPU ranks, DDP, GPT with
-{r['params'] / 1e6:.1f}M parameters ({cfg.layers} blocks of width {cfg.dim}, vocabulary {cfg.vocab}, sequence
+{r["params"] / 1e6:.1f}M parameters ({cfg.layers} blocks of width {cfg.dim}, vocabulary {cfg.vocab}, sequence
 {cfg.seq}, batch {args.batch} per rank), every block checkpointed, SGD. {args.steps} steps with and {args.steps}
 without `guard.check()`, interleaved; medians. Machine: {platform.processor() or platform.machine()},
 {os.cpu_count()} CPU cores, torch {torch.__version__}.
 
 | | median step | |
 |---|---|---|
-| without the guard | {r['plain_s'] * 1e3:.0f} ms | |
-| with `guard.check()` every step | {r['guarded_s'] * 1e3:.0f} ms | overhead {r['overhead'] * 100:+.2f}% |
-| `guard.check()` alone | {r['check_s'] * 1e3:.1f} ms | {r['check_fraction'] * 100:.2f}% of a step |
+| without the guard | {r["plain_s"] * 1e3:.0f} ms | |
+| with `guard.check()` every step | {r["guarded_s"] * 1e3:.0f} ms | overhead {r["overhead"] * 100:+.2f}% |
+| `guard.check()` alone | {r["check_s"] * 1e3:.1f} ms | {r["check_fraction"] * 100:.2f}% of a step |
 
 The step-time ratio carries the noise of a shared machine; the time of `check()` alone is the
 overhead proper (one float32 pass over each gradient for the sum of squares, one gemv for the

@@ -177,8 +177,9 @@ def _profiled_peak(model: nn.Module, opt: torch.optim.Optimizer, inputs: tuple, 
     return allocator_peak(lambda: _step(model, opt, inputs, kwargs), _live_bytes(model, opt, inputs, kwargs))
 
 
-def _mem_tracker_peak(model: nn.Module, opt: torch.optim.Optimizer, inputs: tuple, kwargs: dict,
-                      device: torch.device) -> int:
+def _mem_tracker_peak(
+    model: nn.Module, opt: torch.optim.Optimizer, inputs: tuple, kwargs: dict, device: torch.device
+) -> int:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     mt = MemTracker()
@@ -272,13 +273,30 @@ def _budget_configs(smallest: int, none_peak: int, example: Any, points: int, ot
     for c in sorted(others, key=lambda c: c.peak):
         if not c.error and c.peak >= smallest:
             sizes[c.peak] = " = ".join(filter(None, (sizes.get(c.peak), c.name)))
-    return [Config(f"budget {size / 2**20:.2f} MiB",
-                   lambda m, size=size: distckpt.wrap(m, f"budget:{size}", example_inputs=example),
-                   kind="budget", budget=size, at=at) for size, at in sorted(sizes.items())]
+    return [
+        Config(
+            f"budget {size / 2**20:.2f} MiB",
+            lambda m, size=size: distckpt.wrap(m, f"budget:{size}", example_inputs=example),
+            kind="budget",
+            budget=size,
+            at=at,
+        )
+        for size, at in sorted(sizes.items())
+    ]
 
 
-def run_model(label: str, base: nn.Module, block_cls: type, inputs: tuple, kwargs: dict, device: torch.device,
-              rounds: int, hf: bool, fractions: tuple[float, ...], points: int) -> list[Config]:
+def run_model(
+    label: str,
+    base: nn.Module,
+    block_cls: type,
+    inputs: tuple,
+    kwargs: dict,
+    device: torch.device,
+    rounds: int,
+    hf: bool,
+    fractions: tuple[float, ...],
+    points: int,
+) -> list[Config]:
     """Measure every configuration on one model; returns them with their figures filled in."""
     torch._dynamo.reset()  # the compiled rows of the previous model hold cache entries on the same code
     base = base.to(device).train()
@@ -287,8 +305,9 @@ def run_model(label: str, base: nn.Module, block_cls: type, inputs: tuple, kwarg
     t0 = time.perf_counter()
     for cfg in configs:
         _prepare(cfg, base, inputs, kwargs, device, block_cls)
-        print(f"  {cfg.name}: {cfg.error or f'{cfg.peak / 2**20:.2f} MiB'} ({time.perf_counter() - t0:.0f} s)",
-              flush=True)
+        print(
+            f"  {cfg.name}: {cfg.error or f'{cfg.peak / 2**20:.2f} MiB'} ({time.perf_counter() - t0:.0f} s)", flush=True
+        )
     none = configs[0]
     smallest = _smallest_budget(base, example)
     budgets = _budget_configs(smallest, none.peak, example, points, configs[1:]) if smallest else []
@@ -388,8 +407,11 @@ def _table(label: str, configs: list[Config], fwd_bwd_flops: int) -> list[str]:
 def dominated_by(point: Config, frontier: list[Config], none_peak: int, fwd_bwd_flops: int) -> Config | None:
     """The budget point with the least recompute among those at most ``TOLERANCE`` above
     ``point`` in both peak and recompute FLOPs, or None."""
-    fits = [b for b in frontier
-            if b.peak <= point.peak + TOLERANCE * none_peak and b.flops <= point.flops + TOLERANCE * fwd_bwd_flops]
+    fits = [
+        b
+        for b in frontier
+        if b.peak <= point.peak + TOLERANCE * none_peak and b.flops <= point.flops + TOLERANCE * fwd_bwd_flops
+    ]
     return min(fits, key=lambda b: (b.flops, b.peak), default=None)
 
 
@@ -398,8 +420,9 @@ def _at_its_peak(point: Config, frontier: list[Config], none: Config, fwd_bwd_fl
     b = next((b for b in frontier if point.name in b.at.split(" = ")), None)
     if b is None:
         return ""
-    return (f": {b.name}, sized at its peak, measured {b.peak / none.peak:.1%} at "
-            f"{b.flops / fwd_bwd_flops:.1%} recompute")
+    return (
+        f": {b.name}, sized at its peak, measured {b.peak / none.peak:.1%} at {b.flops / fwd_bwd_flops:.1%} recompute"
+    )
 
 
 def _dominance(label: str, configs: list[Config], fwd_bwd_flops: int) -> list[str]:
@@ -411,8 +434,11 @@ def _dominance(label: str, configs: list[Config], fwd_bwd_flops: int) -> list[st
         b = dominated_by(c, frontier, none.peak, fwd_bwd_flops)
         if c.kind != "distckpt":
             peers_ok += b is not None
-        verdict = (f"yes: {b.name} ({b.peak / none.peak:.1%}, {b.flops / fwd_bwd_flops:.1%})" if b
-                   else "**no**" + _at_its_peak(c, frontier, none, fwd_bwd_flops))
+        verdict = (
+            f"yes: {b.name} ({b.peak / none.peak:.1%}, {b.flops / fwd_bwd_flops:.1%})"
+            if b
+            else "**no**" + _at_its_peak(c, frontier, none, fwd_bwd_flops)
+        )
         rows.append(f"| {c.name} | {c.peak / none.peak:.1%} | {c.flops / fwd_bwd_flops:.1%} | {verdict} |")
     n_peers = sum(1 for c in others if c.kind != "distckpt")
     return [
@@ -445,8 +471,9 @@ def _plot(results: dict[str, list[Config]], flops_ref: dict[str, int], path: Pat
 
         frontier = sorted((c for c in ok if c.kind == "budget"), key=lambda c: (c.flops, c.peak))
         if frontier:
-            ax.plot(*zip(*map(xy, frontier)), "-", color="tab:blue", alpha=0.5, marker=".",
-                    label="distckpt budget:SIZE")
+            ax.plot(
+                *zip(*map(xy, frontier)), "-", color="tab:blue", alpha=0.5, marker=".", label="distckpt budget:SIZE"
+            )
         # Configurations with the same placement sit on the same point: one marker, one joined label.
         points: dict[tuple[float, float], list[Config]] = {}
         for c in ok:
@@ -456,16 +483,24 @@ def _plot(results: dict[str, list[Config]], flops_ref: dict[str, int], path: Pat
         for k, ((x, y), same) in enumerate(sorted(points.items())):
             marker, color = style[same[0].kind]
             ax.scatter([x], [y], marker=marker, s=36, color=color, zorder=3)
-            ax.annotate(" = ".join(c.name for c in same), (x, y), textcoords="offset points",
-                        xytext=(5, 7 * (k % 2) - 7), fontsize=6.5)
+            ax.annotate(
+                " = ".join(c.name for c in same),
+                (x, y),
+                textcoords="offset points",
+                xytext=(5, 7 * (k % 2) - 7),
+                fontsize=6.5,
+            )
         ax.margins(x=0.2)
         ax.set_xlabel("recompute FLOPs (% of forward+backward)")
         ax.set_ylabel("peak training memory (% of no checkpointing)")
         ax.set_title(label, fontsize=8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="upper right")
-    fig.suptitle(f"distckpt (circles; line: budget:SIZE), PyTorch / HF (squares), torch.compile "
-                 f"activation_memory_budget (triangles), {device}", fontsize=9)
+    fig.suptitle(
+        f"distckpt (circles; line: budget:SIZE), PyTorch / HF (squares), torch.compile "
+        f"activation_memory_budget (triangles), {device}",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -481,8 +516,16 @@ def _planner_seconds(n: int = 100) -> float:
     blocks = []
     for i in range(n):
         inp = rng.randint(1, 50) * 2**20
-        blocks.append(BlockProfile(f"b{i}", inp + rng.randint(0, 400) * 2**20, rng.randint(1, 1000) * 10**9, inp, inp,
-                                   rng.randint(0, 100) * 2**20))
+        blocks.append(
+            BlockProfile(
+                f"b{i}",
+                inp + rng.randint(0, 400) * 2**20,
+                rng.randint(1, 1000) * 10**9,
+                inp,
+                inp,
+                rng.randint(0, 100) * 2**20,
+            )
+        )
     mp = ModelProfile(tuple(blocks), param_bytes=2**30, trainable_bytes=2**30)
     budget = (predicted_peak(mp, range(n)) + predicted_peak(mp, [])) // 2
     times = []
@@ -502,8 +545,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=None, help="timed steps per configuration")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads (1: CPU time equals compute time)")
     ap.add_argument("--budget-points", type=int, default=BUDGET_POINTS, help="budget sizes per model (>= 2)")
-    ap.add_argument("--compile-fractions", type=float, nargs="*", default=list(COMPILE_FRACTIONS),
-                    help="torch.compile activation_memory_budget values (none: skip torch.compile)")
+    ap.add_argument(
+        "--compile-fractions",
+        type=float,
+        nargs="*",
+        default=list(COMPILE_FRACTIONS),
+        help="torch.compile activation_memory_budget values (none: skip torch.compile)",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -527,8 +575,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
-        models.append((f"HF GPT-2 ({hf_size})", functools.partial(hf_gpt2, SIZES[hf_size]), GPT2Block,
-                       SIZES[hf_size], True))
+        models.append(
+            (f"HF GPT-2 ({hf_size})", functools.partial(hf_gpt2, SIZES[hf_size]), GPT2Block, SIZES[hf_size], True)
+        )
     except ImportError:
         print("transformers is not installed: skipping the Hugging Face GPT-2 model")
     for name, make, block_cls, cfg, hf in models:
@@ -538,28 +587,36 @@ def main(argv: list[str] | None = None) -> None:
         inputs, kwargs = ((), {"input_ids": idx, "labels": idx}) if hf else ((idx, tgt), {})
         label = f"{name}: dim {cfg.dim}, {cfg.layers} layers, seq {cfg.seq}, vocab {cfg.vocab}, batch {bsz}"
         print(f"[{label}]", flush=True)
-        configs = run_model(label, model, block_cls, inputs, kwargs, device, rounds, hf, fractions,
-                            args.budget_points)
+        configs = run_model(label, model, block_cls, inputs, kwargs, device, rounds, hf, fractions, args.budget_points)
         results[label] = configs
         flops_ref[label] = _fwd_bwd_flops(model.to(device), inputs, kwargs)
         _write(args, device, rounds, started, results, flops_ref)  # after each model: a partial run leaves results
 
 
-def _write(args: argparse.Namespace, device: torch.device, rounds: int, started: float,
-           results: dict[str, list[Config]], flops_ref: dict[str, int]) -> None:
+def _write(
+    args: argparse.Namespace,
+    device: torch.device,
+    rounds: int,
+    started: float,
+    results: dict[str, list[Config]],
+    flops_ref: dict[str, int],
+) -> None:
     cuda = device.type == "cuda"
     args.out.mkdir(parents=True, exist_ok=True)
     tag = device.type
     md = args.out / f"memory_{tag}.md"
     png = args.out / f"memory_{tag}.png"
-    peak_how = ("torch.cuda.max_memory_allocated" if cuda else
-                "the bytes live at the step's start (parameters, buffers, AdamW state, batch) plus the highest "
-                "running sum of the CPU allocator's events under `torch.profiler.profile(profile_memory=True)`, "
-                "for every row (MemTracker cannot see a compiled step: under its dispatch mode the compiled "
-                "module runs its eager code; on the eager rows the column MemTracker - profiler checks the "
-                "two agree: the profiler also sees the 5056-byte CPU RNG state that checkpointing saves per "
-                "checkpointed block, and on HF GPT-2 the three Python numbers (8 bytes each) that autograd "
-                "saves per block for `NewGELUActivation`'s `0.5 * x`: MemTracker sees neither)")
+    peak_how = (
+        "torch.cuda.max_memory_allocated"
+        if cuda
+        else "the bytes live at the step's start (parameters, buffers, AdamW state, batch) plus the highest "
+        "running sum of the CPU allocator's events under `torch.profiler.profile(profile_memory=True)`, "
+        "for every row (MemTracker cannot see a compiled step: under its dispatch mode the compiled "
+        "module runs its eager code; on the eager rows the column MemTracker - profiler checks the "
+        "two agree: the profiler also sees the 5056-byte CPU RNG state that checkpointing saves per "
+        "checkpointed block, and on HF GPT-2 the three Python numbers (8 bytes each) that autograd "
+        "saves per block for `NewGELUActivation`'s `0.5 * x`: MemTracker sees neither)"
+    )
     lines = [
         f"# Memory vs recompute ({tag})",
         "",
@@ -575,7 +632,7 @@ def _write(args: argparse.Namespace, device: torch.device, rounds: int, started:
         "(`distckpt.select.flops.flop_counter`: torch's CUDA formulas for the CPU kernel, which the compiled "
         "graphs keep as well).",
         "",
-        f"`budget X MiB`: `wrap(model, \"budget:SIZE\")` at {args.budget_points} sizes from the smallest it "
+        f'`budget X MiB`: `wrap(model, "budget:SIZE")` at {args.budget_points} sizes from the smallest it '
         "accepts (the size its ConfigError names) to the peak without checkpointing, and at the measured peak "
         "of every other row it accepts (`sized at the peak of`: given the same memory, does the budget need no "
         "more recompute?); `within` means the measured peak is at most SIZE. `pointwise`: every block "

@@ -105,8 +105,15 @@ def hf_gpt2(cfg: GPTConfig) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     conf = GPT2Config(
-        vocab_size=cfg.vocab, n_positions=cfg.seq, n_embd=cfg.dim, n_layer=cfg.layers, n_head=cfg.heads,
-        resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout, use_cache=False,
+        vocab_size=cfg.vocab,
+        n_positions=cfg.seq,
+        n_embd=cfg.dim,
+        n_layer=cfg.layers,
+        n_head=cfg.heads,
+        resid_pdrop=cfg.dropout,
+        embd_pdrop=cfg.dropout,
+        attn_pdrop=cfg.dropout,
+        use_cache=False,
     )
     conf._attn_implementation = "sdpa"
     return GPT2LMHeadModel(conf)

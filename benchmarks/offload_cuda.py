@@ -89,8 +89,12 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=768)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results",
-                        help="a folder (offload_cuda.md is written there) or a .md file")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=ROOT / "benchmarks" / "results",
+        help="a folder (offload_cuda.md is written there) or a .md file",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.offload_cuda needs a CUDA device")
@@ -107,27 +111,37 @@ def main() -> None:
     none_p, full_p = predicted_peak(mp, [], **KW), predicted_peak(mp, range(n), **KW)
     budget = (none_p + full_p) // 2
     plan = plan_budget(mp, budget, offload_flops_per_byte=ratio, selective=False, **KW)
-    rows = {"none": ("none",) * n, "full": ("full",) * n, "offload (every block)": ("offload",) * n,
-            f"budget {budget / 2**20:.0f} MiB (offload offered)": plan.modes}
+    rows = {
+        "none": ("none",) * n,
+        "full": ("full",) * n,
+        "offload (every block)": ("offload",) * n,
+        f"budget {budget / 2**20:.0f} MiB (offload offered)": plan.modes,
+    }
     models = {name: distckpt.wrap(copy.deepcopy(base), Placement(modes)) for name, modes in rows.items()}
     peaks = {name: _peak(m, inputs) for name, m in models.items()}
     times = _times(models, inputs)
     lines = [
-        "# Offload mode on CUDA (measured)", "",
+        "# Offload mode on CUDA (measured)",
+        "",
         f"Device: {torch.cuda.get_device_name()}; torch {torch.__version__}. {what}: "
-        f"{args.layers} layers, width {args.width}, seq {args.seq}, batch {args.batch}, fp32, no optimizer.", "",
+        f"{args.layers} layers, width {args.width}, seq {args.seq}, batch {args.batch}, fp32, no optimizer.",
+        "",
         f"Measured exchange rate: **{ratio:.1f} FLOPs per byte** moved to host and back "
-        "(matmul FLOP/s over pinned-copy bytes/s, `distckpt.select.transfer.flops_per_byte`).", "",
+        "(matmul FLOP/s over pinned-copy bytes/s, `distckpt.select.transfer.flops_per_byte`).",
+        "",
         f"Budget plan: {', '.join(f'{m} x{plan.modes.count(m)}' for m in sorted(set(plan.modes)))}; "
         f"{plan.moved_bytes / 2**20:.1f} MiB moved per step; recompute {plan.recompute_flops / 1e9:.2f} GFLOP, "
-        f"transfers {plan.transfer_flops / 1e9:.2f} GFLOP-equivalent.", "",
+        f"transfers {plan.transfer_flops / 1e9:.2f} GFLOP-equivalent.",
+        "",
         "| placement | predicted peak (MiB) | measured peak (MiB) | error | step (ms, median) | vs none |",
         "|---|---|---|---|---|---|",
     ]
     for name, modes in rows.items():
         pred, meas = predicted_peak(mp, modes, **KW), peaks[name]
-        lines.append(f"| {name} | {pred / 2**20:.1f} | {meas / 2**20:.1f} | {100 * (pred - meas) / meas:+.2f}% | "
-                     f"{times[name]:.1f} | {times[name] / times['none']:.2f}x |")
+        lines.append(
+            f"| {name} | {pred / 2**20:.1f} | {meas / 2**20:.1f} | {100 * (pred - meas) / meas:+.2f}% | "
+            f"{times[name]:.1f} | {times[name] / times['none']:.2f}x |"
+        )
     lines += ["", f"Wall time of this benchmark: {time.time() - t0:.0f} s.", ""]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines))

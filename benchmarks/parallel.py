@@ -124,10 +124,19 @@ def measure(steps: int, batch_size: int, world: int = 2) -> dict[str, dict[str, 
     summary = {}
     for name, (n_params, times, _) in results[0].items():
         auto, hand = statistics.median(times["auto"]), statistics.median(times["hand"])
-        cpu = {k: statistics.median(sum(r[name][2][k][i] for r in results.values())
-                                     for i in range(len(times[k]))) for k in ("auto", "hand")}
-        summary[name] = {"params": n_params, "auto_s": auto, "hand_s": hand, "ratio": auto / hand,
-                         "auto_cpu": cpu["auto"], "hand_cpu": cpu["hand"], "cpu_ratio": cpu["auto"] / cpu["hand"]}
+        cpu = {
+            k: statistics.median(sum(r[name][2][k][i] for r in results.values()) for i in range(len(times[k])))
+            for k in ("auto", "hand")
+        }
+        summary[name] = {
+            "params": n_params,
+            "auto_s": auto,
+            "hand_s": hand,
+            "ratio": auto / hand,
+            "auto_cpu": cpu["auto"],
+            "hand_cpu": cpu["hand"],
+            "cpu_ratio": cpu["auto"] / cpu["hand"],
+        }
     return summary
 
 
@@ -145,8 +154,10 @@ def main(argv: list[str] | None = None) -> None:
         f"{v['auto_s'] * 1e3:.0f} ms | {v['ratio']:.3f} |"
         for name, v in r.items()
     )
-    header = ("| pattern | best hand-picked valid DDP flags | CPU time, hand-picked | CPU time, `auto` | CPU ratio "
-              "| wall, hand-picked | wall, `auto` | wall ratio |")
+    header = (
+        "| pattern | best hand-picked valid DDP flags | CPU time, hand-picked | CPU time, `auto` | CPU ratio "
+        "| wall, hand-picked | wall, `auto` | wall ratio |"
+    )
     text = f"""# DDP overhead of `distckpt.parallelize(graph="auto")`
 
 `python -m benchmarks.parallel --steps {args.steps} --batch {args.batch}`: 2 gloo CPU ranks, DDP, a multi-task

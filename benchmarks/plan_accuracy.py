@@ -44,6 +44,7 @@ def gpt_factory(n_layer: int = 6) -> Callable[[], tuple]:
 
 def mlp_factory(n_layer: int = 6) -> Callable[[], tuple]:
     """The launcher's MultiTaskMLP."""
+
     def make() -> tuple:
         from distckpt.train.models import MultiTaskMLP
 
@@ -60,6 +61,7 @@ def mlp_factory(n_layer: int = 6) -> Callable[[], tuple]:
 
 def hf_factory(family: str) -> Callable[[], tuple]:
     """A Hugging Face model of tests/zoo.py at its small size (no padding mask: see docs/plan.md)."""
+
     def make() -> tuple:
         from tests.zoo import FAMILIES
 
@@ -105,8 +107,9 @@ def compare(factory: Callable[[], tuple], budget_frac: float = 0.5) -> dict[str,
 FACTORIES = {"gpt": gpt_factory, "mlp": mlp_factory, "hf": hf_factory}  # picklable names for spawned ranks
 
 
-def _rank_peaks(rank: int, world: int, kind: str, arg: Any,
-                jobs: list[tuple[str, list[tuple[str, dict[str, str] | None]]]]) -> list[list[int]]:
+def _rank_peaks(
+    rank: int, world: int, kind: str, arg: Any, jobs: list[tuple[str, list[tuple[str, dict[str, str] | None]]]]
+) -> list[list[int]]:
     """This rank's MemTracker peak of a steady-state AdamW step under ``parallelize(strategy)`` per
     ``(policy, {block: mode})`` (the plan's own mode per block, ``None`` for none/full; DDP's C++ buckets
     tracked from the step's start: budget_accuracy._ddp_buckets), for each ``(strategy, runs)`` of ``jobs``."""
@@ -128,8 +131,9 @@ def _rank_peaks(rank: int, world: int, kind: str, arg: Any,
     return out
 
 
-def _steady_peak(pm: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: dict[str, Any], *,
-                 ddp_buckets: bool = False) -> int:
+def _steady_peak(
+    pm: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: dict[str, Any], *, ddp_buckets: bool = False
+) -> int:
     """MemTracker's peak of a steady-state AdamW step of ``pm`` (the first step creates the optimizer
     state); ``ddp_buckets``: a second step first, whose DDP gradient buckets (allocated in C++) are tracked."""
     from benchmarks.budget_accuracy import _ddp_buckets
@@ -149,8 +153,9 @@ def _steady_peak(pm: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: dic
     return max(d.get("Total", 0) for d in tracker.get_tracker_snapshot("peak").values())
 
 
-def compare_dist(kind: str, arg: Any, strategies: tuple[str, ...] = ("ddp", "fsdp2"), world: int = 2,
-                 budget_frac: float = 0.5) -> dict[str, dict[str, tuple[int, int]]]:
+def compare_dist(
+    kind: str, arg: Any, strategies: tuple[str, ...] = ("ddp", "fsdp2"), world: int = 2, budget_frac: float = 0.5
+) -> dict[str, dict[str, tuple[int, int]]]:
     """``{strategy: {policy: (predicted, measured)}}`` per rank on ``world`` spawned gloo ranks (the
     largest rank's measure), for a factory of :data:`FACTORIES` named ``kind`` with argument ``arg``:
     every strategy in one spawn."""
@@ -166,20 +171,30 @@ def compare_dist(kind: str, arg: Any, strategies: tuple[str, ...] = ("ddp", "fsd
         # Every block of the plan is a candidate with its mode ("none" for a kept one): parallelize shards the
         # candidates as FSDP units, and a kept block left out would sit unsharded in the root unit (measured:
         # the gpt2 FSDP2 budget row 5.4% "under" with only the checkpointed blocks as candidates).
-        runs = [(p.policy, None) if p.policy == "full" else ("none", None) if not p.checkpointed
-                else (p.policy, dict(zip(r.blocks, p.modes))) for p in r.policies]
+        runs = [
+            (p.policy, None)
+            if p.policy == "full"
+            else ("none", None)
+            if not p.checkpointed
+            else (p.policy, dict(zip(r.blocks, p.modes)))
+            for p in r.policies
+        ]
         reports.append(r)
         jobs.append((strategy, runs))
     measured = run_ranks(_rank_peaks, world, kind, arg, jobs)
-    return {s: {p.policy: (p.peak_bytes, max(m[k][i] for m in measured.values())) for i, p in enumerate(r.policies)}
-            for k, (s, r) in enumerate(zip(strategies, reports))}
+    return {
+        s: {p.policy: (p.peak_bytes, max(m[k][i] for m in measured.values())) for i, p in enumerate(r.policies)}
+        for k, (s, r) in enumerate(zip(strategies, reports))
+    }
 
 
-DIST_NOTE = ("FSDP2: parallelize makes every block its own unit, checkpointed or not; the memory model counts "
-             "what FSDP2 holds unsharded phase by phase (a block's parameters, the prefetched one's, the all-gather "
-             "output and reduce-scatter input, the gradients made so far: distckpt/select/memory_terms.py `_Sharded`). "
-             "Counting two blocks' unsharded parameters and one block's gradients at every peak (before) was up "
-             "to 5.7% high.")
+DIST_NOTE = (
+    "FSDP2: parallelize makes every block its own unit, checkpointed or not; the memory model counts "
+    "what FSDP2 holds unsharded phase by phase (a block's parameters, the prefetched one's, the all-gather "
+    "output and reduce-scatter input, the gradients made so far: distckpt/select/memory_terms.py `_Sharded`). "
+    "Counting two blocks' unsharded parameters and one block's gradients at every peak (before) was up "
+    "to 5.7% high."
+)
 DIST = [("MultiTaskGPT", "gpt", 4), ("MultiTaskMLP", "mlp", 4), ("gpt2", "hf", "gpt2")]
 
 
@@ -192,8 +207,15 @@ def make_llama_70b() -> tuple:
     Only ever built on fake tensors (140 GB of parameters)."""
     import transformers
 
-    cfg = transformers.LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                                   num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192)
+    cfg = transformers.LlamaConfig(
+        vocab_size=128256,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+    )
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # .to(bfloat16) cannot swap fake parameters
     try:
@@ -208,27 +230,44 @@ def make_llama_70b() -> tuple:
     return model, lambda m, b: m(**b).loss, batch
 
 
-MODELS = {"MultiTaskGPT": gpt_factory(), "MultiTaskMLP": mlp_factory(), "gpt2": hf_factory("gpt2"),
-          "llama": hf_factory("llama")}
+MODELS = {
+    "MultiTaskGPT": gpt_factory(),
+    "MultiTaskMLP": mlp_factory(),
+    "gpt2": hf_factory("gpt2"),
+    "llama": hf_factory("llama"),
+}
 
 
 def main() -> None:
-    lines = ["# distckpt plan: predicted vs measured peak (one rank, CPU, MemTracker)", "",
-             f"torch {torch.__version__}; fake-tensor plan vs a real steady-state AdamW step; "
-             "error = predicted / measured - 1.", "",
-             "| model | policy | predicted MiB | measured MiB | error |", "|---|---|---|---|---|"]
+    lines = [
+        "# distckpt plan: predicted vs measured peak (one rank, CPU, MemTracker)",
+        "",
+        f"torch {torch.__version__}; fake-tensor plan vs a real steady-state AdamW step; "
+        "error = predicted / measured - 1.",
+        "",
+        "| model | policy | predicted MiB | measured MiB | error |",
+        "|---|---|---|---|---|",
+    ]
     for name, factory in MODELS.items():
         for policy, (pred, meas) in compare(factory).items():
-            lines.append(f"| {name} | {policy} | {pred / 2**20:.2f} | {meas / 2**20:.2f} | "
-                         f"{100 * (pred / meas - 1):+.1f}% |")
+            lines.append(
+                f"| {name} | {policy} | {pred / 2**20:.2f} | {meas / 2**20:.2f} | {100 * (pred / meas - 1):+.1f}% |"
+            )
             print(lines[-1], flush=True)
-    lines += ["", "## 2 gloo ranks (per rank; DDP's gradient bucket counted)", "",
-              "| model | strategy | policy | predicted MiB | measured MiB | error |", "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "## 2 gloo ranks (per rank; DDP's gradient bucket counted)",
+        "",
+        "| model | strategy | policy | predicted MiB | measured MiB | error |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, kind, arg in DIST:
         for strategy, results in compare_dist(kind, arg, ("ddp", "fsdp2")).items():
             for policy, (pred, meas) in results.items():
-                lines.append(f"| {name} | {strategy} | {policy} | {pred / 2**20:.2f} | {meas / 2**20:.2f} | "
-                             f"{100 * (pred / meas - 1):+.1f}% |")
+                lines.append(
+                    f"| {name} | {strategy} | {policy} | {pred / 2**20:.2f} | {meas / 2**20:.2f} | "
+                    f"{100 * (pred / meas - 1):+.1f}% |"
+                )
                 print(lines[-1], flush=True)
     lines += ["", DIST_NOTE]
     RESULTS.parent.mkdir(exist_ok=True)

@@ -23,6 +23,7 @@ def run_ranks(target: Callable[..., Any], world: int, *args: Any, timeout: float
     results = _spawn_ranks(target, world, *args, timeout=timeout)
     failed = {r: v for r, v in results.items() if isinstance(v, RankFailure)}
     if failed:
-        raise RuntimeError("\n".join(f"rank {r}: {v.kind}: {v.message}\n{v.traceback}"
-                                     for r, v in sorted(failed.items())))
+        raise RuntimeError(
+            "\n".join(f"rank {r}: {v.kind}: {v.message}\n{v.traceback}" for r, v in sorted(failed.items()))
+        )
     return results

@@ -40,8 +40,15 @@ def host_store() -> Any:
     return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
-def init_rank(rank: int, world: int, port: int, *, path: list[str] | None = None, threads: int | None = None,
-              timeout: float | None = None) -> None:
+def init_rank(
+    rank: int,
+    world: int,
+    port: int,
+    *,
+    path: list[str] | None = None,
+    threads: int | None = None,
+    timeout: float | None = None,
+) -> None:
     """Set up a spawned process as rank ``rank`` of ``world``: torchrun's environment variables, the
     parent's ``sys.path``, ``threads`` intra-op threads (default: the cores shared out), and a gloo group
     whose rendezvous is the parent's :func:`host_store` on ``port``.
@@ -54,8 +61,14 @@ def init_rank(rank: int, world: int, port: int, *, path: list[str] | None = None
 
     if path is not None:
         sys.path[:] = path
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
     torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) // world))
     kwargs = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, **kwargs)  # as env:// would
@@ -71,8 +84,17 @@ class RankFailure:
     traceback: str = ""
 
 
-def _entry(rank: int, world: int, port: int, path: list[str], threads: int | None, pg_timeout: float | None,
-           target: Callable[..., Any], args: tuple[Any, ...], out: Any) -> None:
+def _entry(
+    rank: int,
+    world: int,
+    port: int,
+    path: list[str],
+    threads: int | None,
+    pg_timeout: float | None,
+    target: Callable[..., Any],
+    args: tuple[Any, ...],
+    out: Any,
+) -> None:
     import torch.distributed as dist
 
     init_rank(rank, world, port, path=path, threads=threads, timeout=pg_timeout)
@@ -84,8 +106,14 @@ def _entry(rank: int, world: int, port: int, path: list[str], threads: int | Non
         dist.destroy_process_group()
 
 
-def run_ranks(target: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0,
-              threads: int | None = None, pg_timeout: float | None = None) -> dict[int, Any]:
+def run_ranks(
+    target: Callable[..., Any],
+    world: int,
+    *args: Any,
+    timeout: float = 300.0,
+    threads: int | None = None,
+    pg_timeout: float | None = None,
+) -> dict[int, Any]:
     """Run ``target(rank, world, *args)`` on ``world`` spawned CPU ranks joined over gloo.
 
     ``target`` and ``args`` must pickle (a module-level function; ``functools.partial`` of one is fine).
@@ -103,8 +131,12 @@ def run_ranks(target: Callable[..., Any], world: int, *args: Any, timeout: float
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     store, path = host_store(), [os.getcwd(), *sys.path]
-    procs = [ctx.Process(target=_entry, args=(r, world, store.port, path, threads, pg_timeout, target, args, out),
-                         daemon=True) for r in range(world)]
+    procs = [
+        ctx.Process(
+            target=_entry, args=(r, world, store.port, path, threads, pg_timeout, target, args, out), daemon=True
+        )
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

@@ -285,8 +285,10 @@ def cpu_flash_attention_ops() -> tuple[Any, Any] | None:
     ``(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask, scale)``."""
     aten = torch.ops.aten
     try:
-        return (aten._scaled_dot_product_flash_attention_for_cpu,
-                aten._scaled_dot_product_flash_attention_for_cpu_backward)
+        return (
+            aten._scaled_dot_product_flash_attention_for_cpu,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward,
+        )
     except AttributeError:  # pragma: no cover - a build without the CPU flash kernel
         return None
 

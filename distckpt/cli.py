@@ -21,15 +21,24 @@ LAUNCH_PLAN = Path("launch") / "plan.py"
 
 def add_doctor_flags(parser: argparse.ArgumentParser) -> None:
     """The run flags of ``distckpt doctor``, shared with the launcher's ``python launch/doctor.py``."""
-    parser.add_argument("--strategy", choices=STRATEGIES, default=None,
-                        help="data parallelism (default: ddp, or the config's strategy)")
-    parser.add_argument("--policy", default=None, help="checkpointing policy, e.g. full, every:2 (default: full, "
-                        "or the blocks the factory already wrapped)")
+    parser.add_argument(
+        "--strategy", choices=STRATEGIES, default=None, help="data parallelism (default: ddp, or the config's strategy)"
+    )
+    parser.add_argument(
+        "--policy",
+        default=None,
+        help="checkpointing policy, e.g. full, every:2 (default: full, or the blocks the factory already wrapped)",
+    )
     parser.add_argument("--reentrant", action="store_true", help="use reentrant checkpointing")
-    parser.add_argument("--no-preserve-rng-state", dest="preserve_rng_state", action="store_false",
-                        help="recompute without restoring the RNG state")
-    parser.add_argument("--graph", choices=GRAPHS, default=None,
-                        help="DDP graph setting (default: auto, or the config's)")
+    parser.add_argument(
+        "--no-preserve-rng-state",
+        dest="preserve_rng_state",
+        action="store_false",
+        help="recompute without restoring the RNG state",
+    )
+    parser.add_argument(
+        "--graph", choices=GRAPHS, default=None, help="DDP graph setting (default: auto, or the config's)"
+    )
     parser.add_argument("--steps", type=int, default=3, help="training steps to run (default 3)")
     parser.add_argument("--nproc", type=int, default=2, help="CPU ranks (default 2)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a run counts as a hang")
@@ -46,9 +55,17 @@ def doctor_options(args: argparse.Namespace, **fields: object):  # -> DoctorOpti
 
     if args.steps < 1 or args.nproc < 1:
         raise ConfigError("--steps and --nproc must be >= 1.")
-    return DoctorOptions(strategy=args.strategy, policy=args.policy, reentrant=args.reentrant,
-                         preserve_rng_state=args.preserve_rng_state, graph=args.graph, steps=args.steps,
-                         nproc=args.nproc, timeout=args.timeout, **fields)
+    return DoctorOptions(
+        strategy=args.strategy,
+        policy=args.policy,
+        reentrant=args.reentrant,
+        preserve_rng_state=args.preserve_rng_state,
+        graph=args.graph,
+        steps=args.steps,
+        nproc=args.nproc,
+        timeout=args.timeout,
+        **fields,
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -58,11 +75,11 @@ def _parser() -> argparse.ArgumentParser:
         "doctor",
         help="run a model for a few steps on 2 CPU ranks under the guards and print a verdict",
         description="Spawn CPU ranks (gloo), build the model, checkpoint and parallelize it, run a few steps with "
-                    "GradSyncGuard and verify_recompute, and print what is safe and the settings to use. Exit 0 "
-                    "when safe, 1 otherwise. The model comes from --factory pkg.module:make (make() returns "
-                    "(model, loss_fn, batch_fn); see distckpt.check.doctor) or, in a distckpt checkout, from the "
-                    "launcher's Hydra config (distckpt doctor model=gpt strategy=ddp ... runs "
-                    "python launch/doctor.py with the same arguments).",
+        "GradSyncGuard and verify_recompute, and print what is safe and the settings to use. Exit 0 "
+        "when safe, 1 otherwise. The model comes from --factory pkg.module:make (make() returns "
+        "(model, loss_fn, batch_fn); see distckpt.check.doctor) or, in a distckpt checkout, from the "
+        "launcher's Hydra config (distckpt doctor model=gpt strategy=ddp ... runs "
+        "python launch/doctor.py with the same arguments).",
     )
     doc.add_argument("overrides", nargs="*", help="Hydra overrides of the launcher's config (key=value)")
     doc.add_argument("--factory", help="pkg.module:function returning (model, loss_fn, batch_fn)")
@@ -71,9 +88,9 @@ def _parser() -> argparse.ArgumentParser:
         "plan",
         help="predict per-rank memory and recompute of none/full/selective/budget at any scale, on fake tensors",
         description="Build the model from --factory pkg.module:make (the doctor's contract) on fake tensors, trace "
-                    "one block of each distinct shape, and print per rank: parameters, gradients, optimizer "
-                    "state, activations, the peak and recompute FLOPs of none, full, selective and the budget "
-                    "plan, and the blocks the budget would checkpoint.",
+        "one block of each distinct shape, and print per rank: parameters, gradients, optimizer "
+        "state, activations, the peak and recompute FLOPs of none, full, selective and the budget "
+        "plan, and the blocks the budget would checkpoint.",
     )
     plan.add_argument("overrides", nargs="*", help="Hydra overrides of the launcher's config (key=value)")
     plan.add_argument("--factory", help="pkg.module:function returning (model, loss_fn, batch_fn)")
@@ -102,10 +119,17 @@ def run_plan(args: argparse.Namespace) -> int:
     try:
         if args.world_size < 1:
             raise ConfigError("--world-size must be >= 1.")
-        report = plan_at_scale(args.factory, strategy=args.strategy, world_size=args.world_size,
-                               shard_size=args.shard_size, micro_batch=args.micro_batch, seq_len=args.seq_len,
-                               budget=parse_size(args.budget) if args.budget else None, optimizer=args.optimizer,
-                               grad_accumulation=args.grad_accumulation)
+        report = plan_at_scale(
+            args.factory,
+            strategy=args.strategy,
+            world_size=args.world_size,
+            shard_size=args.shard_size,
+            micro_batch=args.micro_batch,
+            seq_len=args.seq_len,
+            budget=parse_size(args.budget) if args.budget else None,
+            optimizer=args.optimizer,
+            grad_accumulation=args.grad_accumulation,
+        )
     except ConfigError as e:
         print(f"distckpt plan: {e}", file=sys.stderr)
         return 2
@@ -118,10 +142,13 @@ def _delegate(argv: list[str], command: str = "doctor") -> int:
     launch = LAUNCH_DOCTOR if command == "doctor" else LAUNCH_PLAN
     script = Path.cwd() / launch
     if not script.is_file():
-        print(f"distckpt {command}: launcher overrides need a distckpt checkout: run `python {launch} "
-              "model=... ` from its root, or use --factory pkg.module:make.", file=sys.stderr)
+        print(
+            f"distckpt {command}: launcher overrides need a distckpt checkout: run `python {launch} "
+            "model=... ` from its root, or use --factory pkg.module:make.",
+            file=sys.stderr,
+        )
         return 2
-    rest = argv[argv.index(command) + 1:]
+    rest = argv[argv.index(command) + 1 :]
     return subprocess.run([sys.executable, str(script), *rest], env=dict(os.environ)).returncode
 
 
@@ -135,16 +162,19 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "plan":
         if bool(args.factory) == bool(args.overrides):
-            print("distckpt plan: give either --factory pkg.module:make or launcher overrides such as model=gpt.",
-                  file=sys.stderr)
+            print(
+                "distckpt plan: give either --factory pkg.module:make or launcher overrides such as model=gpt.",
+                file=sys.stderr,
+            )
             return 2
         return _delegate(argv, "plan") if args.overrides else run_plan(args)
     from distckpt.check.doctor import doctor
     from distckpt.errors import ConfigError
 
     if not args.factory and not args.overrides:
-        print("distckpt doctor: give --factory pkg.module:make or launcher overrides such as model=gpt.",
-              file=sys.stderr)
+        print(
+            "distckpt doctor: give --factory pkg.module:make or launcher overrides such as model=gpt.", file=sys.stderr
+        )
         return 2
     if args.factory and args.overrides:
         print("distckpt doctor: give either --factory or Hydra overrides, not both.", file=sys.stderr)

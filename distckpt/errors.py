@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "GradDesyncError", "NoGradientError", "RecomputeMismatchError", "ResumeError", "error_line",
-           "first_lines"]
+__all__ = [
+    "ConfigError",
+    "GradDesyncError",
+    "NoGradientError",
+    "RecomputeMismatchError",
+    "ResumeError",
+    "error_line",
+    "first_lines",
+]
 
 
 class ConfigError(ValueError):

@@ -9,8 +9,16 @@ import warnings
 
 from distckpt.errors import ConfigError
 
-__all__ = ["GRAPHS", "OPTIMIZERS", "SHARDED", "STRATEGIES", "check_graph", "check_run", "check_shard_size",
-           "check_strategy"]
+__all__ = [
+    "GRAPHS",
+    "OPTIMIZERS",
+    "SHARDED",
+    "STRATEGIES",
+    "check_graph",
+    "check_run",
+    "check_shard_size",
+    "check_strategy",
+]
 
 STRATEGIES = ("none", "ddp", "fsdp", "fsdp2", "hsdp")
 # The strategies that shard parameters, gradients and optimizer state. "hsdp" is FSDP2 over a 2-D mesh
@@ -40,7 +48,8 @@ def check_shard_size(shard_size: object, world_size: int) -> None:
         raise ConfigError(
             f"hsdp shard_size={shard_size} does not divide the world size {world_size}: the mesh is "
             f"(world // shard_size, shard_size). Use a shard_size that divides {world_size}, usually the ranks "
-            "per node (LOCAL_WORLD_SIZE).")
+            "per node (LOCAL_WORLD_SIZE)."
+        )
 
 
 def check_graph(graph: str) -> None:
@@ -48,16 +57,22 @@ def check_graph(graph: str) -> None:
     if graph not in GRAPHS:
         raise ConfigError(f"graph must be one of {GRAPHS}, got {graph!r}.")
     if graph == "dynamic":
-        warnings.warn("graph='dynamic' is an alias of graph='auto' (any used parameters, by step or rank) and will "
-                      "be removed; use graph='auto'.", FutureWarning, stacklevel=3)
+        warnings.warn(
+            "graph='dynamic' is an alias of graph='auto' (any used parameters, by step or rank) and will "
+            "be removed; use graph='auto'.",
+            FutureWarning,
+            stacklevel=3,
+        )
 
 
 def reentrant_refusal(strategy: str) -> str | None:
     """Why ``strategy`` cannot run reentrant-checkpointed blocks, or None."""
     if strategy == "fsdp":
-        return ("reentrant checkpointing under FSDP1 is not supported by distckpt: FSDP reduces a unit's flat "
-                "gradient from a hook that a reentrant block's nested backward fires on its own. Use "
-                "distckpt.wrap(..., reentrant=False), or strategy='fsdp2'.")
+        return (
+            "reentrant checkpointing under FSDP1 is not supported by distckpt: FSDP reduces a unit's flat "
+            "gradient from a hook that a reentrant block's nested backward fires on its own. Use "
+            "distckpt.wrap(..., reentrant=False), or strategy='fsdp2'."
+        )
     return None
 
 
@@ -66,9 +81,11 @@ def accumulate_refusal(strategy: str, *, reentrant: bool, graph: str) -> str | N
     if strategy == "ddp" and (reentrant or graph == "static"):
         # DDP's static graph (set for both) asserts inside its reducer when a step skips sync.
         why = "reentrant checkpointing" if reentrant else "graph='static'"
-        return (f"gradient accumulation cannot skip sync under DDP static_graph=True (set for {why}). Use "
-                "distckpt.wrap(..., reentrant=False) and graph='auto', or accumulate by summing the micro-batch "
-                "losses before one backward.")
+        return (
+            f"gradient accumulation cannot skip sync under DDP static_graph=True (set for {why}). Use "
+            "distckpt.wrap(..., reentrant=False) and graph='auto', or accumulate by summing the micro-batch "
+            "losses before one backward."
+        )
     return None
 
 
@@ -87,6 +104,7 @@ def check_run(strategy: str, *, reentrant: bool = False, graph: str = "auto", ac
     check_strategy(strategy)
     check_graph(graph)
     why = (reentrant and reentrant_refusal(strategy)) or (
-        accumulate and accumulate_refusal(strategy, reentrant=reentrant, graph=graph))
+        accumulate and accumulate_refusal(strategy, reentrant=reentrant, graph=graph)
+    )
     if why:
         raise ConfigError(why)

@@ -66,5 +66,7 @@ class TwoTaskNet(nn.Module):
         h = self.inp(batch["x"])
         for block in self.blocks:
             h = block(h)
-        return {"cls": F.cross_entropy(self.cls_head(h), batch["y"]),
-                "reg": F.mse_loss(self.reg_head(h).squeeze(-1), batch["z"])}
+        return {
+            "cls": F.cross_entropy(self.cls_head(h), batch["y"]),
+            "reg": F.mse_loss(self.reg_head(h).squeeze(-1), batch["z"]),
+        }

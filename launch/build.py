@@ -36,15 +36,24 @@ def build_model(m: DictConfig, d: DictConfig) -> nn.Module:
         ConfigError: ``model=custom`` with a ``_target_`` that cannot be built (see ``launch/targets.py``).
     """
     if m.name == "custom":
-        return instantiate_target(m, "model", (nn.Module,), "an nn.Module whose forward(batch) returns a dict "
-                                  "of named scalar losses")
+        return instantiate_target(
+            m, "model", (nn.Module,), "an nn.Module whose forward(batch) returns a dict of named scalar losses"
+        )
     if m.name == "gpt":
-        return MultiTaskGPT(vocab_size=m.vocab_size, seq_len=m.seq_len, d_model=m.d_model, n_layer=m.n_layer,
-                            n_head=m.n_head, n_classes=m.n_classes, dropout=m.dropout)
+        return MultiTaskGPT(
+            vocab_size=m.vocab_size,
+            seq_len=m.seq_len,
+            d_model=m.d_model,
+            n_layer=m.n_layer,
+            n_head=m.n_head,
+            n_classes=m.n_classes,
+            dropout=m.dropout,
+        )
     if m.name == "mlp":
         in_features = DIGITS_FEATURES if d.name == "digits" else m.in_features
-        return MultiTaskMLP(in_features=in_features, hidden=m.hidden, n_layer=m.n_layer,
-                            n_classes_a=m.n_classes_a, dropout=m.dropout)
+        return MultiTaskMLP(
+            in_features=in_features, hidden=m.hidden, n_layer=m.n_layer, n_classes_a=m.n_classes_a, dropout=m.dropout
+        )
     from launch.hf import build_hf  # transformers/peft: the "hf" extra
 
     return build_hf(m)
@@ -60,8 +69,9 @@ def build_datasets(d: DictConfig, m: DictConfig) -> tuple[Any, Any]:
         what = "a torch.utils.data.Dataset of dicts of tensors or an IterableDataset"
         train_set = instantiate_target(d, "data", (Dataset, IterableDataset), what)
         eval_over = OmegaConf.to_container(d.eval, resolve=True) if d.get("eval") else None
-        return train_set, instantiate_target(d, "data", (Dataset, IterableDataset), what, **eval_over) if eval_over \
-            else None
+        return train_set, instantiate_target(
+            d, "data", (Dataset, IterableDataset), what, **eval_over
+        ) if eval_over else None
     if d.name == "tokens":
         vocab = m.get("vocab_size")
 
@@ -72,11 +82,14 @@ def build_datasets(d: DictConfig, m: DictConfig) -> tuple[Any, Any]:
     if d.name == "digits":
         return digits("train", d.n_eval), digits("eval", d.n_eval) if d.n_eval else None
     if m.name == "mlp":
+
         def make(n: int, seed: int) -> Any:
             return synthetic_mlp(n, m.in_features, m.n_classes_a, seed=seed)
     else:
+
         def make(n: int, seed: int) -> Any:
             return synthetic_tokens(n, m.seq_len, m.vocab_size, m.n_classes, seed=seed, noise=d.noise)
+
     # The eval split: other samples of the same task (another seed).
     return make(d.n, d.seed), make(d.n_eval, d.seed + 7919) if d.n_eval else None
 
@@ -94,12 +107,27 @@ def build_data(d: DictConfig, m: DictConfig, device: torch.device | None = None)
     pin = bool(d.pin_memory) and device is not None and device.type == "cuda"
     if d.name == "multitask":
         datasets = {t: build_datasets(task_data(task.data), m) for t, task in d.tasks.items()}
-        return TaskMixLoader(datasets, {t: float(task.weight) for t, task in d.tasks.items()}, d.batch_size,
-                             shuffle=d.shuffle, seed=d.seed, num_workers=d.num_workers, pin_memory=pin,
-                             drop_last=d.drop_last)
+        return TaskMixLoader(
+            datasets,
+            {t: float(task.weight) for t, task in d.tasks.items()},
+            d.batch_size,
+            shuffle=d.shuffle,
+            seed=d.seed,
+            num_workers=d.num_workers,
+            pin_memory=pin,
+            drop_last=d.drop_last,
+        )
     train_set, eval_set = build_datasets(d, m)
-    return ShardedLoader(train_set, d.batch_size, shuffle=d.shuffle, seed=d.seed, num_workers=d.num_workers,
-                         pin_memory=pin, drop_last=d.drop_last, eval_dataset=eval_set)
+    return ShardedLoader(
+        train_set,
+        d.batch_size,
+        shuffle=d.shuffle,
+        seed=d.seed,
+        num_workers=d.num_workers,
+        pin_memory=pin,
+        drop_last=d.drop_last,
+        eval_dataset=eval_set,
+    )
 
 
 class WarmupDecay:
@@ -125,12 +153,12 @@ def build_optimizer(o: DictConfig, model: nn.Module, max_steps: int) -> tuple[to
     """The optimizer and LR scheduler of ``optim=...``."""
     params = [p for p in model.parameters() if p.requires_grad]
     if o.name == "adamw":
-        opt: torch.optim.Optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas),
-                                                       weight_decay=o.weight_decay)
+        opt: torch.optim.Optimizer = torch.optim.AdamW(
+            params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay
+        )
     else:
         opt = torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, WarmupDecay(o.scheduler, o.warmup_steps, max_steps,
-                                                               o.min_lr_ratio))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, WarmupDecay(o.scheduler, o.warmup_steps, max_steps, o.min_lr_ratio))
     return opt, sched
 
 
@@ -142,8 +170,12 @@ def budget_facts(cfg: DictConfig, world_size: int) -> dict[str, Any]:
 
     o = cfg.optim
     optimizer = o.name if o.name != "sgd" else ("sgd_momentum" if o.momentum else "sgd")
-    return dict(strategy=cfg.strategy.name, optimizer=optimizer, grad_accumulation=cfg.trainer.grad_accum > 1,
-                shard_size=shard_size(cfg.strategy, world_size))
+    return dict(
+        strategy=cfg.strategy.name,
+        optimizer=optimizer,
+        grad_accumulation=cfg.trainer.grad_accum > 1,
+        shard_size=shard_size(cfg.strategy, world_size),
+    )
 
 
 def parallel_kwargs(p: DictConfig, strategy: str) -> dict[str, Any]:
@@ -154,8 +186,7 @@ def parallel_kwargs(p: DictConfig, strategy: str) -> dict[str, Any]:
     if strategy == "fsdp":
         from torch.distributed.fsdp import MixedPrecision
 
-        return {"mixed_precision": MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32,
-                                                  buffer_dtype=dtype)}
+        return {"mixed_precision": MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32, buffer_dtype=dtype)}
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     return {"mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)}

@@ -55,8 +55,9 @@ def refuse_renamed(overrides: list[str]) -> None:
         group, _, rest = key.partition(".")
         if group in RENAMED_GROUPS:
             new = RENAMED_GROUPS[group] + (f".{rest}" if rest else "") + (f"{eq}{value}" if eq else "")
-            raise ConfigError(f"the config group `{group}` is now called `{RENAMED_GROUPS[group]}`: "
-                              f"write {new} instead of {o}.")
+            raise ConfigError(
+                f"the config group `{group}` is now called `{RENAMED_GROUPS[group]}`: write {new} instead of {o}."
+            )
 
 
 def compose(overrides: list[str]) -> DictConfig:

@@ -194,12 +194,17 @@ def _run_id() -> str:
 
 # Every schema with its group; register() stores them and the range test walks their fields.
 SCHEMAS: list[tuple[str, str, type]] = [
-    ("model", "gpt_schema", GPTModelConfig), ("model", "mlp_schema", MLPModelConfig),
-    ("model", "hf_schema", HFModelConfig), ("data", "data_schema", DataConfig),
+    ("model", "gpt_schema", GPTModelConfig),
+    ("model", "mlp_schema", MLPModelConfig),
+    ("model", "hf_schema", HFModelConfig),
+    ("data", "data_schema", DataConfig),
     ("data", "tokens_schema", TokensDataConfig),
-    ("strategy", "strategy_schema", StrategyConfig), ("ac", "ac_schema", ACConfig),
-    ("precision", "precision_schema", PrecisionConfig), ("optim", "optim_schema", OptimConfig),
-    ("logger", "logger_schema", LoggerConfig), ("trainer", "trainer_schema", TrainerConfig),
+    ("strategy", "strategy_schema", StrategyConfig),
+    ("ac", "ac_schema", ACConfig),
+    ("precision", "precision_schema", PrecisionConfig),
+    ("optim", "optim_schema", OptimConfig),
+    ("logger", "logger_schema", LoggerConfig),
+    ("trainer", "trainer_schema", TrainerConfig),
 ]
 
 
@@ -320,13 +325,15 @@ def _check_ranges(cfg: DictConfig) -> None:
         shown = f"[{','.join(map(str, values))}]" if isinstance(value, ListConfig) else value
         kind = "an integer" if all(isinstance(v, int) for v in values) else "a number"
         if key in LENGTHS and len(values) != LENGTHS[key]:
-            raise ConfigError(f"{key}={shown} needs {LENGTHS[key]} values, each {allowed}; fix the override "
-                              f"{key}=[...].")
+            raise ConfigError(
+                f"{key}={shown} needs {LENGTHS[key]} values, each {allowed}; fix the override {key}=[...]."
+            )
         if any(v not in allowed for v in values):
             what = "each value" if isinstance(value, ListConfig) else "it"
             why = f" ({allowed.why})" if allowed.why else ""
-            raise ConfigError(f"{key}={shown} is out of range: {what} must be {kind} {allowed}{why}; "
-                              f"fix the override {key}=...")
+            raise ConfigError(
+                f"{key}={shown} is out of range: {what} must be {kind} {allowed}{why}; fix the override {key}=..."
+            )
 
 
 def shard_size(strategy: DictConfig, world_size: int) -> int | None:
@@ -342,14 +349,18 @@ def shard_size(strategy: DictConfig, world_size: int) -> int | None:
 def _validate_shard_size(strategy: DictConfig, world_size: int) -> None:
     if strategy.name != "hsdp":
         if strategy.shard_size is not None:
-            raise ConfigError(f"strategy.shard_size={strategy.shard_size} is for strategy=hsdp (got "
-                              f"strategy={strategy.name}); remove it, or use strategy=hsdp.")
+            raise ConfigError(
+                f"strategy.shard_size={strategy.shard_size} is for strategy=hsdp (got "
+                f"strategy={strategy.name}); remove it, or use strategy=hsdp."
+            )
         return
     try:
         check_shard_size(shard_size(strategy, world_size), world_size)
     except ConfigError as e:
-        raise ConfigError(f"strategy=hsdp strategy.shard_size={strategy.shard_size}: {e} Fix the override "
-                          "strategy.shard_size=N (the ranks per node).") from None
+        raise ConfigError(
+            f"strategy=hsdp strategy.shard_size={strategy.shard_size}: {e} Fix the override "
+            "strategy.shard_size=N (the ranks per node)."
+        ) from None
 
 
 def validate(cfg: DictConfig, world_size: int = 1) -> None:
@@ -386,11 +397,15 @@ def validate(cfg: DictConfig, world_size: int = 1) -> None:
 def _check_combinations(cfg: DictConfig, world_size: int) -> None:
     t, s, d, m = cfg.trainer, cfg.strategy.name, cfg.data, cfg.model
     if s == "none" and world_size > 1:
-        raise ConfigError(f"strategy=none with {world_size} processes would train {world_size} unrelated "
-                          "copies; use strategy=ddp (or fsdp, fsdp2), or run one process.")
+        raise ConfigError(
+            f"strategy=none with {world_size} processes would train {world_size} unrelated "
+            "copies; use strategy=ddp (or fsdp, fsdp2), or run one process."
+        )
     if d.batch_size % (world_size * t.grad_accum):
-        raise ConfigError(f"data.batch_size={d.batch_size} must be a multiple of {world_size} ranks x "
-                          f"trainer.grad_accum={t.grad_accum}; change data.batch_size or trainer.grad_accum.")
+        raise ConfigError(
+            f"data.batch_size={d.batch_size} must be a multiple of {world_size} ranks x "
+            f"trainer.grad_accum={t.grad_accum}; change data.batch_size or trainer.grad_accum."
+        )
     if m.name == "hf" and m.pretrained:
         from launch.hf import check_pretrained
 
@@ -400,9 +415,11 @@ def _check_combinations(cfg: DictConfig, world_size: int) -> None:
         for name, task in d.tasks.items():
             share = d.batch_size * task.weight / total
             if share != int(share) or share % (world_size * t.grad_accum):
-                raise ConfigError(f"data.tasks.{name}: weight {task.weight} gives {share:g} of data.batch_size="
-                                  f"{d.batch_size} samples, not a multiple of {world_size} ranks x trainer.grad_accum="
-                                  f"{t.grad_accum}; change data.batch_size or the task weights.")
+                raise ConfigError(
+                    f"data.tasks.{name}: weight {task.weight} gives {share:g} of data.batch_size="
+                    f"{d.batch_size} samples, not a multiple of {world_size} ranks x trainer.grad_accum="
+                    f"{t.grad_accum}; change data.batch_size or the task weights."
+                )
     if d.name == "tokens":
         if d.dtype not in ("uint16", "uint32"):
             raise ConfigError(f"data.dtype={d.dtype!r} is not one of uint16, uint32.")
@@ -410,27 +427,37 @@ def _check_combinations(cfg: DictConfig, world_size: int) -> None:
             if d[key] is not None and not Path(d[key]).is_file():
                 raise ConfigError(f"data.{key}={d[key]} is not a file; write one with scripts/make_tokens.py.")
         if "seq_len" not in m:
-            raise ConfigError(f"data=tokens cuts the file into model.seq_len windows: model={m.name} has no "
-                              "seq_len (add +model.seq_len=N).")
+            raise ConfigError(
+                f"data=tokens cuts the file into model.seq_len windows: model={m.name} has no "
+                "seq_len (add +model.seq_len=N)."
+            )
     if d.name == "digits" and m.name not in ("mlp", "custom"):
         raise ConfigError(f"data=digits is image features: it needs model=mlp (got model={m.name}).")
     if cfg.precision.dtype == "fp16" and not cfg.precision.grad_scaler:
-        raise ConfigError("precision.dtype=fp16 without a grad scaler underflows; use precision=fp16 "
-                          "(which sets precision.grad_scaler=true) or precision=bf16.")
+        raise ConfigError(
+            "precision.dtype=fp16 without a grad scaler underflows; use precision=fp16 "
+            "(which sets precision.grad_scaler=true) or precision=bf16."
+        )
     if cfg.precision.sharded and s not in SHARDED:
-        raise ConfigError(f"precision.sharded=true needs strategy=fsdp, fsdp2 or hsdp (got strategy={s}); "
-                          "use precision=bf16 (autocast) instead.")
+        raise ConfigError(
+            f"precision.sharded=true needs strategy=fsdp, fsdp2 or hsdp (got strategy={s}); "
+            "use precision=bf16 (autocast) instead."
+        )
     _validate_shard_size(cfg.strategy, world_size)
     try:  # the library's own rule for these settings, so --check and parallelize agree
         check_run(s, reentrant=cfg.ac.reentrant, graph=cfg.strategy.graph, accumulate=t.grad_accum > 1)
     except ConfigError as e:
-        raise ConfigError(f"strategy={s} strategy.graph={cfg.strategy.graph} ac.reentrant={cfg.ac.reentrant} "
-                          f"trainer.grad_accum={t.grad_accum}: {e}") from None
+        raise ConfigError(
+            f"strategy={s} strategy.graph={cfg.strategy.graph} ac.reentrant={cfg.ac.reentrant} "
+            f"trainer.grad_accum={t.grad_accum}: {e}"
+        ) from None
     if "n_head" in m and m.d_model % m.n_head:
         raise ConfigError(f"model.d_model={m.d_model} must be divisible by model.n_head={m.n_head}.")
     if m.get("kv_heads") is not None and m.n_head % m.kv_heads:
-        raise ConfigError(f"model.n_head={m.n_head} must be divisible by model.kv_heads={m.kv_heads} (each key/value "
-                          "head serves n_head / kv_heads query heads).")
+        raise ConfigError(
+            f"model.n_head={m.n_head} must be divisible by model.kv_heads={m.kv_heads} (each key/value "
+            "head serves n_head / kv_heads query heads)."
+        )
 
 
 # Optional packages: (the override that needs it, when, the module, the pyproject extra that installs it).
@@ -446,8 +473,10 @@ def check_extras(cfg: DictConfig) -> None:
     """Raise ConfigError naming the extra to install when the config needs a package that is missing."""
     for override, needed, module, extra in EXTRAS:
         if needed(cfg) and not _importable(module):
-            raise ConfigError(f"{override} needs the {module} package, which is not installed: "
-                              f"pip install -e '.[{extra}]' (from the checkout).")
+            raise ConfigError(
+                f"{override} needs the {module} package, which is not installed: "
+                f"pip install -e '.[{extra}]' (from the checkout)."
+            )
 
 
 def _importable(module: str) -> bool:
@@ -490,8 +519,10 @@ def check_model(cfg: DictConfig) -> None:
         raise ConfigError(f"ac.policy={c.policy}: {e}") from None
     cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
     if isinstance(policy, Budget) and policy.bytes is None and not cuda:
-        raise ConfigError(f"ac.policy={c.policy}: budget:auto uses the free CUDA memory, and this run has no CUDA "
-                          f"device (trainer.device={cfg.trainer.device}); give a size, e.g. ac.size=2GiB.")
+        raise ConfigError(
+            f"ac.policy={c.policy}: budget:auto uses the free CUDA memory, and this run has no CUDA "
+            f"device (trainer.device={cfg.trainer.device}); give a size, e.g. ac.size=2GiB."
+        )
     if not _meta_buildable(cfg.model):
         return  # a user's model may read files or weights in __init__: wrap checks it at start
     try:
@@ -502,8 +533,9 @@ def check_model(cfg: DictConfig) -> None:
     except (ValueError, TypeError, KeyError, RuntimeError) as e:  # e.g. a model type transformers lacks
         text = str(e).strip().splitlines()[0] if str(e).strip() else ""
         text = text if len(text) <= 160 else text[:160].rsplit(" ", 1)[0] + " ..."  # HF lists every model type
-        raise ConfigError(f"model={cfg.model.name} cannot be built from these model.* values: "
-                          f"{type(e).__name__}: {text}") from None
+        raise ConfigError(
+            f"model={cfg.model.name} cannot be built from these model.* values: {type(e).__name__}: {text}"
+        ) from None
     blocks = list(c.blocks) if c.blocks else None
     try:
         distckpt.wrap(model, policy, blocks=blocks, reentrant=c.reentrant, offload="cpu" if c.offload else None)

@@ -52,8 +52,14 @@ def build_subject(overrides: tuple[str, ...], wrap: bool, nproc: int, preserve_r
     c = cfg.ac
     if wrap:
         example = ShardedLoader(train_set, cfg.data.batch_size, rank=0, world_size=nproc).example()
-        distckpt.wrap(model, c.policy, blocks=list(c.blocks) if c.blocks else None, reentrant=c.reentrant,
-                      preserve_rng_state=preserve_rng_state, example_inputs=(example,))
+        distckpt.wrap(
+            model,
+            c.policy,
+            blocks=list(c.blocks) if c.blocks else None,
+            reentrant=c.reentrant,
+            preserve_rng_state=preserve_rng_state,
+            example_inputs=(example,),
+        )
 
     def loss_fn(m: nn.Module, batch: Any) -> torch.Tensor:
         return sum(m(batch).values())  # the launcher's loss: the sum of the task losses
@@ -112,8 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         opts.strategy = opts.strategy or cfg.strategy.name
         opts.graph = opts.graph or cfg.strategy.graph
         # The config's checkpointing, unless --policy overrides it (then the doctor wraps).
-        opts.factory = functools.partial(build_subject, tuple(args.overrides), opts.policy is None,
-                                         opts.nproc, opts.preserve_rng_state)
+        opts.factory = functools.partial(
+            build_subject, tuple(args.overrides), opts.policy is None, opts.nproc, opts.preserve_rng_state
+        )
         return doctor(opts)
     except ConfigError as e:
         print(f"distckpt doctor: {e}", file=sys.stderr)

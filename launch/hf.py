@@ -20,8 +20,10 @@ from distckpt.train.models import MultiTaskHF, build_hf_causal_lm
 def check_pretrained(path: str) -> None:
     """Raise unless ``path`` is a local directory written by ``save_pretrained`` (it has a ``config.json``)."""
     if not (Path(path) / "config.json").is_file():
-        raise ConfigError(f"model.pretrained={path} is not a local directory with a config.json (one written by "
-                          "save_pretrained); nothing is downloaded: give the directory of a saved model.")
+        raise ConfigError(
+            f"model.pretrained={path} is not a local directory with a config.json (one written by "
+            "save_pretrained); nothing is downloaded: give the directory of a saved model."
+        )
 
 
 def build_hf(m: DictConfig) -> MultiTaskHF:
@@ -40,13 +42,24 @@ def build_hf(m: DictConfig) -> MultiTaskHF:
         lm = AutoModelForCausalLM.from_pretrained(m.pretrained, local_files_only=True)
         lm.config.use_cache = False  # checkpointed layers must not write a cache (docs: DESIGN.md)
         if m.vocab_size > lm.config.vocab_size:
-            raise ConfigError(f"model.vocab_size={m.vocab_size} exceeds the pretrained vocabulary "
-                              f"({lm.config.vocab_size}) of {m.pretrained}; lower model.vocab_size.")
+            raise ConfigError(
+                f"model.vocab_size={m.vocab_size} exceeds the pretrained vocabulary "
+                f"({lm.config.vocab_size}) of {m.pretrained}; lower model.vocab_size."
+            )
         model = MultiTaskHF(lm, m.n_classes)
     else:
-        model = build_hf_causal_lm(m.config_name, vocab_size=m.vocab_size, seq_len=m.seq_len, n_layer=m.n_layer,
-                                   d_model=m.d_model, n_head=m.n_head, n_classes=m.n_classes, dropout=m.dropout,
-                                   intermediate_size=m.intermediate_size, kv_heads=m.kv_heads)
+        model = build_hf_causal_lm(
+            m.config_name,
+            vocab_size=m.vocab_size,
+            seq_len=m.seq_len,
+            n_layer=m.n_layer,
+            d_model=m.d_model,
+            n_head=m.n_head,
+            n_classes=m.n_classes,
+            dropout=m.dropout,
+            intermediate_size=m.intermediate_size,
+            kv_heads=m.kv_heads,
+        )
     if m.lora.r > 0:
         model.lm = _add_lora(model.lm, m.lora)
     return model
@@ -57,11 +70,17 @@ def _add_lora(lm: nn.Module, c: DictConfig) -> nn.Module:
 
     targets = OmegaConf.to_container(c.target_modules) if c.target_modules else None
     try:
-        return get_peft_model(lm, LoraConfig(r=c.r, lora_alpha=c.alpha, lora_dropout=c.dropout,
-                                             target_modules=targets, task_type="CAUSAL_LM"))
+        return get_peft_model(
+            lm,
+            LoraConfig(
+                r=c.r, lora_alpha=c.alpha, lora_dropout=c.dropout, target_modules=targets, task_type="CAUSAL_LM"
+            ),
+        )
     except ValueError as e:  # peft: unknown default targets for this model type, or targets not found
-        raise ConfigError(f"model.lora: {first_lines(e)} Set model.lora.target_modules=[...] to module "
-                          "names of this model (e.g. [c_attn] for gpt2, [q_proj,v_proj] for llama).") from None
+        raise ConfigError(
+            f"model.lora: {first_lines(e)} Set model.lora.target_modules=[...] to module "
+            "names of this model (e.g. [c_attn] for gpt2, [q_proj,v_proj] for llama)."
+        ) from None
 
 
 def save_hf(model: nn.Module, inner: MultiTaskHF, run_dir: str) -> Path | None:
@@ -75,9 +94,9 @@ def save_hf(model: nn.Module, inner: MultiTaskHF, run_dir: str) -> Path | None:
     if rank_world()[0] != 0:
         return None
     out = Path(run_dir) / "hf"
-    lm_sd = {k[len("lm."):]: v for k, v in full.items() if k.startswith("lm.")}
+    lm_sd = {k[len("lm.") :]: v for k, v in full.items() if k.startswith("lm.")}
     inner.lm.save_pretrained(str(out), state_dict=lm_sd)
-    torch.save({k[len("cls_head."):]: v for k, v in full.items() if k.startswith("cls_head.")}, out / "task_head.pt")
+    torch.save({k[len("cls_head.") :]: v for k, v in full.items() if k.startswith("cls_head.")}, out / "task_head.pt")
     return out
 
 

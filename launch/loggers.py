@@ -43,14 +43,18 @@ class WandbWriter:
     lives in the run dir, so a resumed run continues the same wandb run.
     """
 
-    def __init__(self, run_dir: Path, mode: str, project: str, config: dict[str, Any],
-                 init_timeout: float = 20.0) -> None:
+    def __init__(
+        self, run_dir: Path, mode: str, project: str, config: dict[str, Any], init_timeout: float = 20.0
+    ) -> None:
         import wandb  # needs the wandb package (extra "launch")
 
         mode = os.environ.get("WANDB_MODE", mode)  # the user's environment wins (offline on a cluster, ...)
         if mode == "online" and not (os.environ.get("WANDB_API_KEY") or _wandb_logged_in()):
-            warnings.warn("wandb: no API key (WANDB_API_KEY or `wandb login`); logging offline to the run dir. "
-                          "Sync later with `wandb sync RUN_DIR/wandb`.", stacklevel=3)
+            warnings.warn(
+                "wandb: no API key (WANDB_API_KEY or `wandb login`); logging offline to the run dir. "
+                "Sync later with `wandb sync RUN_DIR/wandb`.",
+                stacklevel=3,
+            )
             mode = "offline"
         id_file = run_dir / "wandb_id.txt"
         run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
@@ -76,8 +80,11 @@ def _init_or_offline(wandb: Any, mode: str, kwargs: dict[str, Any]) -> Any:
         return wandb.init(mode=mode, **kwargs)
     except Exception as e:  # AuthenticationError, CommError (timeout, no network), UsageError, ...: never fatal
         if mode != "online":
-            warnings.warn(f"wandb: init in mode {mode} failed ({error_line(e)}); wandb is off for this run, "
-                          "metrics.jsonl has every metric.", stacklevel=4)
+            warnings.warn(
+                f"wandb: init in mode {mode} failed ({error_line(e)}); wandb is off for this run, "
+                "metrics.jsonl has every metric.",
+                stacklevel=4,
+            )
             return None
         first = error_line(e)
     try:
@@ -87,11 +94,17 @@ def _init_or_offline(wandb: Any, mode: str, kwargs: dict[str, Any]) -> Any:
         wandb.teardown()
         run = wandb.init(mode="offline", **kwargs)
     except Exception as e:
-        warnings.warn(f"wandb: online init failed ({first}) and offline too ({error_line(e)}); wandb is off for "
-                      "this run, metrics.jsonl has every metric.", stacklevel=4)
+        warnings.warn(
+            f"wandb: online init failed ({first}) and offline too ({error_line(e)}); wandb is off for "
+            "this run, metrics.jsonl has every metric.",
+            stacklevel=4,
+        )
         return None
-    warnings.warn(f"wandb: online init failed ({first}); logging offline to the run dir instead "
-                  "(sync later with `wandb sync RUN_DIR/wandb`).", stacklevel=4)
+    warnings.warn(
+        f"wandb: online init failed ({first}); logging offline to the run dir instead "
+        "(sync later with `wandb sync RUN_DIR/wandb`).",
+        stacklevel=4,
+    )
     return run
 
 
@@ -100,8 +113,9 @@ def _wandb_logged_in() -> bool:
     return netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
 
 
-def build_writers(logger: DictConfig, run_dir: str | os.PathLike[str], config: dict[str, Any],
-                  enabled: bool) -> list[MetricWriter]:
+def build_writers(
+    logger: DictConfig, run_dir: str | os.PathLike[str], config: dict[str, Any], enabled: bool
+) -> list[MetricWriter]:
     """The writers of the ``logger`` group (none on ranks other than 0, where ``enabled`` is False)."""
     if not enabled:
         return []
@@ -111,6 +125,7 @@ def build_writers(logger: DictConfig, run_dir: str | os.PathLike[str], config: d
     if logger.tensorboard:
         writers.append(TensorBoardWriter(path))
     if logger.wandb and logger.wandb != "disabled":
-        writers.append(WandbWriter(path, logger.wandb, logger.wandb_project, config,
-                                   init_timeout=logger.wandb_init_timeout))
+        writers.append(
+            WandbWriter(path, logger.wandb, logger.wandb_project, config, init_timeout=logger.wandb_init_timeout)
+        )
     return writers

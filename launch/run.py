@@ -46,8 +46,9 @@ def _init_distributed(strategy: str, device: torch.device) -> bool:
     if dist.is_initialized() or (strategy == "none" and int(os.environ.get("WORLD_SIZE", "1")) == 1):
         return False
     if "RANK" not in os.environ:  # `python launch/train.py strategy=ddp`: a job of one process
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
+        os.environ.update(
+            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+        )
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(minutes=10)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -59,10 +60,20 @@ def _init_distributed(strategy: str, device: torch.device) -> bool:
     # init_process_group. A key prefix per attempt keeps every attempt's rendezvous apart.
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=not agent_store and rank == 0, timeout=timeout)
-    dist.init_process_group(backend, store=dist.PrefixStore(f"distckpt/attempt_{restart}", store),
-                            rank=rank, world_size=world, timeout=timeout)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=not agent_store and rank == 0,
+        timeout=timeout,
+    )
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"distckpt/attempt_{restart}", store),
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+    )
     return True
 
 
@@ -93,16 +104,21 @@ def ac_policy(cfg: DictConfig, world: int) -> Any:
     policy = distckpt.parse_policy(cfg.ac.policy)
     if not isinstance(policy, distckpt.Budget):
         return policy
-    return dataclasses.replace(policy, **budget_facts(cfg, world),
-                               offload_flops_per_byte=cfg.ac.offload_flops_per_byte)
+    return dataclasses.replace(policy, **budget_facts(cfg, world), offload_flops_per_byte=cfg.ac.offload_flops_per_byte)
 
 
 def _wrap(model: torch.nn.Module, cfg: DictConfig, example: dict[str, torch.Tensor]) -> None:
     c = cfg.ac
     if c.policy == "none":  # nothing to checkpoint: a model without repeated blocks (model=custom) is fine
         return
-    distckpt.wrap(model, ac_policy(cfg, rank_world()[1]), blocks=list(c.blocks) if c.blocks else None,
-                  reentrant=c.reentrant, offload="cpu" if c.offload else None, example_inputs=(example,))
+    distckpt.wrap(
+        model,
+        ac_policy(cfg, rank_world()[1]),
+        blocks=list(c.blocks) if c.blocks else None,
+        reentrant=c.reentrant,
+        offload="cpu" if c.offload else None,
+        example_inputs=(example,),
+    )
 
 
 def _optional_guard(model: torch.nn.Module, every: int) -> Any:
@@ -172,8 +188,9 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -> Loo
     strategy = cfg.strategy.name
     shards = shard_size(cfg.strategy, world)  # hsdp only: the mesh is (world // shards, shards)
     extra = {"shard_size": shards} if shards else {}
-    model = distckpt.parallelize(model, strategy, graph=cfg.strategy.graph, **extra,
-                                 **parallel_kwargs(cfg.precision, strategy))
+    model = distckpt.parallelize(
+        model, strategy, graph=cfg.strategy.graph, **extra, **parallel_kwargs(cfg.precision, strategy)
+    )
     optimizer, scheduler = build_optimizer(cfg.optim, model, t.max_steps)
     state = TrainState(model, optimizer, scheduler, build_scaler(cfg.precision, strategy, device), data=data)
     guard = _optional_guard(model, t.guard_every)
@@ -182,16 +199,35 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -> Loo
     writers = build_writers(cfg.logger, path, OmegaConf.to_container(cfg, resolve=True), enabled=rank == 0)
     sink = MetricSink(path, writers=writers, enabled=rank == 0)
     opts = LoopOptions(
-        max_steps=t.max_steps, grad_accum=t.grad_accum, clip_grad_norm=t.clip_grad_norm, log_every=t.log_every,
-        save_every=t.save_every, keep_last=t.keep_last, eval_every=t.eval_every, resume=t.resume,
-        on_nonfinite=t.on_nonfinite, max_consecutive_skips=t.max_consecutive_skips, guard_every=t.guard_every,
-        progress=t.progress, task_weights=dict(t.task_weights),
+        max_steps=t.max_steps,
+        grad_accum=t.grad_accum,
+        clip_grad_norm=t.clip_grad_norm,
+        log_every=t.log_every,
+        save_every=t.save_every,
+        keep_last=t.keep_last,
+        eval_every=t.eval_every,
+        resume=t.resume,
+        on_nonfinite=t.on_nonfinite,
+        max_consecutive_skips=t.max_consecutive_skips,
+        guard_every=t.guard_every,
+        progress=t.progress,
+        task_weights=dict(t.task_weights),
     )
     callbacks = [_WriteConfig(cfg, path, rank), *user_callbacks]
     try:
-        result = fit(model, state, data, opts=opts, run_dir=path, sink=sink, device=device,
-                     autocast=autocast_factory(cfg.precision, device), clip=clip_fn(model, strategy), guard=guard,
-                     callbacks=callbacks)
+        result = fit(
+            model,
+            state,
+            data,
+            opts=opts,
+            run_dir=path,
+            sink=sink,
+            device=device,
+            autocast=autocast_factory(cfg.precision, device),
+            clip=clip_fn(model, strategy),
+            guard=guard,
+            callbacks=callbacks,
+        )
     finally:
         sink.close()
     if inner is not None and not result.stopped_by_signal and result.step == t.max_steps:
@@ -227,8 +263,9 @@ def _callbacks(entries: Any) -> list[Callback]:
         except Exception as err:  # hydra's InstantiationException wraps the import or constructor error
             raise ConfigError(f"trainer.callbacks: cannot make {target}: {first_lines(err)}") from None
         if not isinstance(cb, Callback):
-            raise ConfigError(f"trainer.callbacks: {target} made a {type(cb).__name__}, not a "
-                              "distckpt.train.Callback; subclass it.")
+            raise ConfigError(
+                f"trainer.callbacks: {target} made a {type(cb).__name__}, not a distckpt.train.Callback; subclass it."
+            )
         made.append(cb)
     return made
 
@@ -267,11 +304,17 @@ def _summary(cfg: DictConfig, r: LoopResult, path: str, model: torch.nn.Module) 
     mem_kind = "CUDA allocated" if torch.cuda.is_available() else "peak RSS"
     rows = [
         ("run dir", path),
-        ("job", f"model={cfg.model.name} data={cfg.data.name} strategy={cfg.strategy.name} x{world}{_mesh(cfg, world)} "
-                f"ac={cfg.ac.policy} precision={cfg.precision.name}"),
-        ("steps", f"{r.start_step} -> {r.step} of {cfg.trainer.max_steps}"
-                  + (f" (resumed from {Path(r.resumed_from).name})" if r.resumed_from else "")
-                  + (" (stopped by signal; rerun the same command to resume)" if r.stopped_by_signal else "")),
+        (
+            "job",
+            f"model={cfg.model.name} data={cfg.data.name} strategy={cfg.strategy.name} x{world}{_mesh(cfg, world)} "
+            f"ac={cfg.ac.policy} precision={cfg.precision.name}",
+        ),
+        (
+            "steps",
+            f"{r.start_step} -> {r.step} of {cfg.trainer.max_steps}"
+            + (f" (resumed from {Path(r.resumed_from).name})" if r.resumed_from else "")
+            + (" (stopped by signal; rerun the same command to resume)" if r.stopped_by_signal else ""),
+        ),
         ("final loss", losses or "-"),
         ("eval loss", f"{r.eval_loss:.4f}" if r.eval_loss is not None else "-"),
         ("time", f"{r.seconds:.1f} s"),
@@ -280,8 +323,10 @@ def _summary(cfg: DictConfig, r: LoopResult, path: str, model: torch.nn.Module) 
         ("checkpointed", shown or "nothing"),
         ("skipped steps", _skipped(r)),
         ("guards", r.guard),
-        ("checkpoints", f"{len(r.checkpoints)} written, latest {Path(r.checkpoints[-1]).name}" if r.checkpoints
-                        else "none"),
+        (
+            "checkpoints",
+            f"{len(r.checkpoints)} written, latest {Path(r.checkpoints[-1]).name}" if r.checkpoints else "none",
+        ),
         ("metrics", str(Path(path) / "metrics.jsonl")),
         *([("hf weights", str(Path(path) / "hf"))] if (Path(path) / "hf").is_dir() else []),
     ]
@@ -292,5 +337,7 @@ def _skipped(r: LoopResult) -> str:
     if not r.skipped_steps:
         return "none"
     shown = ", ".join(map(str, r.skipped_steps[:10])) + (", ..." if len(r.skipped_steps) > 10 else "")
-    return (f"{len(r.skipped_steps)} of {r.step - r.start_step} steps skipped (non-finite loss or gradient norm; "
-            f"no update): {shown}")
+    return (
+        f"{len(r.skipped_steps)} of {r.step - r.start_step} steps skipped (non-finite loss or gradient norm; "
+        f"no update): {shown}"
+    )

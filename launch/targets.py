@@ -44,8 +44,10 @@ def check_target(node: DictConfig, group: str) -> None:
     try:
         obj = get_object(target)
     except Exception as e:  # ImportError, AttributeError from the user's module: all mean "cannot import"
-        raise ConfigError(f"{group}._target_={target} cannot be imported ({first_lines(e.__cause__ or e, 2)}); "
-                          "give a dotted path module.name whose package is importable (on PYTHONPATH).") from None
+        raise ConfigError(
+            f"{group}._target_={target} cannot be imported ({first_lines(e.__cause__ or e, 2)}); "
+            "give a dotted path module.name whose package is importable (on PYTHONPATH)."
+        ) from None
     finally:
         quiet.disabled = was
     if not callable(obj):
@@ -57,12 +59,13 @@ def check_target(node: DictConfig, group: str) -> None:
     try:
         signature.bind(**kwargs)
     except TypeError as e:
-        raise ConfigError(f"{group}._target_={target} cannot be called with the arguments {sorted(kwargs)} ({e}); "
-                          f"fix the +{group}.KEY=VALUE overrides to match {target}{signature}.") from None
+        raise ConfigError(
+            f"{group}._target_={target} cannot be called with the arguments {sorted(kwargs)} ({e}); "
+            f"fix the +{group}.KEY=VALUE overrides to match {target}{signature}."
+        ) from None
 
 
-def instantiate_target(node: DictConfig, group: str, expect: tuple[type, ...], what: str,
-                       **overrides: Any) -> Any:
+def instantiate_target(node: DictConfig, group: str, expect: tuple[type, ...], what: str, **overrides: Any) -> Any:
     """Call ``node._target_`` with its keyword arguments (and ``overrides``) and check what it returns.
 
     Raises:

@@ -37,8 +37,13 @@ def main(cfg: DictConfig) -> None:
     except (ConfigError, NonFiniteLossError) as e:
         # Raised alike on every rank (the checks and the non-finite decision are the same everywhere):
         # rank 0 says it in one or two lines, every rank exits with the same code.
-        kind = "resume error" if isinstance(e, ResumeError) else "config error" if isinstance(e, ConfigError) \
+        kind = (
+            "resume error"
+            if isinstance(e, ResumeError)
+            else "config error"
+            if isinstance(e, ConfigError)
             else "stopped"
+        )
         code = EXIT_NONFINITE if isinstance(e, NonFiniteLossError) else EXIT_CONFIG
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"{kind}: {e}", file=sys.stderr)

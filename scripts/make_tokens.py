@@ -36,8 +36,13 @@ def write(ids: list[int], vocab_size: int, out_dir: Path, eval_fraction: float) 
     out_dir.mkdir(parents=True, exist_ok=True)
     arr[:cut].tofile(out_dir / "train.bin")
     arr[cut:].tofile(out_dir / "val.bin")
-    return {"data": "tokens", "data.path": str(out_dir / "train.bin"), "data.eval_path": str(out_dir / "val.bin"),
-            "data.dtype": dtype, "model.vocab_size": str(vocab_size)}
+    return {
+        "data": "tokens",
+        "data.path": str(out_dir / "train.bin"),
+        "data.eval_path": str(out_dir / "val.bin"),
+        "data.dtype": dtype,
+        "model.vocab_size": str(vocab_size),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

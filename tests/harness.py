@@ -62,8 +62,9 @@ def _regroup(rank: int, world_size: int, port: int, generation: int) -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"regroup{generation}/", store), rank=rank,
-                            world_size=world_size)
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore(f"regroup{generation}/", store), rank=rank, world_size=world_size
+    )
 
 
 def _worker(rank: int, world_size: int, port: int, path: list[str], inbox: Any, outbox: Any) -> None:
@@ -119,8 +120,11 @@ class DistPool:
         self._outbox = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(self.world_size)]
         self._procs = [
-            ctx.Process(target=_worker, args=(r, self.world_size, port, list(sys.path), self._inboxes[r], self._outbox),
-                        daemon=True)
+            ctx.Process(
+                target=_worker,
+                args=(r, self.world_size, port, list(sys.path), self._inboxes[r], self._outbox),
+                daemon=True,
+            )
             for r in range(self.world_size)
         ]
         for p in self._procs:
@@ -151,8 +155,9 @@ class DistPool:
             self.close()
             if errors:
                 raise RankError(errors) from None
-            raise TimeoutError(f"ranks {missing} did not finish {fn.__name__} in "
-                               f"{timeout or self.timeout:.0f}s (a hang?)") from None
+            raise TimeoutError(
+                f"ranks {missing} did not finish {fn.__name__} in {timeout or self.timeout:.0f}s (a hang?)"
+            ) from None
         if errors:
             self._generation += 1
             _, failed, missing = self._call(_REGROUP, (self._generation,), {}, self.REGROUP_S)
@@ -161,8 +166,9 @@ class DistPool:
             raise RankError(errors)
         return [results[r] for r in range(self.world_size)]
 
-    def _call(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], limit: float
-              ) -> tuple[dict[int, Any], dict[int, tuple[str, str, str]], list[int]]:
+    def _call(
+        self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], limit: float
+    ) -> tuple[dict[int, Any], dict[int, tuple[str, str, str]], list[int]]:
         """Send one job to every rank; (results, errors, ranks that did not answer in time) by rank."""
         for box in self._inboxes:
             box.put((fn, args, kwargs))

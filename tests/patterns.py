@@ -78,8 +78,16 @@ class HeadBlock(nn.Module):
 class MultiTask(nn.Module):
     """embed -> blocks -> one head per task; ``forward(x, tasks)`` computes only the given heads."""
 
-    def __init__(self, n_blocks: int = 2, d: int = D, lora: bool = False, frozen_embed: bool = False,
-                 heads_inside: bool = False, loss_param: bool = False, frozen_copy: bool = False):
+    def __init__(
+        self,
+        n_blocks: int = 2,
+        d: int = D,
+        lora: bool = False,
+        frozen_embed: bool = False,
+        heads_inside: bool = False,
+        loss_param: bool = False,
+        frozen_copy: bool = False,
+    ):
         super().__init__()
         if loss_param:
             self.log_scale = nn.Parameter(torch.tensor(0.1))  # read by the loss only, never by forward
@@ -177,6 +185,7 @@ def _sampled(step: int, rank: int) -> str:
 
 
 # --- local losses: (model, x, step, rank) -> scalar ----------------------------------------------
+
 
 def all_heads(model, x, step, rank):
     out = model(x)
@@ -420,8 +429,9 @@ def reference(pattern: Pattern, world_size: int, steps: int = 3) -> tuple[list[d
         for r in range(world_size):
             xs = micro_batches(pattern, step, r, world_size)
             pattern.schedule(model, pattern.loss, xs, step, r, contextlib.nullcontext, 1.0 / world_size)
-        grads.append({n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()
-                      if p.requires_grad})
+        grads.append(
+            {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        )
         opt.step()
     return grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -441,14 +451,17 @@ def full_grads(pm: nn.Module, strategy: str) -> dict[str, torch.Tensor | None]:
         # What the optimizer sees is each rank's shard of the original params: a grad is None when
         # it is None on every rank holding part of the param; the values come from summon_full_params.
         named = [(n, p) for n, p in pm.named_parameters() if p.requires_grad]
-        has = torch.tensor([[p.grad is not None, p.grad is None and p.numel() > 0] for _, p in named],
-                           dtype=torch.int32)
+        has = torch.tensor(
+            [[p.grad is not None, p.grad is None and p.numel() > 0] for _, p in named], dtype=torch.int32
+        )
         dist.all_reduce(has)
         assert not (has[:, 0] > 0).logical_and(has[:, 1] > 0).any(), "grad None on some shards only"
         with FSDP.summon_full_params(pm, with_grads=True):
             got = {_clean_fqn(n): p.grad for n, p in pm.named_parameters()}
-            return {_clean_fqn(n): None if not has[i, 0] else got[_clean_fqn(n)].detach().clone()
-                    for i, (n, _) in enumerate(named)}
+            return {
+                _clean_fqn(n): None if not has[i, 0] else got[_clean_fqn(n)].detach().clone()
+                for i, (n, _) in enumerate(named)
+            }
     out = {}
     for n, p in pm.named_parameters():
         if not p.requires_grad:
@@ -467,12 +480,15 @@ def full_params(pm: nn.Module, strategy: str) -> dict[str, torch.Tensor]:
 
         with FSDP.summon_full_params(pm):
             return {_clean_fqn(n): p.detach().clone() for n, p in pm.named_parameters()}
-    return {_clean_fqn(n): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for n, p in pm.named_parameters()}
+    return {
+        _clean_fqn(n): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for n, p in pm.named_parameters()
+    }
 
 
-def assert_matches(results: list, ref: tuple[list[dict], dict], rtol: float = 1e-5, atol: float = 1e-6,
-                   param_atol: float | None = None) -> None:
+def assert_matches(
+    results: list, ref: tuple[list[dict], dict], rtol: float = 1e-5, atol: float = 1e-6, param_atol: float | None = None
+) -> None:
     """``results``: per rank (2 or more) ``(per-step grads, final params)``; equal across ranks, close to ``ref``
     (params within ``param_atol`` when given, else as the grads)."""
     ref_grads, ref_params = ref
@@ -488,10 +504,12 @@ def assert_matches(results: list, ref: tuple[list[dict], dict], rtol: float = 1e
                 if r is not None:
                     assert torch.equal(a[n], g[step][n]), f"step {step} {n}: ranks 0 and {k} differ"
             if r is not None:
-                torch.testing.assert_close(a[n], r, rtol=rtol, atol=atol,
-                                           msg=lambda m, s=step, n=n: f"step {s} {n}: {m}")
+                torch.testing.assert_close(
+                    a[n], r, rtol=rtol, atol=atol, msg=lambda m, s=step, n=n: f"step {s} {n}: {m}"
+                )
     assert p0.keys() == ref_params.keys()
     for n, r in ref_params.items():
         assert all(torch.equal(p0[n], p[n]) for _, p in others), f"{n}: params differ across ranks"
-        torch.testing.assert_close(p0[n], r, rtol=rtol, atol=atol if param_atol is None else param_atol,
-                                   msg=lambda m, n=n: f"{n}: {m}")
+        torch.testing.assert_close(
+            p0[n], r, rtol=rtol, atol=atol if param_atol is None else param_atol, msg=lambda m, n=n: f"{n}: {m}"
+        )

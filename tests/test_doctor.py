@@ -66,7 +66,7 @@ def _batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor
     g = torch.Generator().manual_seed(step)
     x, y = torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)
     n = 8 // world
-    return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+    return x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
 
 
 def _mse(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -166,8 +166,13 @@ def test_console_script_spawns_its_ranks_and_exits_1():
     whose finding and fix test_flag_read_in_block_is_named_and_left_out checks in this process)."""
     exe = os.path.join(os.path.dirname(sys.executable), "distckpt")
     cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "distckpt.cli"]
-    proc = subprocess.run([*cmd, "doctor", "--factory", "test_doctor:nan_loss", "--steps", "1"], cwd=HERE,
-                          capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [*cmd, "doctor", "--factory", "test_doctor:nan_loss", "--steps", "1"],
+        cwd=HERE,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "(2 CPU rank(s), 1 step(s))" in proc.stdout, proc.stdout
     assert "[NOT OK] the step [nonfinite]" in proc.stdout and "verdict: NOT SAFE" in proc.stdout
@@ -236,7 +241,8 @@ def test_factory_that_raises_is_a_usage_error(capsys):
     assert code == 2
     assert captured.err.strip().splitlines() == [
         "distckpt doctor: the factory test_doctor:raising raised RuntimeError: cannot open /data/weights.pt "
-        "(rank 0); doctor diagnoses a model it can build."]
+        "(rank 0); doctor diagnoses a model it can build."
+    ]
     assert "NOT SAFE" not in captured.out
 
 
@@ -244,8 +250,10 @@ def test_two_broken_blocks_are_both_left_out(capsys):
     code = main(["doctor", "--factory", "test_doctor:broken_two_blocks", "--steps", "1"])
     out = capsys.readouterr().out
     assert code == 1, out
-    assert ('settings to try: distckpt.wrap(model, "full", reentrant=False, preserve_rng_state=True, '
-            'blocks=[\'blocks.0\']); distckpt.parallelize(model, "ddp", graph="auto")  (doctor ran them: SAFE)') in out
+    assert (
+        'settings to try: distckpt.wrap(model, "full", reentrant=False, preserve_rng_state=True, '
+        'blocks=[\'blocks.0\']); distckpt.parallelize(model, "ddp", graph="auto")  (doctor ran them: SAFE)'
+    ) in out
 
 
 def test_suggestion_is_re_verified_when_a_failure_hides_another(capsys):
@@ -268,4 +276,5 @@ def test_hydra_config_mode_validates_the_config_first(capsys, monkeypatch):
     assert launch_doctor(["model=gpt", "model.n_layer=0", "--steps", "1"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "distckpt doctor: model.n_layer=0 is out of range: it must be an integer >= 1; fix the override "
-        "model.n_layer=..."]
+        "model.n_layer=..."
+    ]

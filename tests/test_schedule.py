@@ -15,5 +15,11 @@ def test_heaviest_scope_first_and_a_files_tests_in_their_order():
 
     weights = {"b.py::slow": 50.0, "c.py::t2": 30.0, "a.py::t1": 2.0}
     # c.py 31 s, b.py::slow 50 s, a.py 3 s, d.py::x 1 s (unlisted)
-    assert heaviest_first(ids, scope, weights) == ["b.py::slow", "c.py::t1", "c.py::t2", "a.py::t1", "a.py::t2",
-                                                    "d.py::x"]
+    assert heaviest_first(ids, scope, weights) == [
+        "b.py::slow",
+        "c.py::t1",
+        "c.py::t2",
+        "a.py::t1",
+        "a.py::t2",
+        "d.py::x",
+    ]

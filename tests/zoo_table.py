@@ -1,7 +1,7 @@
 """Write docs/models.md (the supported-model table) from what tests/unit/test_zoo.py measured.
 
-    ZOO_REPORT=/tmp/zoo.json .venv/bin/pytest tests/unit/test_zoo.py -m "slow or not slow"
-    .venv/bin/python tests/zoo_table.py /tmp/zoo.json docs/models.md
+ZOO_REPORT=/tmp/zoo.json .venv/bin/pytest tests/unit/test_zoo.py -m "slow or not slow"
+.venv/bin/python tests/zoo_table.py /tmp/zoo.json docs/models.md
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def table(results: dict[str, dict]) -> str:
         "Regenerate with `tests/zoo_table.py`.",
         "",
         "- **blocks**: what `distckpt.wrap(model)` picks with `blocks=None` (class, first FQN, count).",
-        "- **grads**: `policy=\"full\"` gradients and loss bitwise equal (`torch.equal`) to the model without "
+        '- **grads**: `policy="full"` gradients and loss bitwise equal (`torch.equal`) to the model without '
         "checkpointing (seeded dropout; `state_dict` keys unchanged).",
         "- **peak vs HF**: MemTracker peak of one forward/backward, distckpt `full` / Hugging Face "
         "`gradient_checkpointing_enable(use_reentrant=False)` on the same layers / no checkpointing, in KiB.",
@@ -57,8 +57,11 @@ def table(results: dict[str, dict]) -> str:
     for name, fam in zoo.FAMILIES.items():
         r = results.get(name, {})
         blocks = r.get("blocks")
-        blocks_s = (f"{', '.join(blocks)} (`{r.get('fqn')}`, {r.get('n_blocks')})" if isinstance(blocks, list)
-                    else _mark(r, "blocks"))
+        blocks_s = (
+            f"{', '.join(blocks)} (`{r.get('fqn')}`, {r.get('n_blocks')})"
+            if isinstance(blocks, list)
+            else _mark(r, "blocks")
+        )
         if "peak" in r:
             same = "=" if r["peak"] == r["peak_hf"] else ("< (explained in notes)" if "peak_hf_note" in r else "**!=**")
             peak = f"{_kib(r['peak'])} {same} {_kib(r['peak_hf'])} / {_kib(r['peak_none'])}"
@@ -74,17 +77,21 @@ def table(results: dict[str, dict]) -> str:
         if fam.kind in ("decoder", "moe", "seq2seq"):
             notes.append("cache dropped in training")
         if "peak_hf_note" in r:
-            notes.append(f"HF's peak is {r['peak_hf_note']} B higher: its gradient_checkpointing_enable also sets "
-                         "T5Attention.gradient_checkpointing, which makes the cross-attention's zero position bias "
-                         "require grad (kept for backward, and its gradient computed); with that flag off, equal "
-                         f"({_kib(r['peak_hf_without_bias_grad'])} KiB)")
-        notes += [f"known failure, {k[len('xfail_'):]}: {v}" for k, v in sorted(r.items()) if k.startswith("xfail_")]
+            notes.append(
+                f"HF's peak is {r['peak_hf_note']} B higher: its gradient_checkpointing_enable also sets "
+                "T5Attention.gradient_checkpointing, which makes the cross-attention's zero position bias "
+                "require grad (kept for backward, and its gradient computed); with that flag off, equal "
+                f"({_kib(r['peak_hf_without_bias_grad'])} KiB)"
+            )
+        notes += [f"known failure, {k[len('xfail_') :]}: {v}" for k, v in sorted(r.items()) if k.startswith("xfail_")]
         if "prediction_choices" in r:
             planner = f"{r['prediction_choices']} choices, +{r['prediction_max_slack']} B"
         else:
             planner = _mark(r, "prediction")
-        rows.append(f"| {name} | {r.get('hf_class', '?')} | {blocks_s} | {_mark(r, 'exact')} | {peak} | "
-                    f"{_mark(r, 'selective')} | {budget} | {planner} | {'; '.join(notes)} |")
+        rows.append(
+            f"| {name} | {r.get('hf_class', '?')} | {blocks_s} | {_mark(r, 'exact')} | {peak} | "
+            f"{_mark(r, 'selective')} | {budget} | {planner} | {'; '.join(notes)} |"
+        )
     return "\n".join(rows) + "\n"
 
 

@@ -24,8 +24,17 @@ from distckpt import _torch_compat as compat
 from distckpt.errors import ConfigError
 from distckpt.select.selective import bind
 
-__all__ = ["EAGER_RUN", "CheckpointOptions", "PinnedHostStore", "cache_positions", "host_store", "prepare_eager_run",
-           "run_checkpointed", "stateful_norms", "without_cache"]
+__all__ = [
+    "EAGER_RUN",
+    "CheckpointOptions",
+    "PinnedHostStore",
+    "cache_positions",
+    "host_store",
+    "prepare_eager_run",
+    "run_checkpointed",
+    "stateful_norms",
+    "without_cache",
+]
 
 
 @dataclass(frozen=True)
@@ -68,8 +77,9 @@ def _cache_on(name: str, value: Any) -> bool:
     return bool(value) if name == "use_cache" else value is not None
 
 
-def without_cache(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-                   ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def without_cache(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``use_cache=False`` and no cache object for a block about to be checkpointed (HF's
     ``_can_checkpoint_with_cache`` layers, which only read the cache, keep it)."""
     keep = getattr(module, "_can_checkpoint_with_cache", False)
@@ -91,16 +101,14 @@ def without_cache(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         warnings.warn(
             f"distckpt: {module._distckpt_orig_class.__name__} is checkpointed, so in training it runs without a "
             f"KV cache, as with Hugging Face's gradient checkpointing ({', '.join(sorted(set(changed)))} ignored). "
-            "Forwards under torch.no_grad() (generation) keep their cache.", stacklevel=3)
+            "Forwards under torch.no_grad() (generation) keep their cache.",
+            stacklevel=3,
+        )
     return args, kwargs
 
 
-
 def stateful_norms(module: nn.Module) -> list[nn.Module]:
-    return [
-        m for m in module.modules()
-        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
-    ]
+    return [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats]
 
 
 @contextlib.contextmanager
@@ -236,8 +244,11 @@ def _offload_hooks(module: nn.Module, store: Any) -> Iterator[None]:
         strided = t.layout == torch.strided  # a sparse tensor has no storage to compare: copied as it is
         if isinstance(t, nn.Parameter) or (strided and compat.storage_id(t) in static):
             return t
-        key = (compat.storage_id(t), t.device, t.dtype, t.storage_offset(), t.size(), t.stride(),
-               compat.version(t)) if strided else None
+        key = (
+            (compat.storage_id(t), t.device, t.dtype, t.storage_offset(), t.size(), t.stride(), compat.version(t))
+            if strided
+            else None
+        )
         hit = memo.get(key) if key is not None else None
         # The first tensor still alive: its storage is, so no other storage has taken its address since.
         if hit is not None and hit[0]() is not None:
@@ -276,15 +287,19 @@ def _has_nested_tensor(value: Any, grad_only: bool = False) -> bool:
     return False
 
 
-def _run_reentrant(module: nn.Module, inner: Callable[..., Any], opts: CheckpointOptions,
-                   args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _run_reentrant(
+    module: nn.Module, inner: Callable[..., Any], opts: CheckpointOptions, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     name = type(module).__name__
     # Reentrant checkpoint (an autograd.Function) only sees top-level tensor arguments: gradients
     # of tensors passed by keyword or inside containers would be silently dropped. Tensors that need
     # no gradient (position_ids, an attention mask, rotary cos/sin made from buffers) lose nothing.
     bad = [k for k, v in kwargs.items() if _has_nested_tensor(v, grad_only=True)]
-    bad += [f"argument {i}" for i, a in enumerate(args)
-            if not isinstance(a, torch.Tensor) and _has_nested_tensor(a, grad_only=True)]
+    bad += [
+        f"argument {i}"
+        for i, a in enumerate(args)
+        if not isinstance(a, torch.Tensor) and _has_nested_tensor(a, grad_only=True)
+    ]
     if bad:
         raise ConfigError(
             f"reentrant checkpointing of {name} would drop the gradients of tensors passed as "
@@ -310,8 +325,7 @@ def _run_reentrant(module: nn.Module, inner: Callable[..., Any], opts: Checkpoin
         # A dummy input that requires grad makes autograd call the checkpoint's backward.
         # On the block's device: checkpoint infers the device (RNG state, autocast) from the first
         # tensor argument.
-        device = next((a.device for a in args if isinstance(a, torch.Tensor)),
-                      next(module.parameters()).device)
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), next(module.parameters()).device)
         dummy = torch.empty(0, device=device, requires_grad=True)
         run = fn
         fn = lambda _dummy, *a: run(*a)  # noqa: E731
@@ -326,8 +340,9 @@ def _run_reentrant(module: nn.Module, inner: Callable[..., Any], opts: Checkpoin
     return out
 
 
-def run_checkpointed(module: nn.Module, inner: Callable[..., Any], opts: CheckpointOptions,
-                      args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def run_checkpointed(
+    module: nn.Module, inner: Callable[..., Any], opts: CheckpointOptions, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     if not opts.recompute:  # the "offload" mode: nothing is recomputed, so the values are bitwise the same
         with _offload_hooks(module, host_store() if opts.store is None else opts.store):
             return inner(*args, **kwargs)
@@ -336,8 +351,11 @@ def run_checkpointed(module: nn.Module, inner: Callable[..., Any], opts: Checkpo
     # contiguous (now strides are kept, as the forward had them), pinned whenever CUDA was available (now
     # for CUDA tensors, the only ones copied) and copied a parameter passed as an input (now kept: it stays
     # on the device anyway, as it would without offload).
-    offload = (_offload_hooks(module, host_store() if opts.store is None else opts.store) if opts.offload
-               else contextlib.nullcontext())
+    offload = (
+        _offload_hooks(module, host_store() if opts.store is None else opts.store)
+        if opts.offload
+        else contextlib.nullcontext()
+    )
     with offload:
         if opts.reentrant:
             return _run_reentrant(module, inner, opts, args, kwargs)

@@ -64,7 +64,6 @@ class _CheckpointedMixin:
             return EAGER_RUN[0](self, inner, self._distckpt_options, args, kwargs)
         return run_checkpointed(self, inner, self._distckpt_options, args, kwargs)
 
-
     def __reduce_ex__(self, protocol: Any) -> Any:
         # The checkpointed class is made at run time, so pickle cannot find it by name: pickle the
         # object as the user's class and swap the class again on load (torch.save(model), deepcopy).
@@ -89,9 +88,7 @@ _CLASSES: dict[type, type] = {}  # memo: original class -> checkpointed subclass
 
 def _checkpointed_class(cls: type) -> type:
     if cls not in _CLASSES:
-        _CLASSES[cls] = type(
-            f"Checkpointed{cls.__name__}", (_CheckpointedMixin, cls), {"_distckpt_orig_class": cls}
-        )
+        _CLASSES[cls] = type(f"Checkpointed{cls.__name__}", (_CheckpointedMixin, cls), {"_distckpt_orig_class": cls})
     return _CLASSES[cls]
 
 
@@ -196,7 +193,8 @@ def _foreign_checkpointing(model: nn.Module) -> None:
     if hf:
         # transformers 5 renamed the switch; 4.x only has gradient_checkpointing_disable.
         disable = getattr(model, "activation_checkpointing_disable", None) or getattr(
-            model, "gradient_checkpointing_disable", None)
+            model, "gradient_checkpointing_disable", None
+        )
         if disable is not None:
             disable()
         for _, m in model.named_modules():
@@ -297,8 +295,11 @@ def wrap(
                 f"{name} has a forward set on the instance (by accelerate hooks or a monkey patch); "
                 "distckpt cannot checkpoint it without bypassing that forward. Remove the patch first."
             )
-        outer = [n for n, m in model.named_modules() if is_checkpointed(m) and
-                 (name.startswith(n + ".") or n.startswith(name + "."))]
+        outer = [
+            n
+            for n, m in model.named_modules()
+            if is_checkpointed(m) and (name.startswith(n + ".") or n.startswith(name + "."))
+        ]
         if outer:
             raise ConfigError(
                 f"{name} is nested with the already checkpointed {outer[0]}: it would be recomputed "
@@ -359,8 +360,9 @@ def _world_size() -> int:
     return get_world_size() if is_initialized() else 1
 
 
-def _apply_plan(model: nn.Module, pol: Policy, candidates: list[tuple[str, nn.Module]], opts: CheckpointOptions,
-                example_inputs: Any) -> None:
+def _apply_plan(
+    model: nn.Module, pol: Policy, candidates: list[tuple[str, nn.Module]], opts: CheckpointOptions, example_inputs: Any
+) -> None:
     record: _BudgetRecord | None = model.__dict__.get(_BUDGET)
     world = _world_size()
     if record is not None and record.handed_over is not None:
@@ -375,16 +377,21 @@ def _apply_plan(model: nn.Module, pol: Policy, candidates: list[tuple[str, nn.Mo
         block.__class__ = _checkpointed_class(type(block))
         # An offloaded block runs no checkpoint at all: neither reentrant nor op-level options apply to it.
         block._distckpt_options = (
-            dataclasses.replace(opts, context_fn=None, recompute=False, reentrant=False) if mode == "offload"
-            else dataclasses.replace(opts, context_fn=_mode_context_fn(mode, opts, made)))
+            dataclasses.replace(opts, context_fn=None, recompute=False, reentrant=False)
+            if mode == "offload"
+            else dataclasses.replace(opts, context_fn=_mode_context_fn(mode, opts, made))
+        )
         block._distckpt_norms = stateful_norms(block)  # found once, not on every forward
         block._distckpt_cache_slots = cache_positions(type(block)._distckpt_orig_class)
         if block._distckpt_norms or mode == "offload":
             prepare_eager_run()
-    counts = ", ".join(f"{sum(m == k for m in modes.values())} {k}" for k in CHECKPOINT_MODES[1:]
-                       if k in modes.values()) or "none"
-    logger.info("distckpt.apply.wrap: policy %s checkpoints %d of %d blocks (%s)", pol, len(modes), len(candidates),
-                counts)
+    counts = (
+        ", ".join(f"{sum(m == k for m in modes.values())} {k}" for k in CHECKPOINT_MODES[1:] if k in modes.values())
+        or "none"
+    )
+    logger.info(
+        "distckpt.apply.wrap: policy %s checkpoints %d of %d blocks (%s)", pol, len(modes), len(candidates), counts
+    )
 
 
 def _mode_context_fn(mode: str, opts: CheckpointOptions, made: dict[str, Any]) -> Any:
@@ -414,8 +421,10 @@ def _block_modes(pol: Policy, candidates: Candidates, opts: CheckpointOptions) -
     allowed = CHECKPOINT_MODES[1:]
     bad = {m for m in modes.values() if m not in allowed}
     if bad:
-        raise ConfigError(f"policy {pol} returned checkpoint modes {sorted(bad)}; each must be one of {allowed} "
-                          "(leave a block out to keep it unchecked).")
+        raise ConfigError(
+            f"policy {pol} returned checkpoint modes {sorted(bad)}; each must be one of {allowed} "
+            "(leave a block out to keep it unchecked)."
+        )
     op_level = sorted({m for m in modes.values() if m in OP_MODES})
     if opts.reentrant and op_level:
         raise ConfigError(f"{' and '.join(op_level)} (op-level) checkpointing needs reentrant=False.")
@@ -441,17 +450,24 @@ def replan_budget(model: nn.Module, strategy: str, world_size: int, shard_size: 
             f"distckpt.wrap(model, Budget(..., strategy={pol.strategy!r})) planned memory for {pol.strategy}, but "
             f"parallelize uses {strategy!r} (which places parameters, gradients and optimizer state differently). "
             f"Pass strategy={strategy!r} to Budget, or leave it out (as budget:SIZE does) so the plan follows "
-            "parallelize.")
+            "parallelize."
+        )
     if pol.shard_size is not None and shard_size is not None and pol.shard_size != shard_size:
         raise ConfigError(
             f"Budget(shard_size={pol.shard_size}) planned for shard groups of {pol.shard_size} ranks, but parallelize "
-            f"shards over {shard_size}. Pass the same shard_size to both, or leave it out of Budget.")
+            f"shards over {shard_size}. Pass the same shard_size to both, or leave it out of Budget."
+        )
     facts = (strategy, world_size, shard_size)
     record.handed_over = facts
     if record.planned_for is None or record.planned_for == facts:
         return  # still to be planned (first forward: it will use these facts), or planned for them
-    logger.info("distckpt budget: planned for %s over %d ranks at wrap, redone for %s over %d ranks",
-                record.planned_for[0], record.planned_for[1], strategy, world_size)
+    logger.info(
+        "distckpt budget: planned for %s over %d ranks at wrap, redone for %s over %d ranks",
+        record.planned_for[0],
+        record.planned_for[1],
+        strategy,
+        world_size,
+    )
     unwrap(model, [m for _, m in record.candidates])
     _apply_plan(model, pol, record.candidates, record.opts, record.example_inputs)
 

@@ -82,8 +82,10 @@ def load_factory(spec: str) -> Callable[[], Any]:
     try:
         fn = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
-        raise ConfigError(f"--factory {spec!r}: {e}. Check the module is importable from the current "
-                          "directory (or PYTHONPATH) and defines that function.") from e
+        raise ConfigError(
+            f"--factory {spec!r}: {e}. Check the module is importable from the current "
+            "directory (or PYTHONPATH) and defines that function."
+        ) from e
     return fn
 
 
@@ -162,19 +164,40 @@ def _diagnose(rank: int, world: int, opts: DoctorOptions) -> list[Finding]:
     by_doctor = opts.blocks is not None or opts.policy is not None or not checkpointed(model)
     if by_doctor:
         unwrap(model)  # the settings tried replace the factory's own, whole
-        distckpt.wrap(model, opts.policy or "full", blocks=opts.blocks, reentrant=opts.reentrant,
-                      preserve_rng_state=opts.preserve_rng_state)
+        distckpt.wrap(
+            model,
+            opts.policy or "full",
+            blocks=opts.blocks,
+            reentrant=opts.reentrant,
+            preserve_rng_state=opts.preserve_rng_state,
+        )
     blocks = checkpointed(model)
     used = next((m._distckpt_options for m in model.modules() if hasattr(m, "_distckpt_options")), None)
     if used is not None:  # what the blocks really use (the factory may have wrapped them itself)
-        findings.append(Finding("settings", True, "", data={
-            "reentrant": used.reentrant, "preserve_rng_state": used.preserve_rng_state, "blocks": blocks,
-            "by_doctor": by_doctor}))
+        findings.append(
+            Finding(
+                "settings",
+                True,
+                "",
+                data={
+                    "reentrant": used.reentrant,
+                    "preserve_rng_state": used.preserve_rng_state,
+                    "blocks": blocks,
+                    "by_doctor": by_doctor,
+                },
+            )
+        )
     modes = checkpointed(model, modes=True)
     shown = [f"{b} ({modes[b]})" if modes.get(b, "full") != "full" else b for b in blocks[:4]]  # op-level modes named
-    findings.append(Finding("blocks", bool(blocks), f"{len(blocks)} checkpointed block(s)"
-                            + (f": {', '.join(shown)}{' ...' if len(blocks) > 4 else ''}" if blocks else ""),
-                            "" if blocks else "nothing is checkpointed: pass --policy, or wrap blocks in the factory"))
+    findings.append(
+        Finding(
+            "blocks",
+            bool(blocks),
+            f"{len(blocks)} checkpointed block(s)"
+            + (f": {', '.join(shown)}{' ...' if len(blocks) > 4 else ''}" if blocks else ""),
+            "" if blocks else "nothing is checkpointed: pass --policy, or wrap blocks in the factory",
+        )
+    )
     ref = copy.deepcopy(model)
     unwrap(ref)  # the reference: same weights, no checkpointing, one process, the global batch
 
@@ -182,13 +205,29 @@ def _diagnose(rank: int, world: int, opts: DoctorOptions) -> list[Finding]:
     batch0 = batch_fn(0, rank, world)
     report = distckpt.verify_recompute(model, lambda m: loss_fn(m, batch0), raise_on_mismatch=False)
     if report.ok:
-        findings.append(Finding("recompute", True, f"recompute is exact (loss, every gradient and buffer; max "
-                                f"gradient difference {report.max_grad_diff:.2g})"))
+        findings.append(
+            Finding(
+                "recompute",
+                True,
+                f"recompute is exact (loss, every gradient and buffer; max "
+                f"gradient difference {report.max_grad_diff:.2g})",
+            )
+        )
     else:
         first = report.mismatches[0]
-        findings.append(Finding("recompute", False, f"{first.module or 'the step'} [{first.kind}]: {first.detail}",
-                                first.cause, data={"kind": first.kind, "module": first.module,
-                                                   "all": [(m.kind, m.module) for m in report.mismatches]}))
+        findings.append(
+            Finding(
+                "recompute",
+                False,
+                f"{first.module or 'the step'} [{first.kind}]: {first.detail}",
+                first.cause,
+                data={
+                    "kind": first.kind,
+                    "module": first.module,
+                    "all": [(m.kind, m.module) for m in report.mismatches],
+                },
+            )
+        )
     try:  # on every rank: profile_blocks makes the ranks agree on their numbers (a collective)
         findings.append(Finding("estimate", True, "", data=_estimate(model, loss_fn, batch0)))
     except Exception as e:  # an estimate is a nicety: never fail the diagnosis on it
@@ -204,8 +243,9 @@ def _diagnose(rank: int, world: int, opts: DoctorOptions) -> list[Finding]:
     return findings
 
 
-def _train_against_reference(pmodel: nn.Module, ref: nn.Module, loss_fn: Callable, batch_fn: Callable, rank: int,
-                             world: int, opts: DoctorOptions) -> list[Finding]:
+def _train_against_reference(
+    pmodel: nn.Module, ref: nn.Module, loss_fn: Callable, batch_fn: Callable, rank: int, world: int, opts: DoctorOptions
+) -> list[Finding]:
     """``opts.steps`` SGD steps of the parallel model under GradSyncGuard, each compared with the
     single-process reference on the global batch."""
     import distckpt
@@ -223,12 +263,24 @@ def _train_against_reference(pmodel: nn.Module, ref: nn.Module, loss_fn: Callabl
             loss.backward()
             rep = guard.check()
         except distckpt.GradDesyncError as e:
-            findings.append(Finding("sync", False, f"step {step}: {e}".split(" Likely cause")[0],
-                                    "gradients were not synchronized: use reentrant=False and graph='auto'"))
+            findings.append(
+                Finding(
+                    "sync",
+                    False,
+                    f"step {step}: {e}".split(" Likely cause")[0],
+                    "gradients were not synchronized: use reentrant=False and graph='auto'",
+                )
+            )
             return findings
         except Exception as e:
-            findings.append(Finding("step", False, f"step {step} under {opts.strategy}: {type(e).__name__}: "
-                                    f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}"))
+            findings.append(
+                Finding(
+                    "step",
+                    False,
+                    f"step {step} under {opts.strategy}: {type(e).__name__}: "
+                    f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}",
+                )
+            )
             return findings
         after = torch.get_rng_state()
         # What DDP computes: the mean over ranks of each rank's gradient, here in one process. Every
@@ -241,10 +293,17 @@ def _train_against_reference(pmodel: nn.Module, ref: nn.Module, loss_fn: Callabl
         ref_norm = float(torch.stack([g.double().norm() for g in ref_grads]).norm()) if ref_grads else 0.0
         value = float(loss.detach())
         if _any_rank(not all(math.isfinite(v) for v in (value, rep.grad_norm or 0.0, ref_norm))):
-            findings.append(Finding("finite", False, f"step {step}: loss {value:.4g}, global gradient norm "
-                                    f"{rep.grad_norm or 0.0:.4g}, without checkpointing on one process "
-                                    f"{ref_norm:.4g}", "a non-finite loss or gradient is never safe: fix the "
-                                    "model, loss, data or lr first (it is not a checkpointing setting)"))
+            findings.append(
+                Finding(
+                    "finite",
+                    False,
+                    f"step {step}: loss {value:.4g}, global gradient norm "
+                    f"{rep.grad_norm or 0.0:.4g}, without checkpointing on one process "
+                    f"{ref_norm:.4g}",
+                    "a non-finite loss or gradient is never safe: fix the "
+                    "model, loss, data or lr first (it is not a checkpointing setting)",
+                )
+            )
             return findings
         worst = max(worst, abs((rep.grad_norm or 0.0) - ref_norm) / max(ref_norm, 1e-12))
         no_grad = rep.no_grad
@@ -252,18 +311,38 @@ def _train_against_reference(pmodel: nn.Module, ref: nn.Module, loss_fn: Callabl
         opt.zero_grad()
         ref_opt.step()
         ref_opt.zero_grad()
-    findings.append(Finding("sync", True, f"gradients identical across {world} ranks on {opts.steps} step(s), "
-                            "parameters too (GradSyncGuard)"))
-    findings.append(Finding("reference", worst <= 1e-4, f"global gradient norm vs one process without "
-                            f"checkpointing on the global batch: max relative difference {worst:.2g}",
-                            "" if worst <= 1e-4 else "the parallel run computes other gradients than the model "
-                            "itself: check the loss is a mean over equal rank batches, and use reentrant=False"))
-    findings.append(Finding("gradients", not no_grad,
-                            "every trainable parameter got a gradient" if not no_grad else
-                            f"no gradient on any rank for {len(no_grad)} trainable parameter(s): "
-                            f"{', '.join(no_grad[:5])}",
-                            "" if not no_grad else "use reentrant=False (a frozen input under reentrant "
-                            "checkpointing), or set requires_grad=False on parameters meant to be frozen"))
+    findings.append(
+        Finding(
+            "sync",
+            True,
+            f"gradients identical across {world} ranks on {opts.steps} step(s), parameters too (GradSyncGuard)",
+        )
+    )
+    findings.append(
+        Finding(
+            "reference",
+            worst <= 1e-4,
+            f"global gradient norm vs one process without "
+            f"checkpointing on the global batch: max relative difference {worst:.2g}",
+            ""
+            if worst <= 1e-4
+            else "the parallel run computes other gradients than the model "
+            "itself: check the loss is a mean over equal rank batches, and use reentrant=False",
+        )
+    )
+    findings.append(
+        Finding(
+            "gradients",
+            not no_grad,
+            "every trainable parameter got a gradient"
+            if not no_grad
+            else f"no gradient on any rank for {len(no_grad)} trainable parameter(s): {', '.join(no_grad[:5])}",
+            ""
+            if not no_grad
+            else "use reentrant=False (a frozen input under reentrant "
+            "checkpointing), or set requires_grad=False on parameters meant to be frozen",
+        )
+    )
     return findings
 
 
@@ -290,9 +369,14 @@ def _run_ranks(opts: DoctorOptions) -> dict[int, list[Finding]]:
         if not isinstance(value, RankFailure):
             results[rank] = value
         elif value.kind == "timeout":
-            results[rank] = [Finding("hang", False, f"{value.message}: a collective one rank never joined",
-                                     "run with --strategy none to isolate the model, then compare "
-                                     "reentrant/graph settings")]
+            results[rank] = [
+                Finding(
+                    "hang",
+                    False,
+                    f"{value.message}: a collective one rank never joined",
+                    "run with --strategy none to isolate the model, then compare reentrant/graph settings",
+                )
+            ]
         else:  # raised outside the checks, which report their own failures as findings
             results[rank] = [Finding("doctor", False, f"{value.kind}: {value.message}", value.traceback)]
     return results
@@ -326,8 +410,12 @@ class _Settings:
 def _tried(opts: DoctorOptions, used: dict[str, Any] | None) -> _Settings:
     blocks = tuple(used["blocks"]) if used else ()
     named = bool(used and not used["by_doctor"] and opts.policy_label is None and len(blocks) <= 8)
-    return _Settings(used["reentrant"] if used else opts.reentrant,
-                     used["preserve_rng_state"] if used else opts.preserve_rng_state, blocks, named)
+    return _Settings(
+        used["reentrant"] if used else opts.reentrant,
+        used["preserve_rng_state"] if used else opts.preserve_rng_state,
+        blocks,
+        named,
+    )
 
 
 def _fixed(tried: _Settings, failed: list[Finding]) -> _Settings:
@@ -385,8 +473,13 @@ def verified_fix(opts: DoctorOptions, results: dict[int, list[Finding]], rounds:
             return None
         seen.add(fix)
         policy = opts.policy or opts.policy_label or "full"
-        again = dataclasses.replace(opts, policy=policy if policy == "selective" else "full", blocks=list(fix.blocks),
-                                    reentrant=fix.reentrant, preserve_rng_state=fix.preserve_rng_state)
+        again = dataclasses.replace(
+            opts,
+            policy=policy if policy == "selective" else "full",
+            blocks=list(fix.blocks),
+            reentrant=fix.reentrant,
+            preserve_rng_state=fix.preserve_rng_state,
+        )
         run = _run_ranks(again)
         if not _failed(run):
             return _call(opts, fix)
@@ -400,10 +493,12 @@ def render(opts: DoctorOptions, results: dict[int, list[Finding]], verified: str
     used = _used(results)
     reentrant = used["reentrant"] if used else opts.reentrant
     preserve = used["preserve_rng_state"] if used else opts.preserve_rng_state
-    lines = [f"distckpt doctor: {_label(opts)}  "
-             f"strategy={opts.strategy} policy={opts.policy or opts.policy_label or 'as wrapped'} "
-             f"reentrant={reentrant} "
-             f"preserve_rng_state={preserve}  ({opts.nproc} CPU rank(s), {opts.steps} step(s))"]
+    lines = [
+        f"distckpt doctor: {_label(opts)}  "
+        f"strategy={opts.strategy} policy={opts.policy or opts.policy_label or 'as wrapped'} "
+        f"reentrant={reentrant} "
+        f"preserve_rng_state={preserve}  ({opts.nproc} CPU rank(s), {opts.steps} step(s))"
+    ]
     safe = True
     seen: dict[tuple[str, str], list[int]] = {}
     estimate = None
@@ -434,8 +529,11 @@ def render(opts: DoctorOptions, results: dict[int, list[Finding]], verified: str
         lines.append(f"verdict: SAFE. Settings to use: {tried}")
     else:
         lines.append(f"verdict: NOT SAFE (see the NOT OK lines). Settings tried: {tried}")
-        lines.append(f"  settings to try: {verified}  (doctor ran them: SAFE)" if verified else
-                     "  no checkpointing setting that doctor tried passes: fix what the NOT OK lines name first")
+        lines.append(
+            f"  settings to try: {verified}  (doctor ran them: SAFE)"
+            if verified
+            else "  no checkpointing setting that doctor tried passes: fix what the NOT OK lines name first"
+        )
     return safe, "\n".join(lines)
 
 

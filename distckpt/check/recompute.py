@@ -25,8 +25,20 @@ from distckpt.errors import ConfigError, RecomputeMismatchError
 
 __all__ = ["Mismatch", "RecomputeReport", "verify_recompute"]
 
-_RANDOM_OPS = ("bernoulli", "dropout", "rand", "normal", "uniform", "multinomial", "exponential", "cauchy",
-               "geometric", "log_normal", "poisson", "random_")
+_RANDOM_OPS = (
+    "bernoulli",
+    "dropout",
+    "rand",
+    "normal",
+    "uniform",
+    "multinomial",
+    "exponential",
+    "cauchy",
+    "geometric",
+    "log_normal",
+    "poisson",
+    "random_",
+)
 _UNINITIALIZED_OPS = ("empty",)  # outputs of empty/empty_like/new_empty hold garbage: never compared
 # Autograd detaches the tensors it saves in the recompute but not in the forward, and autocast casts a
 # weight once per autocast region (its cache), so the recompute casts where the forward reused a
@@ -73,42 +85,45 @@ class RecomputeReport:
 
     def __str__(self) -> str:
         if self.ok:
-            return (f"recompute exact: {len(self.blocks)} checkpointed block(s), loss {self.loss[0]:.6g}, "
-                    f"max gradient difference {self.max_grad_diff:.3g}")
-        return "recompute differs:\n" + "\n".join(f"  {m.module} [{m.kind}]: {m.detail}. {m.cause}"
-                                                  for m in self.mismatches)
+            return (
+                f"recompute exact: {len(self.blocks)} checkpointed block(s), loss {self.loss[0]:.6g}, "
+                f"max gradient difference {self.max_grad_diff:.3g}"
+            )
+        return "recompute differs:\n" + "\n".join(
+            f"  {m.module} [{m.kind}]: {m.detail}. {m.cause}" for m in self.mismatches
+        )
 
 
 _CAUSES = {
     "rng": "Likely cause: a random op (dropout) is recomputed with another RNG state because the block is "
-           "checkpointed with preserve_rng_state=False. Fix: distckpt.wrap(..., preserve_rng_state=True) "
-           "(the default).",
+    "checkpointed with preserve_rng_state=False. Fix: distckpt.wrap(..., preserve_rng_state=True) "
+    "(the default).",
     "rng_preserved": "Likely cause: a random op draws from a generator or device whose state checkpointing "
-                     "does not save. Fix: use the default generator, or leave this block out of checkpointing.",
+    "does not save. Fix: use the default generator, or leave this block out of checkpointing.",
     "control_flow": "Likely cause: control flow inside the block reads state (a flag or attribute such as a task "
-                    "switch) that changed between forward and backward. Fix: pass it as a forward argument or "
-                    "restore it before backward, or leave this block out of checkpointing (wrap's blocks=).",
+    "switch) that changed between forward and backward. Fix: pass it as a forward argument or "
+    "restore it before backward, or leave this block out of checkpointing (wrap's blocks=).",
     "shape": "Likely cause: data-dependent shapes (nonzero, unique, masked_select) or state that changed between "
-             "forward and backward. Fix: make the shapes depend only on the block's inputs, or leave this block "
-             "out of checkpointing (wrap's blocks=).",
+    "forward and backward. Fix: make the shapes depend only on the block's inputs, or leave this block "
+    "out of checkpointing (wrap's blocks=).",
     "state": "Likely cause: the block reads state (an attribute, a global, a buffer or a parameter modified in "
-             "place) that changed between forward and backward. Fix: pass it as a forward argument, or leave "
-             "this block out of checkpointing (wrap's blocks=).",
+    "place) that changed between forward and backward. Fix: pass it as a forward argument, or leave "
+    "this block out of checkpointing (wrap's blocks=).",
     "batchnorm": "Likely cause: BatchNorm running statistics updated a second time by the recompute "
-                 "(pytorch#96136). Fix: checkpoint with distckpt.wrap (which restores them) rather than a bare "
-                 "torch.utils.checkpoint, or keep BatchNorm outside checkpointed blocks.",
+    "(pytorch#96136). Fix: checkpoint with distckpt.wrap (which restores them) rather than a bare "
+    "torch.utils.checkpoint, or keep BatchNorm outside checkpointed blocks.",
     "buffer": "Likely cause: the block updates this buffer in its forward, and the recompute updates it again. "
-              "Fix: leave this block out of checkpointing, or update the buffer outside it.",
+    "Fix: leave this block out of checkpointing, or update the buffer outside it.",
     "gradient": "Likely cause: the recompute of a checkpointed block does not reproduce its forward. Fix: run "
-                "verify_recompute with the blocks checkpointed one at a time to find it.",
+    "verify_recompute with the blocks checkpointed one at a time to find it.",
     "loss": "Likely cause: the forward itself differs when checkpointing is on (a module that behaves "
-            "differently under checkpointing). Fix: leave the block out of checkpointing.",
+    "differently under checkpointing). Fix: leave the block out of checkpointing.",
     "nonfinite": "The recompute cannot be verified on non-finite values (nan equals nothing, not even itself). "
-                 "Fix the model, loss or data first (run loss_fn without checkpointing: "
-                 "distckpt.apply.wrap.checkpointing_disabled), then verify again.",
+    "Fix the model, loss or data first (run loss_fn without checkpointing: "
+    "distckpt.apply.wrap.checkpointing_disabled), then verify again.",
     "checkpoint_error": "Likely cause: the recompute saved tensors of other shapes or dtypes than the forward "
-                        "(state or data that changed between forward and backward). Fix: see the message; leave "
-                        "this block out of checkpointing if it must read such state.",
+    "(state or data that changed between forward and backward). Fix: see the message; leave "
+    "this block out of checkpointing if it must read such state.",
 }
 
 
@@ -119,8 +134,9 @@ def _storage(t: torch.Tensor) -> int:
         return -1
 
 
-def _op_record(name: str, module: str, out: Any, state: frozenset[int] = frozenset()
-               ) -> tuple[str, str, list[tuple[Any, ...]]]:
+def _op_record(
+    name: str, module: str, out: Any, state: frozenset[int] = frozenset()
+) -> tuple[str, str, list[tuple[Any, ...]]]:
     tensors = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
     values = []
     for t in tensors:
@@ -164,8 +180,9 @@ def _recorder(log: list[Any], stack: list[str], state: frozenset[int]) -> Any:
 
 
 @contextlib.contextmanager
-def _recording(blocks: list[tuple[str, nn.Module]], calls: list[_Call], phase: list[str],
-               state: frozenset[int]) -> Iterator[None]:
+def _recording(
+    blocks: list[tuple[str, nn.Module]], calls: list[_Call], phase: list[str], state: frozenset[int]
+) -> Iterator[None]:
     """Record per checkpointed call the ops of its forward and of its recompute.
 
     Non-reentrant blocks: through their ``context_fn`` (checkpoint enters one context around the
@@ -197,8 +214,14 @@ def _recording(blocks: list[tuple[str, nn.Module]], calls: list[_Call], phase: l
                     if call is not None:
                         call.stack.append(full)
 
-                def sub_post(_m: nn.Module, _a: Any, out: Any, full: str = full, block: nn.Module = block,
-                             reentrant: bool = opts.reentrant) -> None:
+                def sub_post(
+                    _m: nn.Module,
+                    _a: Any,
+                    out: Any,
+                    full: str = full,
+                    block: nn.Module = block,
+                    reentrant: bool = opts.reentrant,
+                ) -> None:
                     call = current.get(id(block))
                     if call is None:
                         return
@@ -260,20 +283,34 @@ def _first_mismatch(call: _Call, rtol: float) -> Mismatch | None:
     # Non-reentrant checkpoint stops the recompute once it has what backward needs: compare the prefix.
     for k, ((fname, fmod, fvals), (rname, _rmod, rvals)) in enumerate(zip(fwd, rec)):
         if fname != rname or len(fvals) != len(rvals):
-            return Mismatch(fmod, "control_flow",
-                            f"op #{k} of the recompute is {rname}, the forward ran {fname}", _CAUSES["control_flow"])
+            return Mismatch(
+                fmod,
+                "control_flow",
+                f"op #{k} of the recompute is {rname}, the forward ran {fname}",
+                _CAUSES["control_flow"],
+            )
         if any(_UNINITIALIZED in fname for _UNINITIALIZED in _UNINITIALIZED_OPS):
             continue
         for fv, rv in zip(fvals, rvals):
             if fv[0] != rv[0] or fv[1] != rv[1]:
-                return Mismatch(fmod, "shape", f"{fname} (op #{k}) gave shape {list(rv[0])} {rv[1]} in the "
-                                f"recompute, {list(fv[0])} {fv[1]} in the forward", _CAUSES["shape"])
+                return Mismatch(
+                    fmod,
+                    "shape",
+                    f"{fname} (op #{k}) gave shape {list(rv[0])} {rv[1]} in the "
+                    f"recompute, {list(fv[0])} {fv[1]} in the forward",
+                    _CAUSES["shape"],
+                )
             if _values_differ(fv, rv, rtol):
                 random = any(r in fname.lower() for r in _RANDOM_OPS)
                 kind = "rng" if random else "state"
                 cause = _CAUSES[("rng_preserved" if call.preserve_rng else "rng") if random else "state"]
-                return Mismatch(fmod, kind, f"{fname} (op #{k}) gave other values in the recompute "
-                                f"(sum {rv[2]:.6g} vs {fv[2]:.6g} in the forward)", cause)
+                return Mismatch(
+                    fmod,
+                    kind,
+                    f"{fname} (op #{k}) gave other values in the recompute "
+                    f"(sum {rv[2]:.6g} vs {fv[2]:.6g} in the forward)",
+                    cause,
+                )
     return None
 
 
@@ -313,8 +350,10 @@ def _owner_kind(model: nn.Module, buffer_fqn: str) -> str:
 
 def _scalar(loss: Any) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise ConfigError(f"verify_recompute: loss_fn(model) must return a scalar tensor, got {type(loss).__name__}"
-                          f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}. Return loss.mean() or sum.")
+        raise ConfigError(
+            f"verify_recompute: loss_fn(model) must return a scalar tensor, got {type(loss).__name__}"
+            f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}. Return loss.mean() or sum."
+        )
     return loss
 
 
@@ -324,8 +363,14 @@ def _step(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor]) -> tor
     return loss.detach().clone()
 
 
-def verify_recompute(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor], *, rtol: float = 1e-5,
-                     atol: float = 1e-8, raise_on_mismatch: bool = True) -> RecomputeReport:
+def verify_recompute(
+    model: nn.Module,
+    loss_fn: Callable[[nn.Module], torch.Tensor],
+    *,
+    rtol: float = 1e-5,
+    atol: float = 1e-8,
+    raise_on_mismatch: bool = True,
+) -> RecomputeReport:
     """Run one step with checkpointing as configured and once without; check they agree.
 
     Both runs start from the same CPU and CUDA RNG state and the same buffers. Compared: the loss,
@@ -357,8 +402,9 @@ def verify_recompute(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tens
     inner = _inner(model)
     # Offloaded blocks recompute nothing: no recompute to compare op by op (their saved tensors' round trip
     # to the host is still checked, by the gradients below).
-    blocks = [(_clean_fqn(n), m) for n, m in inner.named_modules()
-              if is_checkpointed(m) and checkpoint_mode(m) != "offload"]
+    blocks = [
+        (_clean_fqn(n), m) for n, m in inner.named_modules() if is_checkpointed(m) and checkpoint_mode(m) != "offload"
+    ]
     params = [(_clean_fqn(n), p) for n, p in inner.named_parameters()]
     buffers = [(_clean_fqn(n), b) for n, b in inner.named_buffers()]
     calls: list[_Call] = []
@@ -366,15 +412,25 @@ def verify_recompute(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tens
 
     mismatches = _op_mismatches(calls, blocks, error, rtol)
     if not _close(with_ckpt.loss, without.loss, rtol, atol):
-        mismatches.append(Mismatch("", "loss", f"loss {float(with_ckpt.loss):.8g} with checkpointing, "
-                                   f"{float(without.loss):.8g} without", _CAUSES["loss"]))
+        mismatches.append(
+            Mismatch(
+                "",
+                "loss",
+                f"loss {float(with_ckpt.loss):.8g} with checkpointing, {float(without.loss):.8g} without",
+                _CAUSES["loss"],
+            )
+        )
     grad_mismatches, max_diff = _grad_mismatches(params, with_ckpt.grads, without.grads, rtol, atol)
     mismatches += grad_mismatches
     mismatches += _nonfinite(with_ckpt, without)
     mismatches += _buffer_mismatches(inner, buffers, with_ckpt.buffers, without.buffers, rtol, atol)
-    report = RecomputeReport(ok=not mismatches, blocks=[b for b, _ in blocks],
-                             loss=(float(with_ckpt.loss), float(without.loss)), max_grad_diff=max_diff,
-                             mismatches=_dedupe(mismatches))
+    report = RecomputeReport(
+        ok=not mismatches,
+        blocks=[b for b, _ in blocks],
+        loss=(float(with_ckpt.loss), float(without.loss)),
+        max_grad_diff=max_diff,
+        mismatches=_dedupe(mismatches),
+    )
     if mismatches and raise_on_mismatch:
         raise _mismatch_error(report)
     return report
@@ -389,9 +445,14 @@ class _Run:
     buffers: list[torch.Tensor]
 
 
-def _run_both(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor], blocks: list[tuple[str, nn.Module]],
-              params: list[tuple[str, nn.Parameter]], buffers: list[tuple[str, torch.Tensor]], calls: list[_Call]
-              ) -> tuple[_Run, _Run, Exception | None]:
+def _run_both(
+    model: nn.Module,
+    loss_fn: Callable[[nn.Module], torch.Tensor],
+    blocks: list[tuple[str, nn.Module]],
+    params: list[tuple[str, nn.Parameter]],
+    buffers: list[tuple[str, torch.Tensor]],
+    calls: list[_Call],
+) -> tuple[_Run, _Run, Exception | None]:
     """One step with checkpointing (recording each block's forward and recompute into ``calls``), then
     one without, from the same RNG state and buffers; afterwards RNG, buffers and ``.grad`` are restored.
 
@@ -437,8 +498,9 @@ def _run_both(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor], bl
     return with_ckpt, without, error
 
 
-def _op_mismatches(calls: list[_Call], blocks: list[tuple[str, nn.Module]], error: Exception | None,
-                   rtol: float) -> list[Mismatch]:
+def _op_mismatches(
+    calls: list[_Call], blocks: list[tuple[str, nn.Module]], error: Exception | None, rtol: float
+) -> list[Mismatch]:
     """Differences inside the checkpointed blocks (first, as they name the op), then torch's CheckpointError."""
     mismatches: list[Mismatch] = []
     if reentrant_calls := [c for c in calls if blocks and c.fwd and _is_reentrant(blocks, c.block)]:
@@ -450,14 +512,21 @@ def _op_mismatches(calls: list[_Call], blocks: list[tuple[str, nn.Module]], erro
     if error is not None:
         rec = [c for c in calls if c.rec]
         where = rec[-1].stack[-1] if rec and rec[-1].stack else (blocks[0][0] if blocks else "")
-        mismatches.append(Mismatch(where, "checkpoint_error", str(error).strip().splitlines()[0].rstrip("."),
-                                   _CAUSES["checkpoint_error"]))
+        mismatches.append(
+            Mismatch(
+                where, "checkpoint_error", str(error).strip().splitlines()[0].rstrip("."), _CAUSES["checkpoint_error"]
+            )
+        )
     return mismatches
 
 
-def _grad_mismatches(params: list[tuple[str, nn.Parameter]], grads_a: dict[str, torch.Tensor | None],
-                     grads_b: dict[str, torch.Tensor | None], rtol: float, atol: float
-                     ) -> tuple[list[Mismatch], float]:
+def _grad_mismatches(
+    params: list[tuple[str, nn.Parameter]],
+    grads_a: dict[str, torch.Tensor | None],
+    grads_b: dict[str, torch.Tensor | None],
+    rtol: float,
+    atol: float,
+) -> tuple[list[Mismatch], float]:
     """Gradients that differ with and without checkpointing, and the largest absolute difference."""
     mismatches: list[Mismatch] = []
     max_diff = 0.0
@@ -465,16 +534,24 @@ def _grad_mismatches(params: list[tuple[str, nn.Parameter]], grads_a: dict[str, 
         a, b = grads_a[name], grads_b[name]
         if a is None or b is None:
             if (a is None) != (b is None):
-                mismatches.append(Mismatch(name.rpartition(".")[0], "gradient", f"{name} has a gradient only "
-                                           f"{'without' if a is None else 'with'} checkpointing",
-                                           _CAUSES["gradient"]))
+                mismatches.append(
+                    Mismatch(
+                        name.rpartition(".")[0],
+                        "gradient",
+                        f"{name} has a gradient only {'without' if a is None else 'with'} checkpointing",
+                        _CAUSES["gradient"],
+                    )
+                )
             continue
         diff = float((a.double() - b.double()).abs().max()) if a.shape == b.shape and a.numel() else 0.0
         max_diff = diff if math.isnan(diff) else max(max_diff, diff)  # max(0.0, nan) is 0.0: keep the nan
         if not _close(a, b, rtol, atol):
             what = f"max abs diff {diff:.3g}" if a.shape == b.shape else f"shape {list(a.shape)} vs {list(b.shape)}"
-            mismatches.append(Mismatch(name.rpartition(".")[0], "gradient", f"gradient of {name} differs ({what})",
-                                       _CAUSES["gradient"]))
+            mismatches.append(
+                Mismatch(
+                    name.rpartition(".")[0], "gradient", f"gradient of {name} differs ({what})", _CAUSES["gradient"]
+                )
+            )
     return mismatches, max_diff
 
 
@@ -486,29 +563,48 @@ def _nonfinite(with_ckpt: _Run, without: _Run) -> list[Mismatch]:
     for module, what, a, b in candidates:
         bad = [run for run, t in (("with", a), ("without", b)) if t is not None and not bool(t.isfinite().all())]
         if bad:
-            return [Mismatch(module, "nonfinite", f"the {what} is not finite {' and '.join(bad)} checkpointing",
-                             _CAUSES["nonfinite"])]
+            return [
+                Mismatch(
+                    module,
+                    "nonfinite",
+                    f"the {what} is not finite {' and '.join(bad)} checkpointing",
+                    _CAUSES["nonfinite"],
+                )
+            ]
     return []
 
 
-def _buffer_mismatches(inner: nn.Module, buffers: list[tuple[str, torch.Tensor]], bufs_a: list[torch.Tensor],
-                       bufs_b: list[torch.Tensor], rtol: float, atol: float) -> list[Mismatch]:
+def _buffer_mismatches(
+    inner: nn.Module,
+    buffers: list[tuple[str, torch.Tensor]],
+    bufs_a: list[torch.Tensor],
+    bufs_b: list[torch.Tensor],
+    rtol: float,
+    atol: float,
+) -> list[Mismatch]:
     """Buffers (BatchNorm statistics, ...) that end the step differently with checkpointing."""
     mismatches = []
     for (name, _), a, b in zip(buffers, bufs_a, bufs_b):
         if not _close(a, b, rtol, atol):
             kind = _owner_kind(inner, name)
-            mismatches.append(Mismatch(name.rpartition(".")[0], kind,
-                                       f"buffer {name} differs after the step with checkpointing", _CAUSES[kind]))
+            mismatches.append(
+                Mismatch(
+                    name.rpartition(".")[0],
+                    kind,
+                    f"buffer {name} differs after the step with checkpointing",
+                    _CAUSES[kind],
+                )
+            )
     return mismatches
 
 
 def _mismatch_error(report: RecomputeReport) -> RecomputeMismatchError:
     first = report.mismatches[0]
     where = f"the recompute of {first.module}" if first.module else "the checkpointed step"
-    err = RecomputeMismatchError(f"{where} differs from its forward: {first.detail}. {first.cause}"
-                                 + (f" ({len(report.mismatches) - 1} more difference(s) in .report)"
-                                    if len(report.mismatches) > 1 else ""))
+    err = RecomputeMismatchError(
+        f"{where} differs from its forward: {first.detail}. {first.cause}"
+        + (f" ({len(report.mismatches) - 1} more difference(s) in .report)" if len(report.mismatches) > 1 else "")
+    )
     err.report = report  # type: ignore[attr-defined]
     return err
 

@@ -25,7 +25,6 @@ from distckpt.errors import ConfigError, GradDesyncError, NoGradientError
 __all__ = ["GradSyncGuard", "GuardReport", "NoGradientError"]
 
 
-
 def _fsdp1_sharded(model: nn.Module) -> bool:
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
@@ -70,7 +69,7 @@ def _projection(flat: torch.Tensor) -> torch.Tensor:
     v = _weights(flat.device, 1, m + 1)
     proj = torch.dot(flat[: m * _CHUNK].view(m, _CHUNK) @ w, v[:m])  # one gemv reads the tensor once
     if rem:
-        proj = proj + torch.dot(flat[m * _CHUNK:], w[:rem]) * v[m]
+        proj = proj + torch.dot(flat[m * _CHUNK :], w[:rem]) * v[m]
     return proj
 
 
@@ -83,8 +82,9 @@ def _wnorm(n: int) -> float:
         else:
             m, rem = divmod(n, _CHUNK)
             v = _weights(torch.device("cpu"), 1, m + 1).double()
-            _WNORMS[n] = math.sqrt(float(w.norm()) ** 2 * float(v[:m].norm()) ** 2
-                                   + float(w[:rem].norm()) ** 2 * float(v[m]) ** 2)
+            _WNORMS[n] = math.sqrt(
+                float(w.norm()) ** 2 * float(v[:m].norm()) ** 2 + float(w[:rem].norm()) ** 2 * float(v[m]) ** 2
+            )
     return _WNORMS[n]
 
 
@@ -177,8 +177,17 @@ class GradSyncGuard:
         ConfigError: invalid arguments.
     """
 
-    def __init__(self, model: nn.Module, every: int = 1, *, params_every: int = 100, no_grad_steps: int = 3,
-                 on_no_grad: str = "warn", rtol: float = 1e-6, group: Any = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        every: int = 1,
+        *,
+        params_every: int = 100,
+        no_grad_steps: int = 3,
+        on_no_grad: str = "warn",
+        rtol: float = 1e-6,
+        group: Any = None,
+    ) -> None:
         if not isinstance(every, int) or every < 1:
             raise ConfigError(f"GradSyncGuard(every={every!r}): every must be an int >= 1 (1 checks every step).")
         if not isinstance(params_every, int) or params_every < 0:
@@ -247,7 +256,8 @@ class GradSyncGuard:
                     raise GradDesyncError(
                         f"GradSyncGuard: ranks hold different numbers of parameter tensors ({-int(counts[1])} to "
                         f"{int(counts[0])}; this rank {len(params)}): the model differs across ranks. Build the "
-                        "same model on every rank (same config and seed) before wrapping it.")
+                        "same model on every rank (same config and seed) before wrapping it."
+                    )
             local = fp.to(comm)
             out = local.new_empty((world * local.shape[0], _N_FIELDS))
             # The one collective; all_gather_single is its name from torch 2.13 on.
@@ -264,8 +274,9 @@ class GradSyncGuard:
         report.no_grad = self._track_no_grad(table, names, trains, step)
         return report
 
-    def _local_fingerprints(self, params: list[tuple[str, nn.Parameter]], with_params: bool
-                            ) -> tuple[torch.Tensor, list[int], list[bool], torch.device]:
+    def _local_fingerprints(
+        self, params: list[tuple[str, nn.Parameter]], with_params: bool
+    ) -> tuple[torch.Tensor, list[int], list[bool], torch.device]:
         sharded_model = _fsdp1_sharded(self.model)
         device = torch.device("cpu")
         values: list[torch.Tensor] = []  # 4 fp32 scalars per parameter, stacked once at the end
@@ -302,8 +313,15 @@ class GradSyncGuard:
         fp = torch.cat([torch.tensor(meta, dtype=torch.float64), vals, key], dim=1)
         return fp, numels, sharded, device
 
-    def _compare(self, table: torch.Tensor, names: list[str], trains: list[bool], sharded: list[bool],
-                 with_params: bool, step: int) -> None:
+    def _compare(
+        self,
+        table: torch.Tensor,
+        names: list[str],
+        trains: list[bool],
+        sharded: list[bool],
+        with_params: bool,
+        step: int,
+    ) -> None:
         world = table.shape[0]
         if world == 1 or not names:
             return
@@ -401,8 +419,9 @@ def _distinct_sumsq(table: torch.Tensor) -> torch.Tensor:
     return parts.scatter_(0, keys, table[:, :, _G_SUMSQ]).sum(0)
 
 
-def _differs(sumsq: torch.Tensor, proj: torch.Tensor, numel: int, rtol: float,
-             ranks: list[int] | None = None) -> str | None:
+def _differs(
+    sumsq: torch.Tensor, proj: torch.Tensor, numel: int, rtol: float, ranks: list[int] | None = None
+) -> str | None:
     """A description of how ranks differ, or None when they agree within ``rtol`` (``ranks``: the
     global ranks of the entries, default 0, 1, ...).
 
@@ -435,5 +454,7 @@ def _differs(sumsq: torch.Tensor, proj: torch.Tensor, numel: int, rtol: float,
     worst = max(rel(ref, r) for r in odd)
     name = ranks or list(range(world))
     norms = ", ".join(f"rank {name[r]}: {math.sqrt(s[r]) if s[r] >= 0 else s[r]:.6g}" for r in range(world))
-    return (f"ranks {[name[r] for r in odd]} differ from rank {name[ref]} by about {worst:.3g} of its norm "
-            f"(L2 norms {norms}; tolerance {rtol:g})")
+    return (
+        f"ranks {[name[r] for r in odd]} differ from rank {name[ref]} by about {worst:.3g} of its norm "
+        f"(L2 norms {norms}; tolerance {rtol:g})"
+    )

@@ -16,8 +16,10 @@ __all__ = ["HSDP_DIMS", "build_hsdp_mesh", "check_mesh", "mesh_group", "resolve_
 
 HSDP_DIMS = ("replicate", "shard")
 
-_HOW = ("Build it with torch.distributed.device_mesh.init_device_mesh(device_type, (world // N, N), "
-        "mesh_dim_names=('replicate', 'shard')), or let distckpt build it: parallelize(model, 'hsdp', shard_size=N).")
+_HOW = (
+    "Build it with torch.distributed.device_mesh.init_device_mesh(device_type, (world // N, N), "
+    "mesh_dim_names=('replicate', 'shard')), or let distckpt build it: parallelize(model, 'hsdp', shard_size=N)."
+)
 
 
 def build_hsdp_mesh(shard_size: int | None, device_type: str) -> Any:
@@ -37,8 +39,10 @@ def build_hsdp_mesh(shard_size: int | None, device_type: str) -> Any:
     if shard_size is None:
         local = os.environ.get("LOCAL_WORLD_SIZE")
         if not local:
-            raise ConfigError("strategy='hsdp' needs shard_size=N (the ranks of one node), or LOCAL_WORLD_SIZE set "
-                              "by torchrun: pass parallelize(model, 'hsdp', shard_size=N).")
+            raise ConfigError(
+                "strategy='hsdp' needs shard_size=N (the ranks of one node), or LOCAL_WORLD_SIZE set "
+                "by torchrun: pass parallelize(model, 'hsdp', shard_size=N)."
+            )
         shard_size = int(local)
     check_shard_size(shard_size, world)
     return init_device_mesh(device_type, (world // shard_size, shard_size), mesh_dim_names=HSDP_DIMS)
@@ -57,14 +61,18 @@ def check_mesh(mesh: Any, strategy: str) -> None:
     if mesh.ndim != 2 or names != HSDP_DIMS:
         raise ConfigError(
             f"parallelize takes a 1-D device_mesh or a 2-D one named {HSDP_DIMS} (HSDP), got a {mesh.ndim}-D mesh "
-            f"named {names or None}. {_HOW}")
+            f"named {names or None}. {_HOW}"
+        )
     if strategy == "fsdp":
-        raise ConfigError("strategy='fsdp' (FSDP1) takes a 1-D device_mesh only; for HSDP over a 2-D mesh use "
-                          "strategy='fsdp2' with the mesh, or strategy='hsdp' with shard_size=N.")
+        raise ConfigError(
+            "strategy='fsdp' (FSDP1) takes a 1-D device_mesh only; for HSDP over a 2-D mesh use "
+            "strategy='fsdp2' with the mesh, or strategy='hsdp' with shard_size=N."
+        )
     if mesh.size() != dist.get_world_size():
         raise ConfigError(
             f"the 2-D device_mesh spans {mesh.size()} of the {dist.get_world_size()} ranks; distckpt syncs its "
-            f"bookkeeping over the whole world, so the mesh must span every rank. {_HOW}")
+            f"bookkeeping over the whole world, so the mesh must span every rank. {_HOW}"
+        )
 
 
 def mesh_group(mesh: Any) -> Any:
@@ -84,15 +92,17 @@ def resolve_mesh(strategy: str, device_mesh: Any, shard_size: int | None, device
     """
     if strategy != "hsdp":
         if shard_size is not None:
-            raise ConfigError(f"shard_size={shard_size} is for strategy='hsdp' (got {strategy!r}): remove it, or "
-                              "use strategy='hsdp'.")
+            raise ConfigError(
+                f"shard_size={shard_size} is for strategy='hsdp' (got {strategy!r}): remove it, or use strategy='hsdp'."
+            )
         check_mesh(device_mesh, strategy)
         return device_mesh
     if device_mesh is None:
         return build_hsdp_mesh(shard_size, device_type)
     if shard_size is not None:
-        raise ConfigError("strategy='hsdp' got both device_mesh= and shard_size=: pass one (the mesh already "
-                          "says the shard size).")
+        raise ConfigError(
+            "strategy='hsdp' got both device_mesh= and shard_size=: pass one (the mesh already says the shard size)."
+        )
     check_mesh(device_mesh, strategy)
     if device_mesh.ndim != 2:
         raise ConfigError(f"strategy='hsdp' needs a 2-D device_mesh named {HSDP_DIMS}, got a 1-D one. {_HOW}")

@@ -103,8 +103,17 @@ class SyncState:
             reduction), under strategy ``"ddp"``.
     """
 
-    def __init__(self, names: list[str], registered: list[nn.Parameter], mode: str, group: Any,
-                 strategy: str, reentrant: set[int], static_check: bool = False, ddp: nn.Module | None = None):
+    def __init__(
+        self,
+        names: list[str],
+        registered: list[nn.Parameter],
+        mode: str,
+        group: Any,
+        strategy: str,
+        reentrant: set[int],
+        static_check: bool = False,
+        ddp: nn.Module | None = None,
+    ):
         self.names = names
         self.registered = registered
         self.mode = mode
@@ -276,7 +285,8 @@ class SyncState:
                 f"{self.strategy}: the FSDP unit {skipped} did not run in this forward while {ran} did, so it runs "
                 "conditionally (a mixture-of-experts expert, a routed or sampled module) and ranks would pair the "
                 "all-gathers of different units (wrong values or a hang, pytorch#158719). Checkpoint and shard the "
-                "layer that contains the router instead: distckpt.wrap(model, blocks=<the layer class>).")
+                "layer that contains the router instead: distckpt.wrap(model, blocks=<the layer class>)."
+            )
 
     def _walk(self, rec: _Record, roots: list[Any]) -> None:
         """Record, for each parameter, the graph nodes that consume it (each node once per forward)."""
@@ -330,12 +340,14 @@ class SyncState:
             raise ConfigError(
                 "torch.autograd.grad (or backward(inputs=...)) ran through reentrant-checkpointed blocks, which "
                 "PyTorch's reentrant checkpoint cannot differentiate (gradient penalties, meta-learning). Use "
-                "distckpt.wrap(..., reentrant=False).")
+                "distckpt.wrap(..., reentrant=False)."
+            )
         if self.strategy in ("fsdp", "fsdp2") and torch.is_grad_enabled():  # grad mode in backward: create_graph
             raise ConfigError(
                 f"a backward with create_graph=True (a gradient penalty, a Hessian-vector product) ran under "
                 f"{self.strategy}: FSDP frees the unsharded parameters after each pass, and the double-backward "
-                "graph still points to them. Use strategy='ddp' for this loss.")
+                "graph still points to them. Use strategy='ddp' for this loss."
+            )
         passing = [r for r in self.live_records() if r is rec or r.in_pass()]
         born, self.passes = self.passes, self.passes + 1
         if self.strategy == "fsdp" and any(r.born != born for r in passing):
@@ -343,7 +355,8 @@ class SyncState:
                 "a backward ran through a forward that another backward followed (micro-batches interleaved, or "
                 "a second backward of a retained graph): FSDP1 (strategy='fsdp') frees the unsharded parameters "
                 "its saved tensors point to after each backward. Run each forward's backward before the next "
-                "backward, sum the losses and call backward once, or use strategy='fsdp2'.")
+                "backward, sum the losses and call backward once, or use strategy='fsdp2'."
+            )
         self.accumulating = plain or compat.writes_grad(rec.param_keys)
         if not self.accumulating:
             return
@@ -355,7 +368,8 @@ class SyncState:
                     "gradients in the first backward after a forward with sync on, so this backward's gradients "
                     "would stay unsynchronized. Run each micro-batch's backward before the next forward, run all "
                     "but the last micro-batch (forward and backward) inside distckpt.accumulate(model), or sum "
-                    "the losses and call backward once.")
+                    "the losses and call backward once."
+                )
         if self._none_at_start is None:
             # First pass of an accumulation window: an unused param's grad is untouched so far (only the
             # zero writes it, later in this pass).
@@ -427,18 +441,22 @@ class SyncState:
         if calls is None:
             return self._allreduce(window.to(torch.uint8)).bool()
         red = self._allreduce(torch.cat([window.to(torch.int64), calls, -calls]))
-        hi, lo = red[n:n + len(calls)], -red[n + len(calls):]
+        hi, lo = red[n : n + len(calls)], -red[n + len(calls) :]
         bad = [k for k in range(len(self.units)) if hi[k] != lo[k]]
         if bad or hi[-1] != lo[-1]:
             unit = self.units[bad[0]] if bad else None
-            what = (f"unit {unit.name or '(root)'} ran {int(lo[bad[0]])} to {int(hi[bad[0]])} times" if unit
-                    else "the units ran in a different order")
+            what = (
+                f"unit {unit.name or '(root)'} ran {int(lo[bad[0]])} to {int(hi[bad[0]])} times"
+                if unit
+                else "the units ran in a different order"
+            )
             raise GradDesyncError(
                 f"{self.strategy}: the ranks ran different FSDP units in step {self.step - 1} ({what} across ranks), "
                 "so their all-gathers and reduce-scatters paired different parameters and this step's values are "
                 "wrong. A block that runs conditionally (a mixture-of-experts expert, a routed or sampled module) "
                 "cannot be its own unit: checkpoint and shard the layer that contains the router "
-                "(distckpt.wrap(model, blocks=<the layer class>)).")
+                "(distckpt.wrap(model, blocks=<the layer class>))."
+            )
         return red[:n].bool()
 
     def _check_static(self, used: torch.Tensor, in_graph: torch.Tensor) -> None:
@@ -446,24 +464,27 @@ class SyncState:
         n = len(self.names)
         computed_unused = in_graph & ~used
         red = self._allreduce(torch.cat([used, ~used, computed_unused]).to(torch.uint8)).bool()
-        anywhere, not_everywhere, dropped = red[:n], red[n:2 * n], red[2 * n:]
+        anywhere, not_everywhere, dropped = red[:n], red[n : 2 * n], red[2 * n :]
         varies = anywhere & not_everywhere
         if dropped.any():
             raise ConfigError(
                 f"graph='static' but {self._names(dropped.nonzero().flatten().tolist())} took part in step "
                 f"{self.step}'s forward and not in its loss on some rank (an output computed but not used, "
-                "pytorch#79171); DDP's static graph would desync. Use graph='auto'.")
+                "pytorch#79171); DDP's static graph would desync. Use graph='auto'."
+            )
         if self._static_used is None:
             if varies.any():
                 raise ConfigError(
                     f"graph='static' but {self._names(varies.nonzero().flatten().tolist())} got no gradient on some "
-                    f"ranks only in step {self.step}. Use graph='auto'.")
+                    f"ranks only in step {self.step}. Use graph='auto'."
+                )
             self._static_used = used
         elif varies.any() or not torch.equal(anywhere, self._static_used):
             bad = varies | (anywhere != self._static_used)
             raise ConfigError(
                 f"graph='static' but the parameters used in step {self.step} differ from the first step's "
-                f"({self._names(bad.nonzero().flatten().tolist())}). Use graph='auto'.")
+                f"({self._names(bad.nonzero().flatten().tolist())}). Use graph='auto'."
+            )
 
     def _check_reentrant(self, fired: torch.Tensor) -> None:
         """Params inside reentrant blocks: the same number of gradients on every rank and step."""
@@ -478,7 +499,8 @@ class SyncState:
                 f"{self._names(bad)} inside reentrant-checkpointed blocks got no gradient, or a different "
                 f"number of gradients, on some rank in step {self.step}: with reentrant checkpointing "
                 f"{self.strategy} can only sync blocks that every step uses the same way on every rank. "
-                "Use distckpt.wrap(..., reentrant=False).")
+                "Use distckpt.wrap(..., reentrant=False)."
+            )
 
     def _names(self, idx: list[int]) -> str:
         shown = ", ".join(self.names[i] for i in idx[:3])
@@ -494,8 +516,9 @@ class _Participate(torch.autograd.Function):
     """Identity on a unit's outputs that also takes the unit's parameters as inputs (see module doc)."""
 
     @staticmethod
-    def forward(ctx: Any, state: SyncState, rec: _Record, keys: list[_Key], out: torch.Tensor,
-                *params: torch.Tensor) -> Any:
+    def forward(
+        ctx: Any, state: SyncState, rec: _Record, keys: list[_Key], out: torch.Tensor, *params: torch.Tensor
+    ) -> Any:
         ctx.state, ctx.record, ctx.keys = state, rec, keys
         ctx.meta = [(t.shape, t.dtype, t.device) for t in params]
         ctx.set_materialize_grads(False)
@@ -506,8 +529,10 @@ class _Participate(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor | None) -> Any:
         skip = ctx.state.on_participate_backward(ctx.record, ctx.keys)
-        zeros = [None if s else torch.zeros((), dtype=dt, device=dev).expand(shape)
-                 for s, (shape, dt, dev) in zip(skip, ctx.meta)]
+        zeros = [
+            None if s else torch.zeros((), dtype=dt, device=dev).expand(shape)
+            for s, (shape, dt, dev) in zip(skip, ctx.meta)
+        ]
         return (None, None, None, grad, *zeros)
 
 

@@ -70,7 +70,8 @@ def ddp_kwargs(model: nn.Module, *, graph: str = "auto") -> dict[str, Any]:
         raise ConfigError(
             f"no DDP flags keep reentrant checkpointing correct when the graph may change (graph={graph!r}): "
             "find_unused_parameters breaks it and static_graph needs the same graph every step. Use "
-            "distckpt.wrap(..., reentrant=False), or graph='static' if every step uses the same parameters.")
+            "distckpt.wrap(..., reentrant=False), or graph='static' if every step uses the same parameters."
+        )
     return {"find_unused_parameters": True, "static_graph": False}
 
 
@@ -79,23 +80,32 @@ def _ddp_flags(kwargs: dict[str, Any], graph: str, reentrant: bool) -> dict[str,
         raise ConfigError(
             "find_unused_parameters=True is not needed with distckpt.parallelize (unused parameters join the "
             "graph with weight zero) and breaks two forwards before one backward and reentrant checkpointing. "
-            "Remove it (distckpt.ddp_kwargs gives it only for a DDP you build yourself, without that join).")
+            "Remove it (distckpt.ddp_kwargs gives it only for a DDP you build yourself, without that join)."
+        )
     want_static = graph == "static" or reentrant
     if "static_graph" in kwargs and bool(kwargs["static_graph"]) != want_static:
-        why = ("graph='static' needs it" if graph == "static" else
-               "reentrant blocks need it (each block's gradients arrive in a nested backward)") if want_static \
+        why = (
+            (
+                "graph='static' needs it"
+                if graph == "static"
+                else "reentrant blocks need it (each block's gradients arrive in a nested backward)"
+            )
+            if want_static
             else f"graph={graph!r} says the used parameters may change between steps"
+        )
         raise ConfigError(
             f"static_graph={kwargs['static_graph']} contradicts the setup: {why}. Remove static_graph and let "
-            "distckpt choose.")
+            "distckpt choose."
+        )
     return {**kwargs, "find_unused_parameters": False, "static_graph": want_static}
 
 
 # --- parallelize --------------------------------------------------------------------------------
 
 
-def parallelize(model: nn.Module, strategy: str = "ddp", *, graph: str = "auto", device_mesh: Any = None,
-                **kwargs: Any) -> nn.Module:
+def parallelize(
+    model: nn.Module, strategy: str = "ddp", *, graph: str = "auto", device_mesh: Any = None, **kwargs: Any
+) -> nn.Module:
     """Wrap a model whose blocks ``distckpt.apply.wrap`` checkpointed in DDP, FSDP or FSDP2, correctly.
 
     Order (fixed): checkpointing is already inside the blocks; FSDP wraps each block (checkpointed
@@ -158,8 +168,16 @@ def parallelize(model: nn.Module, strategy: str = "ddp", *, graph: str = "auto",
     # differs across ranks would otherwise desync its reduce-scatter before the check runs).
     mode = "static" if graph == "static" and strategy == "ddp" else "join"
     registered_by_name = {_clean_fqn(n): p for n, p in wrapped.named_parameters()}
-    state = SyncState(names, [registered_by_name[n] for n in names], mode, group, strategy, re_idx,
-                      static_check=graph == "static", ddp=wrapped if strategy == "ddp" else None)
+    state = SyncState(
+        names,
+        [registered_by_name[n] for n in names],
+        mode,
+        group,
+        strategy,
+        re_idx,
+        static_check=graph == "static",
+        ddp=wrapped if strategy == "ddp" else None,
+    )
     for unit, prepend in units:
         state.attach(unit, prepend)
     if re_idx and strategy == "ddp":
@@ -182,17 +200,20 @@ def _refuse_unready(model: nn.Module, strategy: str) -> None:
     if not dist.is_initialized():
         raise ConfigError(
             f"strategy={strategy!r} needs torch.distributed initialized: run under torchrun and call "
-            "dist.init_process_group first, or use strategy='none'.")
+            "dist.init_process_group first, or use strategy='none'."
+        )
     kind = parallel_kind(model)
     if kind:
         raise ConfigError(
             f"distckpt.parallelize got a model already wrapped in {kind}. Pass the plain model (after "
-            "distckpt.wrap); parallelize applies the wrapper itself.")
+            "distckpt.wrap); parallelize applies the wrapper itself."
+        )
     if strategy in SHARDED and pending_plan(model):
         raise ConfigError(
             f"distckpt.wrap(model, budget) has not chosen its blocks yet (it waits for the first forward), but "
             f"{strategy} shards each block now, after which a block's checkpointing cannot change. Pass "
-            "example_inputs=(a batch) to distckpt.wrap.")
+            "example_inputs=(a batch) to distckpt.wrap."
+        )
     preflight(model)
     if strategy in SHARDED:
         _refuse_conditional_units(model, strategy)
@@ -202,13 +223,24 @@ def _reentrant_params(model: nn.Module, names: list[str]) -> set[int]:
     """Indices (in ``names``) of the trainable parameters inside reentrant-checkpointed blocks."""
     index = {n: i for i, n in enumerate(names)}
     re_blocks = _reentrant_blocks(model)
-    return {index[f"{bn}.{pn}"] for bn, b in model.named_modules() if b in re_blocks
-            for pn, p in b.named_parameters() if p.requires_grad}
+    return {
+        index[f"{bn}.{pn}"]
+        for bn, b in model.named_modules()
+        if b in re_blocks
+        for pn, p in b.named_parameters()
+        if p.requires_grad
+    }
 
 
-def _apply_ddp(model: nn.Module, names: list[str], owners: list[tuple[nn.Module, str]], graph: str,
-               reentrant: bool, device_mesh: Any, kwargs: dict[str, Any]
-               ) -> tuple[nn.Module, list[tuple[_Unit, bool]], Any]:
+def _apply_ddp(
+    model: nn.Module,
+    names: list[str],
+    owners: list[tuple[nn.Module, str]],
+    graph: str,
+    reentrant: bool,
+    device_mesh: Any,
+    kwargs: dict[str, Any],
+) -> tuple[nn.Module, list[tuple[_Unit, bool]], Any]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     dev = _device()
@@ -234,7 +266,8 @@ def _refuse_conditional_units(model: nn.Module, strategy: str) -> None:
                     f"{name} is checkpointed, so {strategy} would make it its own unit, but it runs conditionally "
                     f"({why}): ranks that route differently would pair the all-gathers of different units and "
                     "compute wrong values. Checkpoint and shard the layer that contains the router instead, e.g. "
-                    "distckpt.wrap(model) with blocks=None, or blocks=<the layer class>.")
+                    "distckpt.wrap(model) with blocks=None, or blocks=<the layer class>."
+                )
 
 
 def _fsdp_group(device_mesh: Any, kwargs: dict[str, Any]) -> Any:
@@ -254,8 +287,9 @@ def _unit_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if n and id(m) in chosen]
 
 
-def _units_by_block(model: nn.Module, names: list[str], owners: list[tuple[nn.Module, str]]
-                    ) -> tuple[list[tuple[str, nn.Module]], dict[str, list[int]]]:
+def _units_by_block(
+    model: nn.Module, names: list[str], owners: list[tuple[nn.Module, str]]
+) -> tuple[list[tuple[str, nn.Module]], dict[str, list[int]]]:
     """Split the trainable params into the block units' (the innermost unit holding each) and the root's ('')."""
     blocks = _unit_blocks(model)
     owned: dict[str, list[int]] = {bn: [] for bn, _ in blocks}
@@ -266,8 +300,9 @@ def _units_by_block(model: nn.Module, names: list[str], owners: list[tuple[nn.Mo
     return blocks, owned
 
 
-def _apply_fsdp2(model: nn.Module, names: list[str], owners: list[tuple[nn.Module, str]], device_mesh: Any,
-                 kwargs: dict[str, Any]) -> tuple[nn.Module, list[tuple[_Unit, bool]], Any]:
+def _apply_fsdp2(
+    model: nn.Module, names: list[str], owners: list[tuple[nn.Module, str]], device_mesh: Any, kwargs: dict[str, Any]
+) -> tuple[nn.Module, list[tuple[_Unit, bool]], Any]:
     from torch.distributed.fsdp import fully_shard
 
     blocks, owned = _units_by_block(model, names, owners)
@@ -286,25 +321,34 @@ def _apply_fsdp2(model: nn.Module, names: list[str], owners: list[tuple[nn.Modul
     return model, units, mesh_group(device_mesh)
 
 
-def _apply_fsdp(model: nn.Module, names: list[str], owners: list[tuple[nn.Module, str]], device_mesh: Any,
-                kwargs: dict[str, Any]) -> tuple[nn.Module, list[tuple[_Unit, bool]], Any]:
+def _apply_fsdp(
+    model: nn.Module, names: list[str], owners: list[tuple[nn.Module, str]], device_mesh: Any, kwargs: dict[str, Any]
+) -> tuple[nn.Module, list[tuple[_Unit, bool]], Any]:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
 
     if kwargs.get("use_orig_params") is False:
         raise ConfigError(
             "use_orig_params=False hides each parameter's gradient inside a flat parameter, so distckpt cannot "
-            "leave the gradient of a parameter no rank used as None. Remove use_orig_params (distckpt sets True).")
+            "leave the gradient of a parameter no rank used as None. Remove use_orig_params (distckpt sets True)."
+        )
     if "auto_wrap_policy" in kwargs:
         raise ConfigError(
             "auto_wrap_policy is set by distckpt.parallelize (one FSDP unit per block, so "
-            "checkpointing sits inside the units, pytorch#82203). Remove it, or choose blocks in distckpt.wrap.")
+            "checkpointing sits inside the units, pytorch#82203). Remove it, or choose blocks in distckpt.wrap."
+        )
     blocks, owned = _units_by_block(model, names, owners)
     unit_ids = {id(b) for _, b in blocks}
     policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: id(m) in unit_ids)
     extra = {"device_mesh": device_mesh} if device_mesh is not None else {}
-    wrapped = FSDP(model, auto_wrap_policy=policy, device_id=kwargs.pop("device_id", _device()),
-                   use_orig_params=True, **extra, **kwargs)
+    wrapped = FSDP(
+        model,
+        auto_wrap_policy=policy,
+        device_id=kwargs.pop("device_id", _device()),
+        use_orig_params=True,
+        **extra,
+        **kwargs,
+    )
     # FSDP1 runs the inner module's hooks while the unit is unsharded: the join goes there.
     units = [(_Unit(b, [(i, *owners[i]) for i in owned[bn]], bn), False) for bn, b in blocks]
     units.append((_Unit(model, [(i, *owners[i]) for i in owned[""]]), False))
@@ -338,7 +382,8 @@ def preflight(model: nn.Module) -> None:
             raise ConfigError(
                 f"{where} is checkpointed around the FSDP/DDP unit {_clean_fqn(inner[0])}: the recompute runs "
                 "outside the unit's unshard/reshard (pytorch#82203). Checkpoint the blocks first "
-                "(distckpt.wrap), then shard them: distckpt.parallelize does both in that order.")
+                "(distckpt.wrap), then shard them: distckpt.parallelize does both in that order."
+            )
     if getattr(model, _STATE, None) is not None:
         return  # built by parallelize
     reentrant = bool(_reentrant_blocks(model))
@@ -347,21 +392,25 @@ def preflight(model: nn.Module) -> None:
             raise ConfigError(
                 "reentrant checkpointing with find_unused_parameters=True fails with 'Expected to mark a variable "
                 "ready only once' (the nested backward marks parameters DDP already declared unused). Use "
-                "distckpt.wrap(..., reentrant=False), or DDP(static_graph=True) for a graph that never changes.")
+                "distckpt.wrap(..., reentrant=False), or DDP(static_graph=True) for a graph that never changes."
+            )
         if reentrant and not model.static_graph:
             raise ConfigError(
                 "reentrant checkpointing without static_graph breaks on two forwards before one backward and "
                 "silently desyncs LoRA-style models (pytorch#121594). Use distckpt.wrap(..., reentrant=False), "
-                "or DDP(static_graph=True) for a graph that never changes.")
+                "or DDP(static_graph=True) for a graph that never changes."
+            )
     if isinstance(model, FullyShardedDataParallel):
         units = [m for m in model.modules() if isinstance(m, FullyShardedDataParallel)]
         for name, m in model.named_modules():
-            if is_checkpointed(m) and not any(m is u.module or any(m is c for c in u.module.modules())
-                                              for u in units if u is not model):
+            if is_checkpointed(m) and not any(
+                m is u.module or any(m is c for c in u.module.modules()) for u in units if u is not model
+            ):
                 raise ConfigError(
                     f"checkpointed block {_clean_fqn(name)} is not inside its own FSDP unit, so the whole model is "
                     "unsharded during its recompute. Wrap with auto_wrap_policy that wraps each checkpointed block "
-                    "(or use distckpt.parallelize(model, 'fsdp')).")
+                    "(or use distckpt.parallelize(model, 'fsdp'))."
+                )
 
 
 # --- accumulate ---------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ def conditional_reason(model: nn.Module, fqn: str) -> str | None:
         name = ".".join(parts[:k])
         container = model.get_submodule(name)
         if isinstance(container, _CONTAINER_TYPES):
-            parent = model.get_submodule(".".join(parts[:k - 1])) if k > 1 else model
+            parent = model.get_submodule(".".join(parts[: k - 1])) if k > 1 else model
             why = _container_reason(name, container, parent)
             if why:
                 return why
@@ -117,9 +117,9 @@ def _auto_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
         if _nested(g[1], chosen[1]) and g[2] >= 0.8 * chosen[2]:
             chosen = g
     rivals = [
-        g for g in groups
-        if g is not chosen and not _nested(g[1], chosen[1]) and not _nested(chosen[1], g[1])
-        and g[2] >= 0.5 * chosen[2]
+        g
+        for g in groups
+        if g is not chosen and not _nested(g[1], chosen[1]) and not _nested(chosen[1], g[1]) and g[2] >= 0.5 * chosen[2]
     ]
     if rivals:
         names = ", ".join(f"{g[0].__name__} ({len(g[1])} blocks, {g[2]:,} params)" for g in [chosen, *rivals])
@@ -131,7 +131,10 @@ def _auto_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     total = _n_params([model])
     logger.info(
         "distckpt.apply.wrap: blocks=None chose %d blocks of class %s (%s, ...; %.0f%% of parameters)",
-        len(chosen[1]), chosen[0].__name__, chosen[1][0][0], 100.0 * chosen[2] / max(total, 1),
+        len(chosen[1]),
+        chosen[0].__name__,
+        chosen[1][0][0],
+        100.0 * chosen[2] / max(total, 1),
     )
     return list(chosen[1])
 
@@ -145,9 +148,7 @@ def _matcher(spec: type | str | Callable[[nn.Module], bool]) -> Callable[[str, n
         return lambda name, m: fnmatch.fnmatchcase(name, spec)
     if callable(spec):
         return lambda name, m: bool(spec(m))
-    raise ConfigError(
-        f"blocks= takes module classes, a predicate fn(module) -> bool, or FQN globs; got {spec!r}."
-    )
+    raise ConfigError(f"blocks= takes module classes, a predicate fn(module) -> bool, or FQN globs; got {spec!r}.")
 
 
 def find_blocks(model: nn.Module, blocks: BlockSpec = None) -> list[tuple[str, nn.Module]]:
@@ -170,9 +171,7 @@ def find_blocks(model: nn.Module, blocks: BlockSpec = None) -> list[tuple[str, n
     if not specs:
         raise ConfigError("blocks= is empty; pass None to find blocks automatically, or policy='none'.")
     matchers = [_matcher(s) for s in specs]
-    matched = _outermost(
-        (name, m) for name, m in model.named_modules() if name and any(f(name, m) for f in matchers)
-    )
+    matched = _outermost((name, m) for name, m in model.named_modules() if name and any(f(name, m) for f in matchers))
     if not matched:
         hint = ""
         groups = repeated_block_groups(model)

@@ -70,8 +70,15 @@ from distckpt.select.selective import OP_MODES
 if TYPE_CHECKING:
     from distckpt.select.policies import Candidates
 
-__all__ = ["BudgetPlan", "MODES", "OPTIMIZER_STATES", "budget_profile", "plan_budget", "predicted_peak",
-           "select_for_budget"]
+__all__ = [
+    "BudgetPlan",
+    "MODES",
+    "OPTIMIZER_STATES",
+    "budget_profile",
+    "plan_budget",
+    "predicted_peak",
+    "select_for_budget",
+]
 
 logger = logging.getLogger("distckpt")
 
@@ -146,12 +153,18 @@ def _transfer_cost(nbytes: int, flops_per_byte: float | None) -> int:
 def _offload_choice(b: Any, bound: int, w: int, outside: int, flops_per_byte: float | None, floor: int) -> Choice:
     """An offloaded block: it holds on the device only what it could not move (measured), and in its
     backward its saved tensors come back (its measured peak, ``bound``); no RNG state (no checkpoint)."""
-    return (b.offload_held_bytes + w, bound + w + outside, _transfer_cost(b.offload_bytes, flops_per_byte), _OFFLOAD,
-            floor + w + outside)
+    return (
+        b.offload_held_bytes + w,
+        bound + w + outside,
+        _transfer_cost(b.offload_bytes, flops_per_byte),
+        _OFFLOAD,
+        floor + w + outside,
+    )
 
 
-def _choices(mp: ModelProfile, static: int, *, selective: bool = True, offload_flops_per_byte: float | None = None,
-             **kw: Any) -> tuple[list[list[Choice]], int]:
+def _choices(
+    mp: ModelProfile, static: int, *, selective: bool = True, offload_flops_per_byte: float | None = None, **kw: Any
+) -> tuple[list[list[Choice]], int]:
     """Per block, what each choice holds, the bound it puts on the bytes held before it and its
     recompute FLOPs (the op-level modes where the profile measured them and ``selective`` allows
     them); and the end offset (see :func:`~distckpt.select.memory_terms._bounds`). A checkpointed
@@ -190,10 +203,24 @@ def _choices(mp: ModelProfile, static: int, *, selective: bool = True, offload_f
         for mode in op_modes:
             held, flops = b.mode_held_flops(mode)
             if held >= 0:
-                options.append((held + rng + w, bounds[mode][i] + rng + w + outside, flops, MODES.index(mode),
-                                flat[i] + rng + w + outside))
-        options.append((b.input_bytes + rng + w, bounds["full"][i] + rng + w + outside, b.full_flops, _FULL,
-                        flat[i] + rng + w + outside))
+                options.append(
+                    (
+                        held + rng + w,
+                        bounds[mode][i] + rng + w + outside,
+                        flops,
+                        MODES.index(mode),
+                        flat[i] + rng + w + outside,
+                    )
+                )
+        options.append(
+            (
+                b.input_bytes + rng + w,
+                bounds["full"][i] + rng + w + outside,
+                b.full_flops,
+                _FULL,
+                flat[i] + rng + w + outside,
+            )
+        )
         if offload and b.offload_held_bytes >= 0:
             options.append(_offload_choice(b, bounds["offload"][i], w, outside, offload_flops_per_byte, flat[i]))
         out.append(options)
@@ -219,14 +246,24 @@ def _codes(mp: ModelProfile, choice: Any) -> list[int]:
         if m not in MODES:
             raise ConfigError(f"block {i}: checkpoint mode must be one of {MODES}, got {m!r}.")
         if m in (*OP_MODES, "offload") and mp.blocks[i].mode_held_flops(m)[0] < 0:
-            raise ConfigError(f"block {i} ({mp.blocks[i].fqn}): the profile has no {m} measurement (its {m} "
-                              "sample step failed, or the profile was made without that mode); choose none or "
-                              "full for it, or profile with that mode (profile_model(..., modes=...)).")
+            raise ConfigError(
+                f"block {i} ({mp.blocks[i].fqn}): the profile has no {m} measurement (its {m} "
+                "sample step failed, or the profile was made without that mode); choose none or "
+                "full for it, or profile with that mode (profile_model(..., modes=...))."
+            )
     return [MODES.index(m) for m in modes]
 
 
-def predicted_peak(mp: ModelProfile, selected: Any, *, strategy: str = "ddp", world_size: int = 1,
-                   optimizer: str = "adamw", grad_accumulation: bool = False, shard_size: int | None = None) -> int:
+def predicted_peak(
+    mp: ModelProfile,
+    selected: Any,
+    *,
+    strategy: str = "ddp",
+    world_size: int = 1,
+    optimizer: str = "adamw",
+    grad_accumulation: bool = False,
+    shard_size: int | None = None,
+) -> int:
     """Peak training memory (bytes) that the memory model predicts for a per-block choice (see the
     module docstring); ``shard_size``: the ranks that shard under ``"hsdp"``.
 
@@ -287,8 +324,9 @@ def _fits(options: list[list[Choice]], end: int, step: int, budget: int, shared:
 def _min_peak(options: list[list[Choice]], end: int, step: int, shared: list[int]) -> int:
     """The smallest predicted peak over every choice of blocks (a search over the budget)."""
     full = [next(o for o in opts if o[3] == _FULL) for opts in options]
-    hi = max(step, *(full[i][1] + sum(h for h, *_ in full[:i]) for i in range(len(full))),
-             sum(h for h, *_ in full) + end)  # checkpointing every block fits this
+    hi = max(
+        step, *(full[i][1] + sum(h for h, *_ in full[:i]) for i in range(len(full))), sum(h for h, *_ in full) + end
+    )  # checkpointing every block fits this
     lo = step
     if _fits(options, end, step, lo, shared):
         return lo
@@ -330,8 +368,10 @@ def _costs(options: list[list[Choice]]) -> list[list[Choice]]:
     scale = len(options) + 1
     if (sum(max(o[2] for o in opts) for opts in options) + 1) * scale >= 2**62:
         return options
-    return [[(held, bound, flops * scale + (code != 0), code, floor) for held, bound, flops, code, floor in opts]
-            for opts in options]
+    return [
+        [(held, bound, flops * scale + (code != 0), code, floor) for held, bound, flops, code, floor in opts]
+        for opts in options
+    ]
 
 
 def _cheapest_codes(options: list[list[Choice]], end: int, budget: int, shared: list[int]) -> list[int]:
@@ -345,8 +385,10 @@ def _cheapest_codes(options: list[list[Choice]], end: int, budget: int, shared: 
     for opts, d in zip(_costs(options), shared):
         # Each choice of block i bounds the bytes held before it; the states that meet it go on with it.
         dd = g.long() * d
-        parts = [((p <= budget - (bound - dd).clamp(min=floor)).nonzero().flatten(), held, cost, code)
-                 for held, bound, cost, code, floor in opts]
+        parts = [
+            ((p <= budget - (bound - dd).clamp(min=floor)).nonzero().flatten(), held, cost, code)
+            for held, bound, cost, code, floor in opts
+        ]
         parent = torch.cat([ok for ok, *_ in parts])
         code = torch.cat([torch.full((len(ok),), c, dtype=torch.int8) for ok, _, _, c in parts])
         p = torch.cat([p[ok] + held - (dd[ok] if c in _KEEPS_INPUTS else 0) for ok, held, _, c in parts])
@@ -369,9 +411,18 @@ def _cheapest_codes(options: list[list[Choice]], end: int, budget: int, shared: 
     return codes
 
 
-def plan_budget(mp: ModelProfile, budget: int, *, strategy: str = "ddp", world_size: int = 1,
-                optimizer: str = "adamw", grad_accumulation: bool = False, shard_size: int | None = None,
-                selective: bool = True, offload_flops_per_byte: float | None = None) -> BudgetPlan:
+def plan_budget(
+    mp: ModelProfile,
+    budget: int,
+    *,
+    strategy: str = "ddp",
+    world_size: int = 1,
+    optimizer: str = "adamw",
+    grad_accumulation: bool = False,
+    shard_size: int | None = None,
+    selective: bool = True,
+    offload_flops_per_byte: float | None = None,
+) -> BudgetPlan:
     """The per-block choice (none, pointwise, selective, full or offload) with the least recompute FLOPs
     (plus transfers' FLOP-equivalent) whose predicted peak is <= ``budget``.
 
@@ -392,12 +443,20 @@ def plan_budget(mp: ModelProfile, budget: int, *, strategy: str = "ddp", world_s
     where = dict(strategy=strategy, world_size=world_size, shard_size=shard_size)
     static, step = static_bytes(mp, optimizer=optimizer, **where)
     if offload_flops_per_byte is not None and not offload_flops_per_byte > 0:
-        raise ConfigError(f"offload_flops_per_byte must be a positive number (FLOPs per byte moved), got "
-                          f"{offload_flops_per_byte!r}; None: offload not offered.")
+        raise ConfigError(
+            f"offload_flops_per_byte must be a positive number (FLOPs per byte moved), got "
+            f"{offload_flops_per_byte!r}; None: offload not offered."
+        )
     if offload_flops_per_byte is not None and math.isinf(offload_flops_per_byte):
         offload_flops_per_byte = None  # priced out: not offered
-    options, end = _choices(mp, static, selective=selective, grad_accumulation=grad_accumulation,
-                            offload_flops_per_byte=offload_flops_per_byte, **where)
+    options, end = _choices(
+        mp,
+        static,
+        selective=selective,
+        grad_accumulation=grad_accumulation,
+        offload_flops_per_byte=offload_flops_per_byte,
+        **where,
+    )
     if offload_flops_per_byte is None:
         options = [[o for o in opts if o[3] != _OFFLOAD] for opts in options]
     step = _tail(mp, static, step, grad_accumulation=grad_accumulation, **where)
@@ -416,10 +475,16 @@ def plan_budget(mp: ModelProfile, budget: int, *, strategy: str = "ddp", world_s
     assert peak <= budget, (peak, budget)
     costs = [next(o[2] for o in opts if o[3] == c) for opts, c in zip(options, codes)]
     moved = 2 * sum(b.offload_bytes for b, c in zip(mp.blocks, codes) if c == _OFFLOAD)
-    return BudgetPlan(tuple(i for i, c in enumerate(codes) if c), peak,
-                      sum(f for f, c in zip(costs, codes) if c != _OFFLOAD), min_budget, modes, moved_bytes=moved,
-                      transfer_flops=sum(f for f, c in zip(costs, codes) if c == _OFFLOAD),
-                      offload_flops_per_byte=offload_flops_per_byte)
+    return BudgetPlan(
+        tuple(i for i, c in enumerate(codes) if c),
+        peak,
+        sum(f for f, c in zip(costs, codes) if c != _OFFLOAD),
+        min_budget,
+        modes,
+        moved_bytes=moved,
+        transfer_flops=sum(f for f, c in zip(costs, codes) if c == _OFFLOAD),
+        offload_flops_per_byte=offload_flops_per_byte,
+    )
 
 
 def auto_budget(device_type: str) -> int:
@@ -455,8 +520,15 @@ def offload_offered(device_type: str, offload_flops_per_byte: float | str | None
     return bool(getattr(recompute.host_store(), "escapes_allocator", False))
 
 
-def budget_profile(candidates: Candidates, device_type: str, budget_bytes: int | None, *,
-                   estimate: bool = False, selective: bool = True, offload: bool = False) -> tuple[ModelProfile, int]:
+def budget_profile(
+    candidates: Candidates,
+    device_type: str,
+    budget_bytes: int | None,
+    *,
+    estimate: bool = False,
+    selective: bool = True,
+    offload: bool = False,
+) -> tuple[ModelProfile, int]:
     """The profile a budget plans on, and the budget in bytes.
 
     ``budget:SIZE`` plans on a real sample step (:meth:`Candidates.model_profile`: exact on this
@@ -484,10 +556,17 @@ def budget_profile(candidates: Candidates, device_type: str, budget_bytes: int |
     return estimate_profile(candidates.model, candidates.blocks, candidates.example_inputs), budget_bytes
 
 
-def select_for_budget(candidates: Candidates, budget_bytes: int | None, *, strategy: str = "ddp",
-                      optimizer: str = "adamw", grad_accumulation: bool = False,
-                      shard_size: int | None = None, selective: bool = True,
-                      offload_flops_per_byte: float | str | None = None) -> BudgetPlan:
+def select_for_budget(
+    candidates: Candidates,
+    budget_bytes: int | None,
+    *,
+    strategy: str = "ddp",
+    optimizer: str = "adamw",
+    grad_accumulation: bool = False,
+    shard_size: int | None = None,
+    selective: bool = True,
+    offload_flops_per_byte: float | str | None = None,
+) -> BudgetPlan:
     """The plan for ``budget:SIZE`` (``None``: ``budget:auto``): which blocks to checkpoint, and how.
 
     Args:
@@ -524,17 +603,34 @@ def select_for_budget(candidates: Candidates, budget_bytes: int | None, *, strat
         offload_flops_per_byte = flops_per_byte(mp, device, dtype)
     if strategy == "hsdp" and shard_size is None and os.environ.get("LOCAL_WORLD_SIZE"):
         shard_size = int(os.environ["LOCAL_WORLD_SIZE"])
-    result = plan_budget(mp, budget_bytes, strategy=strategy, world_size=candidates.world_size, optimizer=optimizer,
-                         grad_accumulation=grad_accumulation, shard_size=shard_size, selective=selective,
-                         offload_flops_per_byte=offload_flops_per_byte if offer and offload_flops_per_byte != "auto"
-                         else None)
+    result = plan_budget(
+        mp,
+        budget_bytes,
+        strategy=strategy,
+        world_size=candidates.world_size,
+        optimizer=optimizer,
+        grad_accumulation=grad_accumulation,
+        shard_size=shard_size,
+        selective=selective,
+        offload_flops_per_byte=offload_flops_per_byte if offer and offload_flops_per_byte != "auto" else None,
+    )
     logger.info(
         "distckpt budget %s: %d of %d blocks full, %d selective, %d pointwise, %d offloaded (%s moved per step), "
-        "predicted peak %s, recompute %.3g GFLOP", _gib(budget_bytes), result.modes.count("full"), len(mp.blocks),
-        result.modes.count("selective"), result.modes.count("pointwise"), len(result.offloaded),
-        _gib(result.moved_bytes), _gib(result.peak_bytes), result.recompute_flops / 1e9,
+        "predicted peak %s, recompute %.3g GFLOP",
+        _gib(budget_bytes),
+        result.modes.count("full"),
+        len(mp.blocks),
+        result.modes.count("selective"),
+        result.modes.count("pointwise"),
+        len(result.offloaded),
+        _gib(result.moved_bytes),
+        _gib(result.peak_bytes),
+        result.recompute_flops / 1e9,
     )
     if result.offloaded:
-        logger.info("distckpt budget: offloaded blocks %s at %.3g FLOPs per byte",
-                    ", ".join(mp.blocks[i].fqn for i in result.offloaded), result.offload_flops_per_byte)
+        logger.info(
+            "distckpt budget: offloaded blocks %s at %.3g FLOPs per byte",
+            ", ".join(mp.blocks[i].fqn for i in result.offloaded),
+            result.offload_flops_per_byte,
+        )
     return result

@@ -73,8 +73,15 @@ class PlanReport:
             ConfigError: no choice fits (the message names the smallest budget that does).
         """
         assert self.profile is not None, "reports from plan_at_scale carry their profile"
-        bp = plan_budget(self.profile, budget, strategy=self.strategy, world_size=self.world_size,
-                         shard_size=self.shard_size, optimizer=self.optimizer, grad_accumulation=grad_accumulation)
+        bp = plan_budget(
+            self.profile,
+            budget,
+            strategy=self.strategy,
+            world_size=self.world_size,
+            shard_size=self.shard_size,
+            optimizer=self.optimizer,
+            grad_accumulation=grad_accumulation,
+        )
         rest = tuple(p for p in self.policies if p.policy != "budget")
         est = PolicyEstimate("budget", bp.peak_bytes, bp.recompute_flops, bp.selected, bp.modes)
         return dataclasses.replace(self, policies=(*rest, est), budget_bytes=budget, budget_error="")
@@ -103,8 +110,7 @@ def _kept(blocks: list[tuple[str, nn.Module]]) -> tuple[list[int], list[int]]:
         if i in keep:
             source.append(i)
         else:
-            source.append(next((j for j in middle if sigs[j] == sigs[i]),
-                               next(j for j in kept if sigs[j] == sigs[i])))
+            source.append(next((j for j in middle if sigs[j] == sigs[i]), next(j for j in kept if sigs[j] == sigs[i])))
     return kept, source
 
 
@@ -117,12 +123,15 @@ def _cut(model: nn.Module, blocks: list[tuple[str, nn.Module]], kept: list[int])
     """
     parents = {name.rpartition(".")[0] for name, _ in blocks}
     if len(parents) != 1:
-        raise ConfigError(f"distckpt plan traces blocks of one container; these sit in {sorted(parents)}: "
-                          "pass blocks= naming one nn.ModuleList's children.")
+        raise ConfigError(
+            f"distckpt plan traces blocks of one container; these sit in {sorted(parents)}: "
+            "pass blocks= naming one nn.ModuleList's children."
+        )
     container = model.get_submodule(parents.pop())
     if not isinstance(container, (nn.ModuleList, nn.Sequential)):
-        raise ConfigError(f"distckpt plan needs the blocks in an nn.ModuleList or nn.Sequential, not "
-                          f"{type(container).__name__}.")
+        raise ConfigError(
+            f"distckpt plan needs the blocks in an nn.ModuleList or nn.Sequential, not {type(container).__name__}."
+        )
     full = dict(container._modules)
     names = [name.rpartition(".")[2] for name, _ in blocks]
     container._modules = {str(k): full[names[j]] for k, j in enumerate(kept)}
@@ -133,15 +142,17 @@ def _cut(model: nn.Module, blocks: list[tuple[str, nn.Module]], kept: list[int])
     return undo
 
 
-def _stretch(mp: ModelProfile, blocks: list[tuple[str, nn.Module]], kept: list[int], source: list[int],
-             whole: dict[str, int]) -> ModelProfile:
+def _stretch(
+    mp: ModelProfile, blocks: list[tuple[str, nn.Module]], kept: list[int], source: list[int], whole: dict[str, int]
+) -> ModelProfile:
     """The traced profile extended to every block: block i copies its source's numbers, with each
     gradient count shifted by the trainable bytes of the blocks behind it that the cut removed."""
+
     def trainable(m: nn.Module) -> int:
         return sum(p.numel() * p.element_size() for p in m.parameters() if p.requires_grad)
 
     size = [trainable(m) for _, m in blocks]
-    after_full = [sum(size[i + 1:]) for i in range(len(blocks))]
+    after_full = [sum(size[i + 1 :]) for i in range(len(blocks))]
     after_cut = {j: sum(size[k] for k in kept if k > j) for j in kept}
     out = []
     for i, (name, _) in enumerate(blocks):
@@ -151,11 +162,17 @@ def _stretch(mp: ModelProfile, blocks: list[tuple[str, nn.Module]], kept: list[i
         def shift(v: int, d: int = d) -> int:
             return v + d if v >= 0 else v
 
-        out.append(dataclasses.replace(
-            b, fqn=name, grads_ready_bytes=shift(b.grads_ready_bytes),
-            grads_at_peak_bytes=shift(b.grads_at_peak_bytes), recompute_grads_bytes=shift(b.recompute_grads_bytes),
-            selective_recompute_grads_bytes=shift(b.selective_recompute_grads_bytes),
-            pointwise_recompute_grads_bytes=shift(b.pointwise_recompute_grads_bytes)))
+        out.append(
+            dataclasses.replace(
+                b,
+                fqn=name,
+                grads_ready_bytes=shift(b.grads_ready_bytes),
+                grads_at_peak_bytes=shift(b.grads_at_peak_bytes),
+                recompute_grads_bytes=shift(b.recompute_grads_bytes),
+                selective_recompute_grads_bytes=shift(b.selective_recompute_grads_bytes),
+                pointwise_recompute_grads_bytes=shift(b.pointwise_recompute_grads_bytes),
+            )
+        )
     lost = sum(size) - sum(size[k] for k in kept)
     tail = mp.tail_grads_bytes + lost if mp.tail_grads_bytes >= 0 else -1
     return dataclasses.replace(mp, blocks=tuple(out), tail_grads_bytes=tail, **whole)
@@ -202,8 +219,10 @@ def _subject(factory: Any, example_inputs: Any) -> tuple[nn.Module, nn.Module, s
     made = (load_factory(factory) if isinstance(factory, str) else factory)()
     if isinstance(made, nn.Module):
         if example_inputs is None:
-            raise ConfigError("plan_at_scale: a factory returning only a model needs example_inputs= (one "
-                              "rank's micro-batch, as model(*example_inputs) takes it).")
+            raise ConfigError(
+                "plan_at_scale: a factory returning only a model needs example_inputs= (one "
+                "rank's micro-batch, as model(*example_inputs) takes it)."
+            )
         return made, made, "", example_inputs
     model, loss_fn, batch_fn = made
     # The factory's batch (rank 0 of 1) is one rank's micro-batch; --micro-batch/--seq-len resize it.
@@ -215,8 +234,9 @@ def _subject(factory: Any, example_inputs: Any) -> tuple[nn.Module, nn.Module, s
     return model, _LossModule(model, loss_fn), "m.", _profile.Call((batch,), {})
 
 
-def _per_rank(mp: ModelProfile, strategy: str, world_size: int, shard_size: int | None,
-              optimizer: str) -> tuple[int, int, int]:
+def _per_rank(
+    mp: ModelProfile, strategy: str, world_size: int, shard_size: int | None, optimizer: str
+) -> tuple[int, int, int]:
     """Parameters, gradients and optimizer state per rank: the sharding of budget.static_bytes
     (shards of ``1/shards()``), without its working set of unsharded blocks (that is in the peak)."""
     k, steps = optimizer_terms(mp, optimizer)
@@ -224,8 +244,9 @@ def _per_rank(mp: ModelProfile, strategy: str, world_size: int, shard_size: int 
     return mp.param_bytes // div, mp.trainable_bytes // div, k * mp.trainable_bytes // div + steps
 
 
-def _trace(root: nn.Module, model: nn.Module, found: list[tuple[str, nn.Module]], call: Any, *, prefix: str = ""
-           ) -> tuple[ModelProfile, list[int]]:
+def _trace(
+    root: nn.Module, model: nn.Module, found: list[tuple[str, nn.Module]], call: Any, *, prefix: str = ""
+) -> tuple[ModelProfile, list[int]]:
     """Under a fake mode: ``found`` (blocks of ``model``, which ``root`` runs) cut to the traced ones, the
     sample step measured and stretched back to every block (the profile measures each traced block's
     full and selective recompute: held bytes, peaks, FLOPs, so the ``selective`` row and the budget's
@@ -251,9 +272,11 @@ def _trace(root: nn.Module, model: nn.Module, found: list[tuple[str, nn.Module]]
     except (RuntimeError, NotImplementedError) as e:
         # FakeTensorMode's own errors (DataDependentOutputException, ...) live in torch._subclasses.
         if type(e).__module__.startswith("torch._subclasses") or "data-dependent" in str(e):
-            raise ConfigError(f"distckpt plan and budget:auto run the model on fake tensors (no values); it read a "
-                              f"value: {e}. Make the model's forward shape-only (or, in wrap, give budget:SIZE, "
-                              "which measures a real step).") from e
+            raise ConfigError(
+                f"distckpt plan and budget:auto run the model on fake tensors (no values); it read a "
+                f"value: {e}. Make the model's forward shape-only (or, in wrap, give budget:SIZE, "
+                "which measures a real step)."
+            ) from e
         raise
     finally:
         undo()
@@ -308,8 +331,7 @@ def estimate_profile(model: nn.Module, blocks: list[tuple[str, nn.Module]], exam
     if key not in cache:
         mode = compat.fake_mode()
         with _fake_tensors(model, mode):
-            fake_inputs = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t,
-                                   (args, kwargs))
+            fake_inputs = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, (args, kwargs))
             with mode:
                 mp, _ = _trace(model, model, blocks, _profile.Call(*fake_inputs))
         cache[key] = _profile._agree(mp)
@@ -320,10 +342,20 @@ def estimate_profile(model: nn.Module, blocks: list[tuple[str, nn.Module]], exam
 _ESTIMATES: weakref.WeakKeyDictionary[nn.Module, dict[Any, ModelProfile]] = weakref.WeakKeyDictionary()
 
 
-def plan_at_scale(factory: Any, *, strategy: str = "fsdp2", world_size: int = 1, shard_size: int | None = None,
-                  micro_batch: int | None = None, seq_len: int | None = None, budget: int | None = None,
-                  optimizer: str = "adamw", grad_accumulation: bool = False, blocks: Any = None,
-                  example_inputs: Any = None) -> PlanReport:
+def plan_at_scale(
+    factory: Any,
+    *,
+    strategy: str = "fsdp2",
+    world_size: int = 1,
+    shard_size: int | None = None,
+    micro_batch: int | None = None,
+    seq_len: int | None = None,
+    budget: int | None = None,
+    optimizer: str = "adamw",
+    grad_accumulation: bool = False,
+    blocks: Any = None,
+    example_inputs: Any = None,
+) -> PlanReport:
     """Predict one rank's peak training memory and recompute FLOPs under ``none``, ``full``,
     ``pointwise``, ``selective`` and a ``budget`` plan, without allocating the model (``FakeTensorMode``).
 
@@ -350,28 +382,59 @@ def plan_at_scale(factory: Any, *, strategy: str = "fsdp2", world_size: int = 1,
     from distckpt.select.blocks import find_blocks
 
     # The strategy, shard size and optimizer are checked (as _report checks them) before seconds of tracing.
-    static_bytes(ModelProfile(blocks=()), strategy=strategy, world_size=world_size, optimizer=optimizer,
-                 shard_size=shard_size)
+    static_bytes(
+        ModelProfile(blocks=()), strategy=strategy, world_size=world_size, optimizer=optimizer, shard_size=shard_size
+    )
     with compat.fake_mode():
         model, root, prefix, call = _subject(factory, example_inputs)
         call = _profile.Call(*_resize(_profile._as_args(call), micro_batch, seq_len))
         root.train()
         found = find_blocks(model, blocks)
         mp, kept = _trace(root, model, found, call, prefix=prefix)
-    return _report(mp, found, kept, strategy=strategy, world_size=world_size,
-                   shard_size=shard_size, optimizer=optimizer, budget=budget, grad_accumulation=grad_accumulation)
+    return _report(
+        mp,
+        found,
+        kept,
+        strategy=strategy,
+        world_size=world_size,
+        shard_size=shard_size,
+        optimizer=optimizer,
+        budget=budget,
+        grad_accumulation=grad_accumulation,
+    )
 
 
-def _report(mp: ModelProfile, found: list[tuple[str, nn.Module]], kept: list[int], *,
-            strategy: str, world_size: int, shard_size: int | None,
-            optimizer: str, budget: int | None, grad_accumulation: bool) -> PlanReport:
-    kw = dict(strategy=strategy, world_size=world_size, shard_size=shard_size, optimizer=optimizer,
-              grad_accumulation=grad_accumulation)
+def _report(
+    mp: ModelProfile,
+    found: list[tuple[str, nn.Module]],
+    kept: list[int],
+    *,
+    strategy: str,
+    world_size: int,
+    shard_size: int | None,
+    optimizer: str,
+    budget: int | None,
+    grad_accumulation: bool,
+) -> PlanReport:
+    kw = dict(
+        strategy=strategy,
+        world_size=world_size,
+        shard_size=shard_size,
+        optimizer=optimizer,
+        grad_accumulation=grad_accumulation,
+    )
     static_bytes(mp, strategy=strategy, world_size=world_size, optimizer=optimizer, shard_size=shard_size)  # checks
     n = len(mp.blocks)
-    policies = [PolicyEstimate("none", predicted_peak(mp, [], **kw), 0, (), ("none",) * n),
-                PolicyEstimate("full", predicted_peak(mp, range(n), **kw), sum(b.full_flops for b in mp.blocks),
-                               tuple(range(n)), ("full",) * n)]
+    policies = [
+        PolicyEstimate("none", predicted_peak(mp, [], **kw), 0, (), ("none",) * n),
+        PolicyEstimate(
+            "full",
+            predicted_peak(mp, range(n), **kw),
+            sum(b.full_flops for b in mp.blocks),
+            tuple(range(n)),
+            ("full",) * n,
+        ),
+    ]
     for op in ("pointwise", "selective"):
         # The op-level mode where the profile could run it (a block whose sample step failed is counted full).
         modes = tuple(op if b.mode_held_flops(op)[0] >= 0 else "full" for b in mp.blocks)
@@ -380,12 +443,22 @@ def _report(mp: ModelProfile, found: list[tuple[str, nn.Module]], kept: list[int
     params, grads, optim = _per_rank(mp, strategy, world_size, shard_size, optimizer)
     total = sum(p.numel() for p in {id(p): p for _, m in found for p in m.parameters()}.values())
     report = PlanReport(
-        strategy=strategy, world_size=world_size, shard_size=shard_size, optimizer=optimizer,
-        blocks=tuple(name for name, _ in found), traced_blocks=len(kept),
-        total_params=_param_count(mp, found, total), param_bytes=params, grad_bytes=grads,
-        optimizer_bytes=optim, activation_bytes=mp.activation_bytes,
-        forward_flops=sum(b.forward_flops for b in mp.blocks), policies=tuple(policies),
-        budget_bytes=None, profile=mp)
+        strategy=strategy,
+        world_size=world_size,
+        shard_size=shard_size,
+        optimizer=optimizer,
+        blocks=tuple(name for name, _ in found),
+        traced_blocks=len(kept),
+        total_params=_param_count(mp, found, total),
+        param_bytes=params,
+        grad_bytes=grads,
+        optimizer_bytes=optim,
+        activation_bytes=mp.activation_bytes,
+        forward_flops=sum(b.forward_flops for b in mp.blocks),
+        policies=tuple(policies),
+        budget_bytes=None,
+        profile=mp,
+    )
     if budget is None:
         return report
     try:
@@ -408,8 +481,13 @@ def _fmt(n: float) -> str:
 
 
 def _flops(n: float) -> str:
-    return "0" if not n else f"{n / 10 ** (3 * (e := min(5, int(math.log10(n)) // 3))):.2f} " + \
-        ["", "K", "M", "G", "T", "P"][e] + "FLOP"
+    return (
+        "0"
+        if not n
+        else f"{n / 10 ** (3 * (e := min(5, int(math.log10(n)) // 3))):.2f} "
+        + ["", "K", "M", "G", "T", "P"][e]
+        + "FLOP"
+    )
 
 
 def _count(n: int) -> str:
@@ -438,15 +516,17 @@ def _blocks(p: PolicyEstimate) -> str:
 def render(r: PlanReport) -> str:
     """The report as ``distckpt plan`` prints it."""
     where = f"{r.strategy}, {r.world_size} ranks" + (f", shard size {r.shard_size}" if r.shard_size else "")
-    lines = [f"distckpt plan: {_count(r.total_params)} parameters, {len(r.blocks)} blocks ({r.blocks[0]}, ...; "
-             f"{r.traced_blocks} traced), {where}, {r.optimizer}",
-             "per rank:",
-             f"  parameters        {_fmt(r.param_bytes):>12}",
-             f"  gradients         {_fmt(r.grad_bytes):>12}",
-             f"  optimizer state   {_fmt(r.optimizer_bytes):>12}",
-             f"  activations       {_fmt(r.activation_bytes):>12}  (no checkpointing; one forward of the blocks: "
-             f"{_flops(r.forward_flops)})",
-             f"  {'policy':<10} {'peak':>12}  {'recompute':>13}  checkpointed blocks"]
+    lines = [
+        f"distckpt plan: {_count(r.total_params)} parameters, {len(r.blocks)} blocks ({r.blocks[0]}, ...; "
+        f"{r.traced_blocks} traced), {where}, {r.optimizer}",
+        "per rank:",
+        f"  parameters        {_fmt(r.param_bytes):>12}",
+        f"  gradients         {_fmt(r.grad_bytes):>12}",
+        f"  optimizer state   {_fmt(r.optimizer_bytes):>12}",
+        f"  activations       {_fmt(r.activation_bytes):>12}  (no checkpointing; one forward of the blocks: "
+        f"{_flops(r.forward_flops)})",
+        f"  {'policy':<10} {'peak':>12}  {'recompute':>13}  checkpointed blocks",
+    ]
     for p in r.policies:
         label = p.policy if p.policy != "budget" else f"budget:{_fmt(r.budget_bytes).replace(' ', '')}"
         lines.append(f"  {label:<10} {_fmt(p.peak_bytes):>12}  {_flops(p.recompute_flops):>13}  {_blocks(p)}")

@@ -38,14 +38,22 @@ def _as_4d(shape: Any) -> tuple[int, ...]:
     return (prod(shape[:-3]), *shape[-3:])
 
 
-def _cpu_flash_forward(query_shape: Any, key_shape: Any, value_shape: Any, *args: Any,
-                       out_shape: Any = None, **kwargs: Any) -> int:
+def _cpu_flash_forward(
+    query_shape: Any, key_shape: Any, value_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any
+) -> int:
     forward, _ = compat.sdpa_flop_count_fns()
     return forward(_as_4d(query_shape), _as_4d(key_shape), _as_4d(value_shape))
 
 
-def _cpu_flash_backward(grad_out_shape: Any, query_shape: Any, key_shape: Any, value_shape: Any, *args: Any,
-                        out_shape: Any = None, **kwargs: Any) -> int:
+def _cpu_flash_backward(
+    grad_out_shape: Any,
+    query_shape: Any,
+    key_shape: Any,
+    value_shape: Any,
+    *args: Any,
+    out_shape: Any = None,
+    **kwargs: Any,
+) -> int:
     _, backward = compat.sdpa_flop_count_fns()
     return backward(_as_4d(grad_out_shape), _as_4d(query_shape), _as_4d(key_shape), _as_4d(value_shape))
 

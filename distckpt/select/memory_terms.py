@@ -30,8 +30,10 @@ def shards(strategy: str, world_size: int, shard_size: int | None = None) -> int
     """
     if strategy == "hsdp":
         if shard_size is None:
-            raise ConfigError("budget with strategy='hsdp' needs shard_size=N (the ranks that shard the parameters, "
-                              "usually one node's): Budget(size, strategy='hsdp', shard_size=N).")
+            raise ConfigError(
+                "budget with strategy='hsdp' needs shard_size=N (the ranks that shard the parameters, "
+                "usually one node's): Budget(size, strategy='hsdp', shard_size=N)."
+            )
         check_shard_size(shard_size, max(1, world_size))
         return shard_size
     return max(1, world_size) if strategy in SHARDED else 1
@@ -49,8 +51,14 @@ def optimizer_terms(mp: ModelProfile, optimizer: str) -> tuple[int, int]:
     return OPTIMIZER_STATES[optimizer], 4 * mp.trainable_tensors if optimizer in ("adam", "adamw") else 0
 
 
-def static_bytes(mp: ModelProfile, *, strategy: str = "ddp", world_size: int = 1,
-                 optimizer: str = "adamw", shard_size: int | None = None) -> tuple[int, int]:
+def static_bytes(
+    mp: ModelProfile,
+    *,
+    strategy: str = "ddp",
+    world_size: int = 1,
+    optimizer: str = "adamw",
+    shard_size: int | None = None,
+) -> tuple[int, int]:
     """Memory that does not depend on the checkpointing choice.
 
     DDP keeps full replicas of parameters, gradients and optimizer state, plus its gradient buckets
@@ -151,12 +159,19 @@ def _sharded_terms(mp: ModelProfile, strategy: str, world_size: int, div: int) -
     _, own = _own_grads(mp)
     backward = tuple(unit + (unit if i else 0) + (own[i + 1] if two and i + 1 < n else 0) for i in range(n))
     root = max(0, mp.trainable_bytes - sum(own))  # the root unit's gradients
-    return _Sharded(div=div, forward=(2 if two else 1) * unit, backward=backward, head=unit if n else 0,
-                    tail=own[0] if two and n else 0, reduce=root if two else 0)
+    return _Sharded(
+        div=div,
+        forward=(2 if two else 1) * unit,
+        backward=backward,
+        head=unit if n else 0,
+        tail=own[0] if two and n else 0,
+        reduce=root if two else 0,
+    )
 
 
-def _accumulated(mp: ModelProfile, static: int, fs: _Sharded | None, grad_accumulation: bool
-                 ) -> tuple[int, _Sharded | None]:
+def _accumulated(
+    mp: ModelProfile, static: int, fs: _Sharded | None, grad_accumulation: bool
+) -> tuple[int, _Sharded | None]:
     """``static`` and the per-phase terms under gradient accumulation. Inside ``accumulate`` (FSDP1
     ``no_sync``, FSDP2 ``set_requires_gradient_sync(False)``) every block's gradients stay unsharded
     until the last micro-batch reduce-scatters them block by block: counted unsharded throughout (the
@@ -196,13 +211,12 @@ def _settled(mp: ModelProfile, fs: _Sharded | None, div: int) -> list[int]:
     _, own = _own_grads(mp)
     out = []
     for i in range(len(own)):
-        later = sum(own[i + 1:])
+        later = sum(own[i + 1 :])
         out.append(min(sum(own[:i]), later - later // div))
     return out
 
 
-def _flat_gradients(mp: ModelProfile, static: int, fs: _Sharded | None, absent: Any, settled: list[int]
-                    ) -> list[int]:
+def _flat_gradients(mp: ModelProfile, static: int, fs: _Sharded | None, absent: Any, settled: list[int]) -> list[int]:
     """FSDP1, per block: the end of its backward, when the block's parameter gradients (one autograd
     output per parameter view) are concatenated into its flat parameter's gradient
     (``SplitWithSizesBackward``: a ``cat``), both alive at once beside its and the prefetched block's
@@ -213,13 +227,24 @@ def _flat_gradients(mp: ModelProfile, static: int, fs: _Sharded | None, absent: 
     if fs is None:
         return [0] * len(mp.blocks)
     before, own = _own_grads(mp)
-    return [0 if b.end_overhead_bytes < 0 else
-            static - settled[i] - absent(before[i]) + mp.pre_bytes + b.end_overhead_bytes + 2 * own[i] + fs.backward[i]
-            + fs.grads(mp.head_grads_bytes) for i, b in enumerate(mp.blocks)]
+    return [
+        0
+        if b.end_overhead_bytes < 0
+        else static
+        - settled[i]
+        - absent(before[i])
+        + mp.pre_bytes
+        + b.end_overhead_bytes
+        + 2 * own[i]
+        + fs.backward[i]
+        + fs.grads(mp.head_grads_bytes)
+        for i, b in enumerate(mp.blocks)
+    ]
 
 
-def _phase_terms(mp: ModelProfile, static: int, strategy: str, world_size: int, shard_size: int | None,
-                 grad_accumulation: bool) -> tuple[int, int, _Sharded | None]:
+def _phase_terms(
+    mp: ModelProfile, static: int, strategy: str, world_size: int, shard_size: int | None, grad_accumulation: bool
+) -> tuple[int, int, _Sharded | None]:
     """What every bound starts from: the shard count, ``static`` and the per-phase FSDP terms, both
     under gradient accumulation as :func:`_accumulated` counts them."""
     div = shards(strategy, world_size, shard_size)
@@ -233,9 +258,16 @@ def _bounds(mp: ModelProfile, static: int, *, recompute: str = "full", **kw: Any
     return plain, ckpt[recompute], end
 
 
-def _mode_bounds(mp: ModelProfile, static: int, recompute: tuple[str, ...], *, strategy: str = "ddp",
-                 world_size: int = 1, grad_accumulation: bool = False, shard_size: int | None = None
-                 ) -> tuple[list[int], dict[str, list[int]], int, list[int]]:
+def _mode_bounds(
+    mp: ModelProfile,
+    static: int,
+    recompute: tuple[str, ...],
+    *,
+    strategy: str = "ddp",
+    world_size: int = 1,
+    grad_accumulation: bool = False,
+    shard_size: int | None = None,
+) -> tuple[list[int], dict[str, list[int]], int, list[int]]:
     """Per-block offsets with ``peak >= static + P_{i-1} + c_i`` when block i is kept (``plain``)
     and when it is checkpointed in each mode of ``recompute`` (``ckpt[mode]``; ``"selective"`` or
     ``"pointwise"``: that op-level recompute's measured peaks), the end offset
@@ -271,8 +303,14 @@ def _mode_bounds(mp: ModelProfile, static: int, recompute: tuple[str, ...], *, s
         base = mp.pre_bytes + b.footprint_bytes
         fw = 0 if fs is None else fs.forward
         if not split:
-            phases = (static + views - settled[i] - absent(b.grads_ready_bytes) + base
-                      + max(fw, working(i, b.grads_ready_bytes)))
+            phases = (
+                static
+                + views
+                - settled[i]
+                - absent(b.grads_ready_bytes)
+                + base
+                + max(fw, working(i, b.grads_ready_bytes))
+            )
             plain.append(max(flat[i], phases + _unsplit_overhead(b, None, grad_accumulation)))
             for m in recompute:
                 ckpt[m].append(max(flat[i], phases + _unsplit_overhead(b, m, grad_accumulation)))
@@ -306,19 +344,29 @@ def _head_bound(mp: ModelProfile, static: int, fs: _Sharded | None, absent: Any,
     backward), ``static`` and ``fs`` as :func:`_phase_terms` made them, ``absent(grads)`` the gradient bytes
     ``static`` counts that do not exist yet."""
     head = mp.pre_bytes + mp.post_bytes
-    grads, over = ((mp.head_grads_bytes, mp.head_overhead_bytes)
-                   if grad_accumulation or mp.head_peak_grads_bytes < 0
-                   # The head's forward (no gradient yet) and its backward up to the last block's: one
-                   # measured peak with the gradients that existed at that instant, instead of the
-                   # forward's largest activations paired with the gradients when the last block's
-                   # backward begins.
-                   else (mp.head_peak_grads_bytes, mp.head_peak_overhead_bytes))
+    grads, over = (
+        (mp.head_grads_bytes, mp.head_overhead_bytes)
+        if grad_accumulation or mp.head_peak_grads_bytes < 0
+        # The head's forward (no gradient yet) and its backward up to the last block's: one
+        # measured peak with the gradients that existed at that instant, instead of the
+        # forward's largest activations paired with the gradients when the last block's
+        # backward begins.
+        else (mp.head_peak_grads_bytes, mp.head_peak_overhead_bytes)
+    )
     end = static - absent(grads) + head + over + (0 if fs is None else fs.head + fs.grads(grads))
     return end
 
 
-def _tail(mp: ModelProfile, static: int, step: int, *, strategy: str, world_size: int,
-          grad_accumulation: bool, shard_size: int | None = None) -> int:
+def _tail(
+    mp: ModelProfile,
+    static: int,
+    step: int,
+    *,
+    strategy: str,
+    world_size: int,
+    grad_accumulation: bool,
+    shard_size: int | None = None,
+) -> int:
     """``step`` raised to the measured peak after every block's backward (the embeddings'), if any,
     and under FSDP2 to the root unit's reduce-scatter at the end of backward."""
     div, static, fs = _phase_terms(mp, static, strategy, world_size, shard_size, grad_accumulation)
@@ -334,4 +382,3 @@ def _tail(mp: ModelProfile, static: int, step: int, *, strategy: str, world_size
         extra = fs.tail + fs.grads(max(0, mp.tail_grads_bytes - blocks))
     # The wrapped numbers saved outside the blocks (the embeddings': see budget._choices) are alive until theirs runs.
     return max(step, static - absent + mp.tail_peak_bytes + extra + mp.scalar_saved_bytes)
-

@@ -189,11 +189,16 @@ class Budget:
         if self.bytes is not None and (not isinstance(self.bytes, int) or self.bytes <= 0):
             raise ConfigError(f"budget:SIZE needs a positive size, got {self.bytes!r}. Valid forms: {SPEC_FORMS}.")
         ratio = self.offload_flops_per_byte
-        if ratio is not None and ratio != "auto" and (isinstance(ratio, bool) or not isinstance(ratio, (int, float))
-                                                      or math.isnan(ratio) or ratio <= 0):
-            raise ConfigError(f"Budget(offload_flops_per_byte=...) must be a positive number (FLOPs per byte moved "
-                              f"to the host and back) or 'auto' (measured on CUDA), got {ratio!r}; None or "
-                              "math.inf: offload not offered.")
+        if (
+            ratio is not None
+            and ratio != "auto"
+            and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or math.isnan(ratio) or ratio <= 0)
+        ):
+            raise ConfigError(
+                f"Budget(offload_flops_per_byte=...) must be a positive number (FLOPs per byte moved "
+                f"to the host and back) or 'auto' (measured on CUDA), got {ratio!r}; None or "
+                "math.inf: offload not offered."
+            )
 
     def strategy_for(self, world_size: int) -> str:
         """The strategy the plan assumes: the one given, else DDP with several ranks, else none."""
@@ -205,10 +210,16 @@ class Budget:
         """The :class:`~distckpt.select.budget.BudgetPlan` for ``candidates``."""
         from distckpt.select.budget import select_for_budget
 
-        return select_for_budget(candidates, self.bytes, strategy=self.strategy_for(candidates.world_size),
-                                 optimizer=self.optimizer, grad_accumulation=self.grad_accumulation,
-                                 shard_size=self.shard_size, selective=self.selective,
-                                 offload_flops_per_byte=self.offload_flops_per_byte)
+        return select_for_budget(
+            candidates,
+            self.bytes,
+            strategy=self.strategy_for(candidates.world_size),
+            optimizer=self.optimizer,
+            grad_accumulation=self.grad_accumulation,
+            shard_size=self.shard_size,
+            selective=self.selective,
+            offload_flops_per_byte=self.offload_flops_per_byte,
+        )
 
     def select(self, candidates: Candidates) -> list[int]:
         return list(self.plan(candidates).selected)
@@ -277,8 +288,22 @@ class Placement:
         return {i: m for i, m in enumerate(every) if m != "none"}
 
 
-_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
-          "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 2**10,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 2**20,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 2**30,
+    "gb": 10**9,
+    "gib": 2**30,
+    "t": 2**40,
+    "tb": 10**12,
+    "tib": 2**40,
+}
 
 
 def parse_size(text: str | int) -> int:
@@ -310,8 +335,9 @@ def parse_policy(spec: str | Policy | None) -> Policy | None:
     if not isinstance(spec, str):
         if isinstance(spec, Policy):
             return spec
-        raise ConfigError(f"policy must be a spec string or a policy object, got {type(spec).__name__}. "
-                          f"Valid forms: {SPEC_FORMS}.")
+        raise ConfigError(
+            f"policy must be a spec string or a policy object, got {type(spec).__name__}. Valid forms: {SPEC_FORMS}."
+        )
     text = spec.strip().lower()
     name, _, arg = text.partition(":")
     try:
@@ -328,7 +354,7 @@ def parse_policy(spec: str | Policy | None) -> Policy | None:
         if name == "fraction" and arg:
             return Fraction(float(arg))
         if name == "budget" and arg:
-            return Budget(None if arg == "auto" else parse_size(spec.strip()[len("budget:"):]))
+            return Budget(None if arg == "auto" else parse_size(spec.strip()[len("budget:") :]))
     except ValueError as e:  # int("x"), float("x"), a bad size, or a ConfigError from a constructor
         if isinstance(e, ConfigError) and "Valid forms" in str(e):
             raise
@@ -341,4 +367,3 @@ def select_blocks(policy: Policy, candidates: Candidates) -> list[int]:
     chosen = sorted(set(policy.select(candidates)))
     assert all(0 <= i < len(candidates.blocks) for i in chosen), chosen
     return chosen
-

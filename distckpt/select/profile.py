@@ -35,8 +35,17 @@ from distckpt.select.sample_step import (  # memory_tracker, scalar_loss, _tenso
 )
 from distckpt.select.selective import OP_MODES
 
-__all__ = ["PROFILE_MODES", "RECOMPUTE_MODES", "BlockProfile", "ModelProfile", "adam_step_temp_bytes", "memory_tracker",
-           "profile_blocks", "profile_model", "scalar_loss"]
+__all__ = [
+    "PROFILE_MODES",
+    "RECOMPUTE_MODES",
+    "BlockProfile",
+    "ModelProfile",
+    "adam_step_temp_bytes",
+    "memory_tracker",
+    "profile_blocks",
+    "profile_model",
+    "scalar_loss",
+]
 
 logger = logging.getLogger("distckpt")
 
@@ -313,6 +322,7 @@ def _signature(value: Any) -> Any:
 RECOMPUTE_MODES = ("full", *OP_MODES)
 PROFILE_MODES = (*RECOMPUTE_MODES, "offload")
 
+
 def step_device(model: nn.Module, batch: list[torch.Tensor]) -> torch.device:
     """Where a sample step of ``model`` on ``batch`` runs: its first parameter's device, else the batch's
     (else the CPU)."""
@@ -328,7 +338,8 @@ def parameter_fields(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> d
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     return dict(
-        param_bytes=_distinct_bytes(params), trainable_bytes=_distinct_bytes(trainable),
+        param_bytes=_distinct_bytes(params),
+        trainable_bytes=_distinct_bytes(trainable),
         trainable_tensors=len({_storage_key(p) for p in trainable}),
         buffer_bytes=_distinct_bytes(list(model.buffers())),
         block_param_bytes=max((_distinct_bytes(list(m.parameters())) for _, m in blocks), default=0),
@@ -338,8 +349,12 @@ def parameter_fields(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> d
     )
 
 
-def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inputs: Any,
-             modes: frozenset[str] = frozenset(RECOMPUTE_MODES)) -> ModelProfile:
+def _measure(
+    model: nn.Module,
+    blocks: list[tuple[str, nn.Module]],
+    example_inputs: Any,
+    modes: frozenset[str] = frozenset(RECOMPUTE_MODES),
+) -> ModelProfile:
     """One sample step in passes: record (hooks + MemTracker + FLOPs), attribute saved storages to blocks,
     derive each block's and the head's overheads, measure recompute peaks in checkpointed steps (``modes``)."""
     args, kwargs = _as_args(example_inputs)
@@ -361,12 +376,20 @@ def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inpu
     held = att.held
     profiles = tuple(
         BlockProfile(
-            fqn=name, activation_bytes=held[i], forward_flops=int(rec.flops[i]), input_bytes=att.in_bytes[i],
-            saved_input_bytes=att.saved_input[i], overhead_bytes=ov["overhead"][i],
-            grads_ready_bytes=ready[i], forward_overhead_bytes=ov["overhead_fw"][i],
-            backward_overhead_bytes=ov["overhead_bw"][i], grads_at_peak_bytes=ov["grads_peak"][i],
-            scalar_saved_bytes=rec.scalars[i], accumulating_overhead_bytes=ov["accumulating"][i],
-            end_overhead_bytes=ov["end"][i], shared_input_bytes=shared[i],
+            fqn=name,
+            activation_bytes=held[i],
+            forward_flops=int(rec.flops[i]),
+            input_bytes=att.in_bytes[i],
+            saved_input_bytes=att.saved_input[i],
+            overhead_bytes=ov["overhead"][i],
+            grads_ready_bytes=ready[i],
+            forward_overhead_bytes=ov["overhead_fw"][i],
+            backward_overhead_bytes=ov["overhead_bw"][i],
+            grads_at_peak_bytes=ov["grads_peak"][i],
+            scalar_saved_bytes=rec.scalars[i],
+            accumulating_overhead_bytes=ov["accumulating"][i],
+            end_overhead_bytes=ov["end"][i],
+            shared_input_bytes=shared[i],
             **{k: v[i] for k, v in redo.items()},
         )
         for i, (name, _) in enumerate(blocks)
@@ -421,15 +444,17 @@ def _agree(profile: ModelProfile) -> ModelProfile:
     agreed = t.tolist()
     k = len(block_fields)
     blocks = tuple(
-        BlockProfile(b.fqn, **dict(zip(block_fields, agreed[i * k:(i + 1) * k]))) for i, b in enumerate(profile.blocks)
+        BlockProfile(b.fqn, **dict(zip(block_fields, agreed[i * k : (i + 1) * k])))
+        for i, b in enumerate(profile.blocks)
     )
-    rest = dict(zip(model_fields, agreed[len(blocks) * k:]))
+    rest = dict(zip(model_fields, agreed[len(blocks) * k :]))
     return ModelProfile(blocks=blocks, device=profile.device, **rest)
 
 
 # Per model: {(blocks, input shapes, training, world size): (the modes measured, the profile)}.
 _CACHE: weakref.WeakKeyDictionary[nn.Module, dict[Any, tuple[frozenset[str], ModelProfile]]] = (
-    weakref.WeakKeyDictionary())
+    weakref.WeakKeyDictionary()
+)
 
 
 def _cache_key(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inputs: Any) -> tuple[Any, ...]:
@@ -455,8 +480,9 @@ def _recompute_modes(modes: Any) -> frozenset[str]:
     return wanted | {"full"} if wanted else wanted
 
 
-def profile_model(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inputs: Any, *,
-                  modes: Any = RECOMPUTE_MODES) -> ModelProfile:
+def profile_model(
+    model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inputs: Any, *, modes: Any = RECOMPUTE_MODES
+) -> ModelProfile:
     """Measure one training step (forward and backward, no checkpointing) of ``model`` on
     ``example_inputs`` and return what each block holds for backward and costs to recompute.
 
@@ -498,14 +524,18 @@ def profile_model(model: nn.Module, blocks: list[tuple[str, nn.Module]], example
         logger.info(
             "distckpt profile: %d blocks, %.1f MiB activations (%.1f MiB in blocks), %.3g GFLOP forward in blocks"
             " (recompute measured: %s)",
-            len(blocks), mp.activation_bytes / 2**20, sum(b.activation_bytes for b in mp.blocks) / 2**20,
-            sum(b.forward_flops for b in mp.blocks) / 1e9, ", ".join(sorted(measured)) or "none",
+            len(blocks),
+            mp.activation_bytes / 2**20,
+            sum(b.activation_bytes for b in mp.blocks) / 2**20,
+            sum(b.forward_flops for b in mp.blocks) / 1e9,
+            ", ".join(sorted(measured)) or "none",
         )
     return mp
 
 
-def profile_blocks(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inputs: Any, *,
-                   modes: Any = RECOMPUTE_MODES) -> list[BlockProfile]:
+def profile_blocks(
+    model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inputs: Any, *, modes: Any = RECOMPUTE_MODES
+) -> list[BlockProfile]:
     """Per-block part of :func:`profile_model` (same arguments, same cache).
 
     Returns:

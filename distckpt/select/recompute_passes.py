@@ -31,9 +31,12 @@ logger = logging.getLogger("distckpt")
 
 
 @contextlib.contextmanager
-def _all_checkpointed(model: nn.Module, blocks: list[tuple[str, nn.Module]],
-                      context_fns: list[Callable[[], tuple[Any, Any]] | None],
-                      stores: list[Any] | None = None) -> Iterator[None]:
+def _all_checkpointed(
+    model: nn.Module,
+    blocks: list[tuple[str, nn.Module]],
+    context_fns: list[Callable[[], tuple[Any, Any]] | None],
+    stores: list[Any] | None = None,
+) -> Iterator[None]:
     """Every block checkpointed by distckpt's own wrapper (the code a plan runs; a hand-made
     checkpoint of forward missed HF's cache handling: a cache written twice, measured on Llama),
     block i under ``context_fns[i]`` (``None``: full recompute), or with ``stores`` offloaded into
@@ -46,8 +49,11 @@ def _all_checkpointed(model: nn.Module, blocks: list[tuple[str, nn.Module]],
         for i, (m, fn) in enumerate(zip(mods, context_fns)):
             orig = type(m)
             m.__class__ = _checkpointed_class(orig)
-            m._distckpt_options = (CheckpointOptions(False, True, None, fn) if stores is None else
-                                   CheckpointOptions(recompute=False, store=stores[i]))
+            m._distckpt_options = (
+                CheckpointOptions(False, True, None, fn)
+                if stores is None
+                else CheckpointOptions(recompute=False, store=stores[i])
+            )
             m._distckpt_norms = stateful_norms(m)
             m._distckpt_cache_slots = cache_positions(orig)
         with warnings.catch_warnings():
@@ -69,8 +75,15 @@ class _RecomputeWindow:
     was the block's first recompute learning what it reads (``selective._Reach``), not the generator:
     rechecked on torch 2.13, the HF GPT-2 profile is the same field for field either way.)"""
 
-    def __init__(self, tracker: Any, inner: Any, dev: torch.device, peaks: list[int], i: int,
-                 on_enter: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        tracker: Any,
+        inner: Any,
+        dev: torch.device,
+        peaks: list[int],
+        i: int,
+        on_enter: Callable[[], None] | None = None,
+    ) -> None:
         self.tracker, self.inner, self.dev, self.peaks, self.i = tracker, inner, dev, peaks, i
         self.on_enter = on_enter
         self.saved: Any = None
@@ -151,10 +164,16 @@ class _OwnBackward:
         self.closed.add(i)
 
 
-def _checkpointed_peaks(model: nn.Module, blocks: list[tuple[str, nn.Module]], args: tuple[Any, ...],
-                        kwargs: dict[str, Any], batch: list[torch.Tensor], dev: torch.device,
-                        context_fn: Callable[[], tuple[Any, Any]] | None = None, stores: list[Any] | None = None
-                        ) -> list[tuple[int, int, int, int, int, int]] | None:
+def _checkpointed_peaks(
+    model: nn.Module,
+    blocks: list[tuple[str, nn.Module]],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    batch: list[torch.Tensor],
+    dev: torch.device,
+    context_fn: Callable[[], tuple[Any, Any]] | None = None,
+    stores: list[Any] | None = None,
+) -> list[tuple[int, int, int, int, int, int]] | None:
     """Activations+temporaries and gradients at each block's backward peak in a sample step with
     every block checkpointed (non-reentrant, no cache in the blocks, as distckpt runs them; under
     ``context_fn``: selective; with ``stores``: every block offloaded instead), and the bytes each block
@@ -227,9 +246,15 @@ def _checkpointed_peaks(model: nn.Module, blocks: list[tuple[str, nn.Module]], a
     return _read_peaks(tracker, blocks, dev, left, in_recompute, windows.peak, own_backward.peak)
 
 
-def _read_peaks(tracker: Any, blocks: list[tuple[str, nn.Module]], dev: torch.device, left: list[int],
-                in_recompute: list[int], own_peak: list[int], backward: list[tuple[int, int, int] | None]
-                ) -> list[tuple[int, int, int, int, int, int]] | None:
+def _read_peaks(
+    tracker: Any,
+    blocks: list[tuple[str, nn.Module]],
+    dev: torch.device,
+    left: list[int],
+    in_recompute: list[int],
+    own_peak: list[int],
+    backward: list[tuple[int, int, int] | None],
+) -> list[tuple[int, int, int, int, int, int]] | None:
     """:func:`_checkpointed_peaks`' result from the step's MemTracker, per block: its backward peak and the
     gradients then (in its own window, ``backward``, where one was seen: :class:`_OwnBackward`), the bytes
     its forward left (``left``), the peak inside its recompute (``in_recompute``, ``-1``: not read), its
@@ -250,13 +275,26 @@ def _read_peaks(tracker: Any, blocks: list[tuple[str, nn.Module]], dev: torch.de
         if backward[i] is not None:
             _, best, grads = backward[i]
         forward = max((_act(_at(snap, dev)) for snap in stats.snapshots.get(peak_fw, [])), default=0)
-        out.append((best, grads, left[i], min(in_recompute[i], best) if in_recompute[i] >= 0 else best, forward,
-                    max(best, own_peak[i])))
+        out.append(
+            (
+                best,
+                grads,
+                left[i],
+                min(in_recompute[i], best) if in_recompute[i] >= 0 else best,
+                forward,
+                max(best, own_peak[i]),
+            )
+        )
     return out
 
 
-def _recompute_flops(model: nn.Module, blocks: list[tuple[str, nn.Module]], args: tuple[Any, ...],
-                     kwargs: dict[str, Any], context_fn: Callable[[], tuple[Any, Any]] | None) -> list[int] | None:
+def _recompute_flops(
+    model: nn.Module,
+    blocks: list[tuple[str, nn.Module]],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    context_fn: Callable[[], tuple[Any, Any]] | None,
+) -> list[int] | None:
     """FLOPs each block's recompute really runs, every block checkpointed (``context_fn``: selective),
     counted by ``FlopCounterMode`` around each recompute, in a step of its own (a memory peak measured
     inside ``FlopCounterMode`` is inflated under checkpointing). ``None`` when the step fails."""
@@ -291,9 +329,14 @@ def _recompute_flops(model: nn.Module, blocks: list[tuple[str, nn.Module]], args
     return flops
 
 
-def _over_prediction(peaks: list[tuple[int, ...]], rec: _StepRecorder, att: _Attribution,
-                     batch_keys: set[tuple[str, int]], extra: list[int], during: list[int]
-                     ) -> tuple[list[int], list[int], list[int]]:
+def _over_prediction(
+    peaks: list[tuple[int, ...]],
+    rec: _StepRecorder,
+    att: _Attribution,
+    batch_keys: set[tuple[str, int]],
+    extra: list[int],
+    during: list[int],
+) -> tuple[list[int], list[int], list[int]]:
     """Each block's measured backward peak in a checkpointed step over what the prediction holds
     there (the prefix of checkpointed blocks, each holding its inputs plus ``extra``), and the
     gradient bytes at that peak. Plus the part of what the recompute holds only while it runs and
@@ -317,23 +360,47 @@ def _over_prediction(peaks: list[tuple[int, ...]], rec: _StepRecorder, att: _Att
     return over, grads_at, own
 
 
-def _recompute_profile(model: nn.Module, rec: _StepRecorder, att: _Attribution, args: tuple[Any, ...],
-                       kwargs: dict[str, Any], batch: list[torch.Tensor], batch_keys: set[tuple[str, int]],
-                       device: torch.device, dev: torch.device, modes: frozenset[str]) -> dict[str, list[int]]:
+def _recompute_profile(
+    model: nn.Module,
+    rec: _StepRecorder,
+    att: _Attribution,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    batch: list[torch.Tensor],
+    batch_keys: set[tuple[str, int]],
+    device: torch.device,
+    dev: torch.device,
+    modes: frozenset[str],
+) -> dict[str, list[int]]:
     """The recompute side of every block in each of ``modes`` ("full", "selective", "pointwise"; full
     is measured whenever another one is, as their reference), as :class:`BlockProfile` fields: backward
     peaks in a step with every block checkpointed (one per mode), what an op-level block holds over a
     full one (the bytes its forward leaves alive beyond full's: the op outputs it keeps, as ``distckpt
     plan`` counts them), and the recompute FLOPs (one FLOP-only step per mode)."""
     n = rec.n
-    out = {"recompute_overhead_bytes": [0] * n, "recompute_grads_bytes": [-1] * n, "recompute_flops": [-1] * n,
-           "recompute_accumulating_overhead_bytes": [-1] * n}
+    out = {
+        "recompute_overhead_bytes": [0] * n,
+        "recompute_grads_bytes": [-1] * n,
+        "recompute_flops": [-1] * n,
+        "recompute_accumulating_overhead_bytes": [-1] * n,
+    }
     for mode in OP_MODES:
-        out.update({f"{mode}_held_bytes": [-1] * n, f"{mode}_flops": [0] * n,
-                    f"{mode}_recompute_overhead_bytes": [0] * n, f"{mode}_recompute_grads_bytes": [-1] * n,
-                    f"{mode}_recompute_accumulating_overhead_bytes": [-1] * n})
-    out.update(offload_held_bytes=[-1] * n, offload_bytes=[0] * n, offload_overhead_bytes=[0] * n,
-               offload_forward_overhead_bytes=[0] * n, offload_grads_bytes=[-1] * n)
+        out.update(
+            {
+                f"{mode}_held_bytes": [-1] * n,
+                f"{mode}_flops": [0] * n,
+                f"{mode}_recompute_overhead_bytes": [0] * n,
+                f"{mode}_recompute_grads_bytes": [-1] * n,
+                f"{mode}_recompute_accumulating_overhead_bytes": [-1] * n,
+            }
+        )
+    out.update(
+        offload_held_bytes=[-1] * n,
+        offload_bytes=[0] * n,
+        offload_overhead_bytes=[0] * n,
+        offload_forward_overhead_bytes=[0] * n,
+        offload_grads_bytes=[-1] * n,
+    )
     if not n or not modes:
         return out
     with _preserved_state(model, device):
@@ -344,8 +411,9 @@ def _recompute_profile(model: nn.Module, rec: _StepRecorder, att: _Attribution, 
     # What a recompute holds only while it runs, unseen by MemTracker: its own nodes' wrapped numbers and
     # the CPU RNG state torch.random.fork_rng keeps around it (preserve_rng_state; checkpoint.recompute_fn).
     during = [w + _rng_state_bytes(device) for w in rec.scalars]
-    (out["recompute_overhead_bytes"], out["recompute_grads_bytes"],
-     out["recompute_accumulating_overhead_bytes"]) = _over_prediction(full, rec, att, batch_keys, [0] * n, during)
+    (out["recompute_overhead_bytes"], out["recompute_grads_bytes"], out["recompute_accumulating_overhead_bytes"]) = (
+        _over_prediction(full, rec, att, batch_keys, [0] * n, during)
+    )
     if full_flops is not None:
         out["recompute_flops"] = full_flops
     for mode in (m for m in OP_MODES if m in modes):
@@ -360,9 +428,11 @@ def _recompute_profile(model: nn.Module, rec: _StepRecorder, att: _Attribution, 
         extra = [max(0, s[2] - f[2]) for s, f in zip(peaks, full)]
         out[f"{mode}_held_bytes"] = [att.in_bytes[i] + extra[i] for i in range(n)]
         out[f"{mode}_flops"] = flops
-        (out[f"{mode}_recompute_overhead_bytes"], out[f"{mode}_recompute_grads_bytes"],
-         out[f"{mode}_recompute_accumulating_overhead_bytes"]) = _over_prediction(peaks, rec, att, batch_keys,
-                                                                                 extra, during)
+        (
+            out[f"{mode}_recompute_overhead_bytes"],
+            out[f"{mode}_recompute_grads_bytes"],
+            out[f"{mode}_recompute_accumulating_overhead_bytes"],
+        ) = _over_prediction(peaks, rec, att, batch_keys, extra, during)
     if "offload" in modes:
         out.update(_offload_profile(model, rec, att, (args, kwargs, batch), batch_keys, device, dev, full))
     return out
@@ -385,9 +455,16 @@ class _CountingStore:
         return self.inner.to_device(packed)
 
 
-def _offload_profile(model: nn.Module, rec: _StepRecorder, att: _Attribution, step: tuple[Any, Any, Any],
-                     batch_keys: set[tuple[str, int]], device: torch.device, dev: torch.device,
-                     full: list[tuple[int, ...]]) -> dict[str, list[int]]:
+def _offload_profile(
+    model: nn.Module,
+    rec: _StepRecorder,
+    att: _Attribution,
+    step: tuple[Any, Any, Any],
+    batch_keys: set[tuple[str, int]],
+    device: torch.device,
+    dev: torch.device,
+    full: list[tuple[int, ...]],
+) -> dict[str, list[int]]:
     """The ``"offload"`` side of every block, as :class:`BlockProfile` fields, from a sample step with every
     block offloaded into the host store in use (``recompute.host_store()``, counted per block): what each
     forward leaves on the device beyond full checkpointing's (its output), the bytes it moves, and its
@@ -403,12 +480,16 @@ def _offload_profile(model: nn.Module, rec: _StepRecorder, att: _Attribution, st
     left = [max(0, p[2] - f[2]) for p, f in zip(peaks, full)]
     # A block input that another part of the model saved first (a producer that saves its output) stays on
     # the device when that part is kept: counted held, as the none mode counts it in this block's bytes.
-    kept = [sum(b for k, b in rec.input_keys[i].items() if k not in batch_keys and rec.first_saver.get(k, (i,))[0] != i)
-            for i in range(rec.n)]
+    kept = [
+        sum(b for k, b in rec.input_keys[i].items() if k not in batch_keys and rec.first_saver.get(k, (i,))[0] != i)
+        for i in range(rec.n)
+    ]
     # The prefix in that step: what the offloaded blocks before left on the device (their inputs are not kept).
     base = [att.pre + sum(left[:i]) + att.inner[i] + att.in_bytes[i] for i in range(rec.n)]
-    return dict(offload_held_bytes=[a + b for a, b in zip(left, kept)], offload_bytes=[s.bytes for s in stores],
-                offload_overhead_bytes=[p[0] - b for p, b in zip(peaks, base)],
-                offload_forward_overhead_bytes=[p[4] - b for p, b in zip(peaks, base)],
-                offload_grads_bytes=[p[1] for p in peaks])
-
+    return dict(
+        offload_held_bytes=[a + b for a, b in zip(left, kept)],
+        offload_bytes=[s.bytes for s in stores],
+        offload_overhead_bytes=[p[0] - b for p, b in zip(peaks, base)],
+        offload_forward_overhead_bytes=[p[4] - b for p, b in zip(peaks, base)],
+        offload_grads_bytes=[p[1] for p in peaks],
+    )

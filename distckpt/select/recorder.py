@@ -27,8 +27,9 @@ from distckpt.select.sample_step import (
 )
 
 
-def _unhooked_saved_bytes(roots: list[Any], stop: set[Any], seen: set[Any],
-                          packed: Callable[[tuple[str, int]], bool], device: torch.device) -> int:
+def _unhooked_saved_bytes(
+    roots: list[Any], stop: set[Any], seen: set[Any], packed: Callable[[tuple[str, int]], bool], device: torch.device
+) -> int:
     """Bytes in ``device``'s memory of the tensors that the autograd nodes reachable from ``roots`` saved
     without the saved-tensor hooks packing them (``packed(key)`` false): the wrapped numbers of
     :attr:`BlockProfile.scalar_saved_bytes`. The walk stops at the nodes in ``stop`` (a block's
@@ -207,8 +208,14 @@ class _StepRecorder:
         for t in outs:
             t.register_hook(on_grad)
 
-    def run(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], batch: list[torch.Tensor],
-            device: torch.device) -> int:
+    def run(
+        self,
+        model: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        batch: list[torch.Tensor],
+        device: torch.device,
+    ) -> int:
         """One forward+backward under the hooks and MemTracker; returns the CUDA peak (0 on CPU)."""
         handles = []
         for _, m in self.blocks:
@@ -216,8 +223,9 @@ class _StepRecorder:
             handles.append(m.register_forward_hook(self.post_hook, with_kwargs=True))
         self.tracker = memory_tracker(model, *batch)
         self.device = device
-        self.windows = _BackwardWindows(self.tracker, device if device.type != "cuda" else
-                                        torch.device("cuda", device.index or 0), self.n)
+        self.windows = _BackwardWindows(
+            self.tracker, device if device.type != "cuda" else torch.device("cuda", device.index or 0), self.n
+        )
         cuda = device.type == "cuda"
         try:
             with _preserved_state(model, device):
@@ -228,8 +236,9 @@ class _StepRecorder:
                 with self.tracker:
                     with self.counter, torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
                         loss = scalar_loss(model(*args, **kwargs))
-                    self.outside_scalars = _unhooked_saved_bytes([loss.grad_fn], set(), self.walked, self._packed,
-                                                                 device)
+                    self.outside_scalars = _unhooked_saved_bytes(
+                        [loss.grad_fn], set(), self.walked, self._packed, device
+                    )
                     # The inputs were kept only to tell storages apart in forward; kept in backward they
                     # would inflate every backward snapshot by the later blocks' inputs.
                     self.keep.clear()
@@ -330,8 +339,9 @@ def _block_overheads(rec: _StepRecorder, att: _Attribution, dev: torch.device) -
     return out
 
 
-def _head_and_tail(rec: _StepRecorder, model: nn.Module, att: _Attribution, measured_blocks: list[int],
-                   dev: torch.device) -> dict[str, int]:
+def _head_and_tail(
+    rec: _StepRecorder, model: nn.Module, att: _Attribution, measured_blocks: list[int], dev: torch.device
+) -> dict[str, int]:
     """The head's overheads (after the last block), and the step's peak when it lies outside every
     block and the head's window (the tail: e.g. the optimizer-free end of backward)."""
     peak_fw, peak_bw = compat.mem_tracker_states()
@@ -345,9 +355,13 @@ def _head_and_tail(rec: _StepRecorder, model: nn.Module, att: _Attribution, meas
         end_act = max(end_act, global_act)
     head_snap = rec.head.get("snap") or {}
     hs = head_snap.get(dev) or next(iter(head_snap.values()), None)
-    inside = [_at(snap, dev).get("Total", 0) for _, m in rec.blocks
-              if (st := tracker.memory_tracking.get(m)) is not None
-              for state in (peak_fw, peak_bw) for snap in st.snapshots.get(state, [])]
+    inside = [
+        _at(snap, dev).get("Total", 0)
+        for _, m in rec.blocks
+        if (st := tracker.memory_tracking.get(m)) is not None
+        for state in (peak_fw, peak_bw)
+        for snap in st.snapshots.get(state, [])
+    ]
     tail = bool(hs) and s.get("Total", 0) > max(max(inside, default=0), hs.get("Total", 0))
     tail_act, tail_grads = (global_act, s.get("Gradient", 0)) if tail else (0, -1)
     if "snap" in rec.tail:  # the tail's own window (see _StepRecorder._input_grad): its peak whatever the global one
@@ -384,4 +398,3 @@ def _grads_ready(rec: _StepRecorder, params: list[torch.Tensor], dev: torch.devi
     ]
     head = grads_at(stats_of[-1], post_bw[1]) if rec.blocks else all_grads
     return ready, head
-

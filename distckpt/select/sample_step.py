@@ -120,4 +120,3 @@ def _rng_state_bytes(device: torch.device) -> int:
         return 0
     state = torch.get_rng_state()
     return state.numel() * state.element_size()
-

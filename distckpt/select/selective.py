@@ -22,8 +22,17 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from distckpt import _torch_compat as compat
 from distckpt.errors import ConfigError
 
-__all__ = ["DEFAULT_SAVE_OPS", "MATMUL_OPS", "OP_MODES", "bind", "context_mode", "mode_context_fn", "resolve_ops",
-           "selective_context_fn", "share_reach"]
+__all__ = [
+    "DEFAULT_SAVE_OPS",
+    "MATMUL_OPS",
+    "OP_MODES",
+    "bind",
+    "context_mode",
+    "mode_context_fn",
+    "resolve_ops",
+    "selective_context_fn",
+    "share_reach",
+]
 
 aten = torch.ops.aten
 

@@ -93,8 +93,10 @@ def flops_per_byte(mp: ModelProfile, device: torch.device, dtype: torch.dtype = 
         ConfigError: off CUDA, where host memory is the step's own memory.
     """
     if device.type != "cuda" or not torch.cuda.is_available():
-        raise ConfigError(f"offload's FLOPs per byte is measured on CUDA only; on {device.type} host memory is the "
-                          "step's own memory. Give Budget(offload_flops_per_byte=...) to plan offload anyway.")
+        raise ConfigError(
+            f"offload's FLOPs per byte is measured on CUDA only; on {device.type} host memory is the "
+            "step's own memory. Give Budget(offload_flops_per_byte=...) to plan offload anyway."
+        )
     import torch.distributed as dist
 
     mkn, nbytes = probe_shapes(mp, dtype)

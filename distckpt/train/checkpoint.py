@@ -36,8 +36,7 @@ from distckpt._dist import broadcast_object, rank_world
 from distckpt.errors import ResumeError
 from distckpt.train.integrity import has_manifest, verify_checkpoint, write_manifest
 
-__all__ = ["TrainState", "check_compatible", "latest_checkpoint", "load_checkpoint", "resume_latest",
-           "save_checkpoint"]
+__all__ = ["TrainState", "check_compatible", "latest_checkpoint", "load_checkpoint", "resume_latest", "save_checkpoint"]
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -77,8 +76,14 @@ class TrainState(Stateful):
     ``distckpt.train.data.ShardedLoader``, whose position counts global batches).
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None,
-                 scaler: Any = None, data: Any = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any = None,
+        scaler: Any = None,
+        data: Any = None,
+    ) -> None:
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.data = data
         self.step = 0  # optimizer steps done
@@ -141,8 +146,9 @@ def latest_checkpoint(ckpt_dir: str | os.PathLike[str]) -> Path | None:
     root = Path(ckpt_dir)
     if not root.is_dir():
         return None
-    found = [(int(m.group(1)), p) for p in root.iterdir()
-             if (m := _STEP_DIR.match(p.name)) and (p / ".metadata").is_file()]
+    found = [
+        (int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and (p / ".metadata").is_file()
+    ]
     return max(found)[1] if found else None
 
 
@@ -219,22 +225,31 @@ def check_compatible(state: TrainState, path: str | os.PathLike[str]) -> None:
     want = {k: v for k, v in planner.state_dict.items() if k.startswith(_STRICT)}
     have = {k: v for k, v in meta.items() if k.startswith(_STRICT)}
     missing, unexpected = sorted(want.keys() - have.keys()), sorted(have.keys() - want.keys())
-    reshaped = [f"{_short(k)} {list(have[k].size)} in the checkpoint, {list(want[k].size())} now"
-                for k in sorted(want.keys() & have.keys())
-                if isinstance(have[k], TensorStorageMetadata) and isinstance(want[k], torch.Tensor)
-                and tuple(have[k].size) != tuple(want[k].size())]
+    reshaped = [
+        f"{_short(k)} {list(have[k].size)} in the checkpoint, {list(want[k].size())} now"
+        for k in sorted(want.keys() & have.keys())
+        if isinstance(have[k], TensorStorageMetadata)
+        and isinstance(want[k], torch.Tensor)
+        and tuple(have[k].size) != tuple(want[k].size())
+    ]
     if not (missing or unexpected or reshaped):
         return
-    lines = [f"cannot resume from {path}: its model/optimizer state does not match this run's "
-             "(a changed model, optimizer or trainable set?)"]
-    for label, items in (("missing from the checkpoint", [_short(k) for k in missing]),
-                         ("in the checkpoint but not in this run", [_short(k) for k in unexpected]),
-                         ("shape changed", reshaped)):
+    lines = [
+        f"cannot resume from {path}: its model/optimizer state does not match this run's "
+        "(a changed model, optimizer or trainable set?)"
+    ]
+    for label, items in (
+        ("missing from the checkpoint", [_short(k) for k in missing]),
+        ("in the checkpoint but not in this run", [_short(k) for k in unexpected]),
+        ("shape changed", reshaped),
+    ):
         if items:
             more = f", ... ({len(items) - _SHOWN} more)" if len(items) > _SHOWN else ""
             lines.append(f"  {label}: {len(items)} ({_by_kind(items)}), e.g. {', '.join(items[:_SHOWN])}{more}")
-    lines.append("Start over in this folder with trainer.resume=false (resume=False), or give the changed run "
-                 "its own folder (hydra.run.dir=...).")
+    lines.append(
+        "Start over in this folder with trainer.resume=false (resume=False), or give the changed run "
+        "its own folder (hydra.run.dir=...)."
+    )
     raise ResumeError("\n".join(lines))
 
 
@@ -262,8 +277,11 @@ def resume_latest(state: TrainState, ckpt_dir: str | os.PathLike[str]) -> Path |
             not match the model/optimizer (see :func:`check_compatible`).
     """
     root = Path(ckpt_dir)
-    found = sorted(((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name))),
-                   reverse=True) if _rank() == 0 and root.is_dir() else []
+    found = (
+        sorted(((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name))), reverse=True)
+        if _rank() == 0 and root.is_dir()
+        else []
+    )
     candidates = [Path(p) for p in broadcast_object([str(p) for _, p in found])]
     skipped: list[str] = []
     for path in candidates:
@@ -278,8 +296,10 @@ def resume_latest(state: TrainState, ckpt_dir: str | os.PathLike[str]) -> Path |
         load_checkpoint(state, path)
         return path
     if skipped:
-        raise ResumeError(f"no intact checkpoint in {root}: {', '.join(skipped)}. Move the damaged folders "
-                          "away, or start over with trainer.resume=false or a new hydra.run.dir.")
+        raise ResumeError(
+            f"no intact checkpoint in {root}: {', '.join(skipped)}. Move the damaged folders "
+            "away, or start over with trainer.resume=false or a new hydra.run.dir."
+        )
     return None
 
 

@@ -68,9 +68,9 @@ def micro_batches(batch: Batch, rank: int, world_size: int, n_micro: int) -> lis
             f"set data.batch_size to a multiple of {world_size * n_micro}."
         )
     per_rank = n // world_size
-    mine = {k: v[rank * per_rank:(rank + 1) * per_rank] for k, v in batch.items()}
+    mine = {k: v[rank * per_rank : (rank + 1) * per_rank] for k, v in batch.items()}
     size = per_rank // n_micro
-    return [{k: v[i * size:(i + 1) * size] for k, v in mine.items()} for i in range(n_micro)]
+    return [{k: v[i * size : (i + 1) * size] for k, v in mine.items()} for i in range(n_micro)]
 
 
 class DictDataset(Dataset):
@@ -98,8 +98,19 @@ class GlobalBatchSampler(Sampler[list[int]]):
     start of the order (as ``DistributedSampler`` pads), so every rank has the same number of batches.
     """
 
-    def __init__(self, n: int, batch_size: int, *, rank: int, world_size: int, shuffle: bool, seed: int,
-                 drop_last: bool, epoch: int = 0, start: int = 0) -> None:
+    def __init__(
+        self,
+        n: int,
+        batch_size: int,
+        *,
+        rank: int,
+        world_size: int,
+        shuffle: bool,
+        seed: int,
+        drop_last: bool,
+        epoch: int = 0,
+        start: int = 0,
+    ) -> None:
         if batch_size % world_size:
             raise ConfigError(f"data.batch_size={batch_size} must be a multiple of the {world_size} ranks.")
         self.n, self.batch_size, self.rank, self.world_size = n, batch_size, rank, world_size
@@ -121,7 +132,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         order, b = self.order(), self.batch_size // self.world_size
         for k in range(self.start, self.start + len(self)):
-            yield order[k * self.batch_size + self.rank * b:k * self.batch_size + (self.rank + 1) * b].tolist()
+            yield order[k * self.batch_size + self.rank * b : k * self.batch_size + (self.rank + 1) * b].tolist()
 
 
 class _RankShard(IterableDataset):
@@ -147,7 +158,7 @@ class _RankShard(IterableDataset):
             if len(items) < self.batch_size:
                 return
             if k % workers == worker:
-                yield from items[self.rank * b:(self.rank + 1) * b]
+                yield from items[self.rank * b : (self.rank + 1) * b]
 
 
 class ShardedLoader:
@@ -168,9 +179,20 @@ class ShardedLoader:
         ConfigError: the batch does not split over the ranks, or an epoch has no complete batch.
     """
 
-    def __init__(self, dataset: Dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0,
-                 num_workers: int = 0, pin_memory: bool = False, drop_last: bool = True,
-                 eval_dataset: Dataset | None = None, rank: int | None = None, world_size: int | None = None) -> None:
+    def __init__(
+        self,
+        dataset: Dataset,
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        drop_last: bool = True,
+        eval_dataset: Dataset | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
         r, w = rank_world()
         self.rank, self.world_size = r if rank is None else rank, w if world_size is None else world_size
         if batch_size % self.world_size:
@@ -191,23 +213,37 @@ class ShardedLoader:
                 dataset.set_epoch(epoch)
             shard = _RankShard(dataset, self.batch_size, self.rank, self.world_size, skip=start)
             return DataLoader(shard, batch_size=self.batch_size // self.world_size, **common)
-        sampler = GlobalBatchSampler(len(dataset), self.batch_size, rank=self.rank, world_size=self.world_size,
-                                     shuffle=shuffle, seed=self.seed, drop_last=drop_last, epoch=epoch, start=start)
+        sampler = GlobalBatchSampler(
+            len(dataset),
+            self.batch_size,
+            rank=self.rank,
+            world_size=self.world_size,
+            shuffle=shuffle,
+            seed=self.seed,
+            drop_last=drop_last,
+            epoch=epoch,
+            start=start,
+        )
         return DataLoader(dataset, batch_sampler=sampler, **common)
 
     def next_batch(self) -> Batch:
         """This rank's part of the next global batch (a new epoch starts when one ends)."""
         for _ in range(2):
             if self._it is None:
-                self._it = iter(self._loader(self.dataset, epoch=self.epoch, start=self.batch,
-                                             shuffle=self.shuffle, drop_last=self.drop_last))
+                self._it = iter(
+                    self._loader(
+                        self.dataset, epoch=self.epoch, start=self.batch, shuffle=self.shuffle, drop_last=self.drop_last
+                    )
+                )
             batch = next(self._it, None)
             if batch is not None:
                 self.batch += 1
                 return batch
             self.epoch, self.batch, self._it = self.epoch + 1, 0, None
-        raise ConfigError(f"the data set has no complete global batch of data.batch_size={self.batch_size}; "
-                          "lower data.batch_size or give more samples.")
+        raise ConfigError(
+            f"the data set has no complete global batch of data.batch_size={self.batch_size}; "
+            "lower data.batch_size or give more samples."
+        )
 
     def eval_batches(self) -> Iterator[Batch]:
         """This rank's part of every global batch of the eval split, in order (the last one padded)."""
@@ -244,8 +280,15 @@ class TaskMixLoader:
         ConfigError: a task's share is not a whole multiple of the ranks, or the weights are not positive.
     """
 
-    def __init__(self, datasets: dict[str, tuple[Dataset, Dataset | None]], weights: dict[str, float],
-                 batch_size: int, *, seed: int = 0, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        datasets: dict[str, tuple[Dataset, Dataset | None]],
+        weights: dict[str, float],
+        batch_size: int,
+        *,
+        seed: int = 0,
+        **kwargs: Any,
+    ) -> None:
         if set(weights) != set(datasets) or any(w <= 0 for w in weights.values()):
             raise ConfigError(f"data.tasks needs a positive weight for each task; got {weights}.")
         total = sum(weights.values())
@@ -253,10 +296,13 @@ class TaskMixLoader:
         for i, (task, (train_set, eval_set)) in enumerate(sorted(datasets.items())):
             share = batch_size * weights[task] / total
             if share != int(share) or share < 1:
-                raise ConfigError(f"data.tasks.{task}.weight={weights[task]} gives {share:g} of data.batch_size="
-                                  f"{batch_size} samples; choose weights that split the batch into whole parts.")
-            self.loaders[task] = ShardedLoader(train_set, int(share), seed=seed + 1009 * i, eval_dataset=eval_set,
-                                               **kwargs)
+                raise ConfigError(
+                    f"data.tasks.{task}.weight={weights[task]} gives {share:g} of data.batch_size="
+                    f"{batch_size} samples; choose weights that split the batch into whole parts."
+                )
+            self.loaders[task] = ShardedLoader(
+                train_set, int(share), seed=seed + 1009 * i, eval_dataset=eval_set, **kwargs
+            )
 
     def next_batch(self) -> TaskBatches:
         return TaskBatches({t: ld.next_batch() for t, ld in self.loaders.items()})
@@ -309,17 +355,21 @@ class TokenWindows(Dataset):
             raise ConfigError(f"token file {path} does not exist; write one with scripts/make_tokens.py.")
         size, itemsize = file.stat().st_size, np.dtype(dtype).itemsize
         if size % itemsize:
-            raise ConfigError(f"token file {path} has {size} bytes, not a multiple of {itemsize} ({dtype}); "
-                              f"is data.dtype right?")
+            raise ConfigError(
+                f"token file {path} has {size} bytes, not a multiple of {itemsize} ({dtype}); is data.dtype right?"
+            )
         self.path, self.seq_len, self.dtype = str(file), seq_len, dtype
         self.n_tokens = size // itemsize
         if self.n_tokens < seq_len:
-            raise ConfigError(f"token file {path} has {self.n_tokens} tokens, fewer than one window of "
-                              f"model.seq_len={seq_len}.")
+            raise ConfigError(
+                f"token file {path} has {self.n_tokens} tokens, fewer than one window of model.seq_len={seq_len}."
+            )
         self._ids: Any = None
         if vocab_size is not None and (top := int(self._memmap().max())) >= vocab_size:
-            raise ConfigError(f"token file {path} has token id {top} >= model.vocab_size={vocab_size}; "
-                              f"set model.vocab_size={top + 1} or more (or check data.dtype).")
+            raise ConfigError(
+                f"token file {path} has token id {top} >= model.vocab_size={vocab_size}; "
+                f"set model.vocab_size={top + 1} or more (or check data.dtype)."
+            )
 
     def _memmap(self) -> Any:
         import numpy as np
@@ -337,12 +387,13 @@ class TokenWindows(Dataset):
     def __getitem__(self, i: int) -> Batch:
         if not 0 <= i < len(self):
             raise IndexError(i)
-        window = self._memmap()[i * self.seq_len:(i + 1) * self.seq_len]
+        window = self._memmap()[i * self.seq_len : (i + 1) * self.seq_len]
         return {"tokens": torch.from_numpy(window.astype("int64"))}
 
 
-def synthetic_tokens(n: int, seq_len: int, vocab_size: int, n_classes: int, seed: int = 0,
-                     noise: float = 0.05) -> DictDataset:
+def synthetic_tokens(
+    n: int, seq_len: int, vocab_size: int, n_classes: int, seed: int = 0, noise: float = 0.05
+) -> DictDataset:
     """``n`` token sequences ``x_t = (x_0 + a*t) mod V`` with a little noise; the class is the stride ``a``.
 
     Task ``lm`` learns the progression, task ``cls`` its stride: both learnable by a tiny model.

@@ -51,8 +51,9 @@ def write_manifest(folder: str | os.PathLike[str]) -> None:
     """
     folder = Path(folder)
     rank, world = rank_world()
-    names = broadcast_object(sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != MANIFEST)
-                       if rank == 0 else None)
+    names = broadcast_object(
+        sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != MANIFEST) if rank == 0 else None
+    )
     mine = {n: {"size": (folder / n).stat().st_size, "crc32": _crc32(folder / n)} for n in names[rank::world]}
     files = _gather(mine)
     if rank == 0:

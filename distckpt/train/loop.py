@@ -180,8 +180,9 @@ def fit(
             tasks = sorted(sums)
             for cb in callbacks:
                 cb.on_after_backward(step, model)
-            bad, stop_now, norm, packed = _check_and_reduce(total, sums, tasks, stop.requested, guard, scaler,
-                                                            optimizer, clip, opts, result)
+            bad, stop_now, norm, packed = _check_and_reduce(
+                total, sums, tasks, stop.requested, guard, scaler, optimizer, clip, opts, result
+            )
             _optimizer_step(state, step, bad, opts, result, rank)
             if scheduler is not None:
                 scheduler.step()
@@ -196,8 +197,18 @@ def fit(
             if evaluated:
                 result.eval_loss = _evaluate(model, data, device, autocast, opts.task_weights, world)
             if step % max(opts.log_every, 1) == 0 or step == opts.max_steps or stop_now:
-                _log(sink, bar, step, result, optimizer, norm, watch.lap(), peak_memory_mib(device), bad,
-                     with_eval=evaluated)
+                _log(
+                    sink,
+                    bar,
+                    step,
+                    result,
+                    optimizer,
+                    norm,
+                    watch.lap(),
+                    peak_memory_mib(device),
+                    bad,
+                    with_eval=evaluated,
+                )
             if bar is not None:
                 bar.update(1)
             if _save_or_stop(model, state, ckpt_dir, opts, result, step, stop_now):
@@ -211,8 +222,15 @@ def fit(
     return result
 
 
-def _save_or_stop(model: nn.Module, state: TrainState, ckpt_dir: Path, opts: LoopOptions, result: LoopResult,
-                  step: int, stop_now: bool) -> bool:
+def _save_or_stop(
+    model: nn.Module,
+    state: TrainState,
+    ckpt_dir: Path,
+    opts: LoopOptions,
+    result: LoopResult,
+    step: int,
+    stop_now: bool,
+) -> bool:
     """Checkpoint when due (and at the last step or on a stop request); True when the loop must stop."""
     last = step == opts.max_steps
     if last or stop_now:
@@ -225,10 +243,18 @@ def _save_or_stop(model: nn.Module, state: TrainState, ckpt_dir: Path, opts: Loo
     return stop_now
 
 
-def _check_and_reduce(total: torch.Tensor, sums: dict[str, torch.Tensor], tasks: list[str], stop_requested: bool,
-                      guard: Any, scaler: Any, optimizer: torch.optim.Optimizer,
-                      clip: Callable[[float], torch.Tensor], opts: LoopOptions, result: LoopResult
-                      ) -> tuple[bool, bool, torch.Tensor, torch.Tensor]:
+def _check_and_reduce(
+    total: torch.Tensor,
+    sums: dict[str, torch.Tensor],
+    tasks: list[str],
+    stop_requested: bool,
+    guard: Any,
+    scaler: Any,
+    optimizer: torch.optim.Optimizer,
+    clip: Callable[[float], torch.Tensor],
+    opts: LoopOptions,
+    result: LoopResult,
+) -> tuple[bool, bool, torch.Tensor, torch.Tensor]:
     """Guard, unscale and clip, then one all-reduce of (non-finite, stop requested, losses), so every rank
     decides the same. Returns ``(bad, stop_now, grad_norm, summed values)``."""
     if guard is not None:  # a collective: every rank checks at every step (the guard skips by `every`)
@@ -238,8 +264,16 @@ def _check_and_reduce(total: torch.Tensor, sums: dict[str, torch.Tensor], tasks:
         scaler.unscale_(optimizer)
     norm = clip(opts.clip_grad_norm if opts.clip_grad_norm > 0 else math.inf)
     local_bad = not torch.isfinite(total) or (scaler is None and not torch.isfinite(norm))
-    packed = _all_sum(torch.stack([torch.tensor(float(local_bad)), torch.tensor(float(stop_requested)),
-                                   total.cpu(), *(sums[k].cpu() for k in tasks)]))
+    packed = _all_sum(
+        torch.stack(
+            [
+                torch.tensor(float(local_bad)),
+                torch.tensor(float(stop_requested)),
+                total.cpu(),
+                *(sums[k].cpu() for k in tasks),
+            ]
+        )
+    )
     return packed[0].item() > 0, packed[1].item() > 0, norm, packed
 
 
@@ -259,9 +293,15 @@ def _progress_bar(opts: LoopOptions, start: int) -> Any:
     return tqdm(total=opts.max_steps, initial=start, desc="train", dynamic_ncols=True, leave=True)
 
 
-def _forward_backward(model: nn.Module, micro: list[dict[str, torch.Tensor]], step: int, opts: LoopOptions,
-                      device: torch.device, autocast: Callable[[], Any], scaler: Any
-                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _forward_backward(
+    model: nn.Module,
+    micro: list[dict[str, torch.Tensor]],
+    step: int,
+    opts: LoopOptions,
+    device: torch.device,
+    autocast: Callable[[], Any],
+    scaler: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Forward and backward of one step's micro-batches, syncing gradients on the last only.
 
     Returns:
@@ -272,7 +312,7 @@ def _forward_backward(model: nn.Module, micro: list[dict[str, torch.Tensor]], st
     total = torch.zeros((), device=device)
     for i, mb in enumerate(micro):
         sync = i == len(micro) - 1
-        with (contextlib.nullcontext() if sync else accumulate(model)), autocast():
+        with contextlib.nullcontext() if sync else accumulate(model), autocast():
             losses = _step_losses(model, mb, device, opts.task_weights)
             loss = sum(opts.task_weights.get(k, 1.0) * v for k, v in losses.items()) / len(micro)
         (scaler.scale(loss) if scaler is not None else loss).backward()
@@ -286,8 +326,9 @@ def _to(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def _step_losses(model: nn.Module, batch: dict[str, Any], device: torch.device,
-                 weights: dict[str, float]) -> dict[str, torch.Tensor]:
+def _step_losses(
+    model: nn.Module, batch: dict[str, Any], device: torch.device, weights: dict[str, float]
+) -> dict[str, torch.Tensor]:
     """The task losses of one (micro-)batch; a :class:`TaskBatches` runs one forward per task batch.
 
     Of the forward on task ``t``'s batch, loss ``t`` counts; the other losses join with weight zero, so
@@ -302,8 +343,10 @@ def _step_losses(model: nn.Module, batch: dict[str, Any], device: torch.device,
     for task, part in batch.items():
         out = _task_losses(model(_to(part, device)), {})
         if task not in out:
-            raise ConfigError(f"data.tasks.{task}: the model's forward on this task's batch returns {sorted(out)}; "
-                              "name each task after the loss it trains.")
+            raise ConfigError(
+                f"data.tasks.{task}: the model's forward on this task's batch returns {sorted(out)}; "
+                "name each task after the loss it trains."
+            )
         losses[task] = out[task] + sum(0.0 * v for k, v in out.items() if k != task)
     return _task_losses(losses, weights)
 
@@ -315,16 +358,18 @@ def _task_losses(out: Any, weights: dict[str, float]) -> dict[str, torch.Tensor]
         ConfigError: it is not such a dict, or ``weights`` names a task it lacks.
     """
     if not isinstance(out, dict) or not all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in out.values()):
-        raise ConfigError(f"the model's forward(batch) returned {type(out).__name__}; it must return a dict of "
-                          "named scalar losses, one per task, e.g. {'lm': loss_lm, 'cls': loss_cls}.")
+        raise ConfigError(
+            f"the model's forward(batch) returned {type(out).__name__}; it must return a dict of "
+            "named scalar losses, one per task, e.g. {'lm': loss_lm, 'cls': loss_cls}."
+        )
     if unknown := sorted(set(weights) - set(out)):
-        raise ConfigError(f"trainer.task_weights names {unknown}, which the model does not return; "
-                          f"its tasks are {sorted(out)}.")
+        raise ConfigError(
+            f"trainer.task_weights names {unknown}, which the model does not return; its tasks are {sorted(out)}."
+        )
     return out
 
 
-def _optimizer_step(state: TrainState, step: int, bad: bool, opts: LoopOptions, result: LoopResult,
-                    rank: int) -> None:
+def _optimizer_step(state: TrainState, step: int, bad: bool, opts: LoopOptions, result: LoopResult, rank: int) -> None:
     """Apply the step, or skip it (``bad``: a non-finite loss or norm on some rank) or stop."""
     optimizer, scaler = state.optimizer, state.scaler
     if not bad:
@@ -373,10 +418,27 @@ def _trailing_run(steps: list[int]) -> int:
     return n
 
 
-def _log(sink: MetricSink, bar: Any, step: int, result: LoopResult, optimizer: torch.optim.Optimizer,
-         norm: torch.Tensor, rate: float, mem: float, bad: bool, with_eval: bool) -> None:
-    record = {"step": step, **result.losses, "lr": optimizer.param_groups[0]["lr"], "grad_norm": float(norm),
-              "samples_per_s": rate, "peak_mem_mib": mem, "skipped": bad}
+def _log(
+    sink: MetricSink,
+    bar: Any,
+    step: int,
+    result: LoopResult,
+    optimizer: torch.optim.Optimizer,
+    norm: torch.Tensor,
+    rate: float,
+    mem: float,
+    bad: bool,
+    with_eval: bool,
+) -> None:
+    record = {
+        "step": step,
+        **result.losses,
+        "lr": optimizer.param_groups[0]["lr"],
+        "grad_norm": float(norm),
+        "samples_per_s": rate,
+        "peak_mem_mib": mem,
+        "skipped": bad,
+    }
     if with_eval:
         record["eval_loss"] = result.eval_loss
     sink.log(record)
@@ -393,8 +455,14 @@ def _save(model: nn.Module, state: TrainState, ckpt_dir: Path, opts: LoopOptions
     result.checkpoints.append(str(save_checkpoint(state, ckpt_dir, keep_last=opts.keep_last)))
 
 
-def _evaluate(model: nn.Module, data: ShardedLoader, device: torch.device, autocast: Callable[[], Any],
-              weights: dict[str, float], world: int) -> float | None:
+def _evaluate(
+    model: nn.Module,
+    data: ShardedLoader,
+    device: torch.device,
+    autocast: Callable[[], Any],
+    weights: dict[str, float],
+    world: int,
+) -> float | None:
     """The weighted loss over the eval split, averaged over its global batches (every rank has as many)."""
     model.eval()
     total, n = torch.zeros(()), 0

@@ -46,8 +46,9 @@ class MetricSink:
         enabled: ``False`` on ranks other than 0 (every call is then a no-op).
     """
 
-    def __init__(self, run_dir: str | os.PathLike[str], *, writers: Sequence[MetricWriter] = (),
-                 enabled: bool = True) -> None:
+    def __init__(
+        self, run_dir: str | os.PathLike[str], *, writers: Sequence[MetricWriter] = (), enabled: bool = True
+    ) -> None:
         self.enabled = enabled
         self.run_dir = Path(run_dir)
         self._jsonl = None

@@ -54,8 +54,16 @@ class MultiTaskGPT(nn.Module):
     mean-pooled final hidden state).
     """
 
-    def __init__(self, vocab_size: int = 64, seq_len: int = 32, d_model: int = 64, n_layer: int = 4,
-                 n_head: int = 4, n_classes: int = 4, dropout: float = 0.0) -> None:
+    def __init__(
+        self,
+        vocab_size: int = 64,
+        seq_len: int = 32,
+        d_model: int = 64,
+        n_layer: int = 4,
+        n_head: int = 4,
+        n_classes: int = 4,
+        dropout: float = 0.0,
+    ) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab_size, d_model)
         self.pos = nn.Embedding(seq_len, d_model)
@@ -95,8 +103,15 @@ class MLPBlock(nn.Module):
 class MultiTaskMLP(nn.Module):
     """An MLP trunk of residual blocks with two classification heads (``a`` and ``b``)."""
 
-    def __init__(self, in_features: int = 32, hidden: int = 128, n_layer: int = 4, n_classes_a: int = 10,
-                 n_classes_b: int = 2, dropout: float = 0.0) -> None:
+    def __init__(
+        self,
+        in_features: int = 32,
+        hidden: int = 128,
+        n_layer: int = 4,
+        n_classes_a: int = 10,
+        n_classes_b: int = 2,
+        dropout: float = 0.0,
+    ) -> None:
         super().__init__()
         self.inp = nn.Linear(in_features, hidden)
         self.blocks = nn.ModuleList(MLPBlock(hidden, dropout) for _ in range(n_layer))
@@ -127,9 +142,19 @@ class MultiTaskHF(nn.Module):
         return _with_cls(out.loss, self.cls_head(out.hidden_states[-1].mean(dim=1)), batch)
 
 
-def build_hf_causal_lm(config_name: str, *, vocab_size: int, seq_len: int, n_layer: int, d_model: int,
-                       n_head: int, n_classes: int, dropout: float = 0.0, intermediate_size: int | None = None,
-                       kv_heads: int | None = None) -> MultiTaskHF:
+def build_hf_causal_lm(
+    config_name: str,
+    *,
+    vocab_size: int,
+    seq_len: int,
+    n_layer: int,
+    d_model: int,
+    n_head: int,
+    n_classes: int,
+    dropout: float = 0.0,
+    intermediate_size: int | None = None,
+    kv_heads: int | None = None,
+) -> MultiTaskHF:
     """Build a randomly initialised Hugging Face causal LM from a model type name; nothing is downloaded.
 
     Args:
@@ -152,23 +177,39 @@ def build_hf_causal_lm(config_name: str, *, vocab_size: int, seq_len: int, n_lay
     from transformers import AutoConfig, AutoModelForCausalLM  # optional dependency (extra "hf")
 
     if kv_heads is not None and (kv_heads < 1 or n_head % kv_heads):
-        raise ConfigError(f"kv_heads={kv_heads} must divide n_head={n_head} (each key/value head serves "
-                          "n_head / kv_heads query heads).")
+        raise ConfigError(
+            f"kv_heads={kv_heads} must divide n_head={n_head} (each key/value head serves "
+            "n_head / kv_heads query heads)."
+        )
     config = AutoConfig.for_model(config_name)
-    sizes = dict(vocab_size=vocab_size, n_positions=seq_len, max_position_embeddings=seq_len,
-                 n_layer=n_layer, num_hidden_layers=n_layer, n_embd=d_model, hidden_size=d_model,
-                 n_head=n_head, num_attention_heads=n_head, resid_pdrop=dropout, embd_pdrop=dropout,
-                 attn_pdrop=dropout)
+    sizes = dict(
+        vocab_size=vocab_size,
+        n_positions=seq_len,
+        max_position_embeddings=seq_len,
+        n_layer=n_layer,
+        num_hidden_layers=n_layer,
+        n_embd=d_model,
+        hidden_size=d_model,
+        n_head=n_head,
+        num_attention_heads=n_head,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+    )
     # Llama/Mistral/Gemma configs store head_dim (128 in their defaults); it is not derived again from the
     # new hidden size, so without this a d_model=64, n_head=4 Llama had 4 heads of 128 (q_proj 64 -> 512).
     sizes["head_dim"] = d_model // n_head
     # The same two sizes under each family's own name (Llama/Mistral/Qwen2/NeoX, GPT-2/GPT-J, OPT).
-    for value, keys, what in ((intermediate_size, HF_FFN_KEYS, "an MLP width"),
-                              (kv_heads, HF_KV_HEAD_KEYS, "grouped-query attention")):
+    for value, keys, what in (
+        (intermediate_size, HF_FFN_KEYS, "an MLP width"),
+        (kv_heads, HF_KV_HEAD_KEYS, "grouped-query attention"),
+    ):
         present = [k for k in keys if hasattr(config, k)]
         if value is not None and not present:
-            raise ConfigError(f"transformers' {config_name} config has no {what} field (none of {', '.join(keys)}); "
-                              f"leave it unset for {config_name}.")
+            raise ConfigError(
+                f"transformers' {config_name} config has no {what} field (none of {', '.join(keys)}); "
+                f"leave it unset for {config_name}."
+            )
         default = 4 * d_model if keys is HF_FFN_KEYS else n_head
         sizes.update({k: default if value is None else value for k in present})
     config.update({k: v for k, v in sizes.items() if hasattr(config, k)})

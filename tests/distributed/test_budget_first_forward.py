@@ -26,8 +26,9 @@ def _budget(inputs, world_size: int) -> int:
     torch.manual_seed(0)
     model = GPT(CFG)
     mp = profile_model(model, [(f"h.{i}", b) for i, b in enumerate(model.h)], inputs)
-    return (predicted_peak(mp, range(CFG.layers), world_size=world_size)
-            + predicted_peak(mp, [], world_size=world_size)) // 2
+    return (
+        predicted_peak(mp, range(CFG.layers), world_size=world_size) + predicted_peak(mp, [], world_size=world_size)
+    ) // 2
 
 
 def _local(step: int, rank: int, world_size: int):

@@ -52,7 +52,7 @@ def _batch(step: int, rank: int | None = None, world: int = 2) -> tuple[torch.Te
     if rank is None:
         return x, y  # the global batch
     n = 8 // world
-    return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+    return x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
 
 
 def _ddp_step(rank: int, model: nn.Module, step: int = 0) -> None:
@@ -68,8 +68,9 @@ def _parallel(model: nn.Module, strategy: str) -> nn.Module:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-        return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True,
-                    device_id=torch.device("cpu"))
+        return FSDP(
+            model, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True, device_id=torch.device("cpu")
+        )
     from torch.distributed.fsdp import fully_shard
 
     for b in model.blocks:
@@ -163,10 +164,18 @@ def _train(rank: int, world: int, strategy: str, precision: str, steps: int) -> 
     return norms, ref_norms
 
 
-@pytest.mark.parametrize("strategy,precision,steps", [
-    ("ddp", "fp32", 40), ("ddp", "bf16", 40), ("ddp", "fp16", 20), ("ddp", "bf16-params", 20),
-    ("fsdp", "fp32", 10), ("fsdp2", "fp32", 10), ("fsdp2", "bf16", 10),
-])
+@pytest.mark.parametrize(
+    "strategy,precision,steps",
+    [
+        ("ddp", "fp32", 40),
+        ("ddp", "bf16", 40),
+        ("ddp", "fp16", 20),
+        ("ddp", "bf16-params", 20),
+        ("fsdp", "fp32", 10),
+        ("fsdp2", "fp32", 10),
+        ("fsdp2", "bf16", 10),
+    ],
+)
 def test_no_false_alarm_and_matches_reference(dist_pool, strategy, precision, steps):
     results = dist_pool.run(_train, strategy, precision, steps, timeout=120)
     (norms, ref_norms), (norms1, _) = results
@@ -269,9 +278,9 @@ def _verify_parallel(rank: int, world: int, strategy: str, preserve: bool) -> tu
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_verify_recompute_on_parallel_models(dist_pool, strategy):
-    for (ok, _, loss, ref_loss) in dist_pool.run(_verify_parallel, strategy, True):
+    for ok, _, loss, ref_loss in dist_pool.run(_verify_parallel, strategy, True):
         assert ok and loss == pytest.approx(ref_loss, rel=1e-6)
-    for (ok, first, _, _) in dist_pool.run(_verify_parallel, strategy, False):
+    for ok, first, _, _ in dist_pool.run(_verify_parallel, strategy, False):
         assert not ok and first == "blocks.0.fc1.1 rng"
 
 
@@ -302,8 +311,11 @@ def _real_desync(rank: int, world: int, case: str) -> tuple[str, bool]:
     # The single-process reference on the global batches: what the gradients should have been.
     steps = (0,) if case == "no_sync" else (0, 1)
     sum(nn.functional.mse_loss(ref(_batch(s)[0]), _batch(s)[1]) for s in steps).backward()
-    same = all(torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
-               for p, q in zip(model.parameters(), ref.parameters()) if q.grad is not None)
+    same = all(
+        torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+        for p, q in zip(model.parameters(), ref.parameters())
+        if q.grad is not None
+    )
     return msg, same
 
 
@@ -312,8 +324,11 @@ def test_real_silent_desync_is_caught(dist_pool, case):
     (msg0, same0), (msg1, same1) = dist_pool.run(_real_desync, case)
     assert not (same0 and same1)  # the gradients really are wrong on some rank (vs the reference)
     assert msg0 == msg1 and "differ across ranks after synchronization" in msg0, msg0
-    named = "blocks.0.fc2.bias (gradient): ranks [1] differ from rank 0" if case == "lora" else \
-        "blocks.0.fc1.weight (gradient): ranks [1] differ from rank 0"
+    named = (
+        "blocks.0.fc2.bias (gradient): ranks [1] differ from rank 0"
+        if case == "lora"
+        else "blocks.0.fc1.weight (gradient): ranks [1] differ from rank 0"
+    )
     assert named in msg0
 
 

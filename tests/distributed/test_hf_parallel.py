@@ -74,8 +74,13 @@ def _reference(family: str, dpo: bool) -> tuple[list[dict], dict]:
                 opt.zero_grad(set_to_none=True)
                 for rank in range(WORLD):
                     (_local_loss(family, model, step, rank, dpo) / WORLD).backward()
-                grads.append({n: None if p.grad is None else p.grad.clone()
-                              for n, p in model.named_parameters() if p.requires_grad})
+                grads.append(
+                    {
+                        n: None if p.grad is None else p.grad.clone()
+                        for n, p in model.named_parameters()
+                        if p.requires_grad
+                    }
+                )
                 opt.step()
             _REF[key] = grads, {n: p.detach().clone() for n, p in model.named_parameters()}
         finally:
@@ -124,8 +129,15 @@ def _reentrant_cases() -> list:
     out = []
     for family, strategy, dpo in itertools.product(["gpt2", "llama", "llama_lora"], ["ddp", "fsdp2"], [False, True]):
         keep = dpo or (family, strategy) == ("llama_lora", "fsdp2")
-        out.append(pytest.param(family, strategy, dpo, marks=[] if keep else [pytest.mark.slow],
-                                id=f"{family}-{strategy}-{'dpo_two_forwards' if dpo else 'one_forward'}"))
+        out.append(
+            pytest.param(
+                family,
+                strategy,
+                dpo,
+                marks=[] if keep else [pytest.mark.slow],
+                id=f"{family}-{strategy}-{'dpo_two_forwards' if dpo else 'one_forward'}",
+            )
+        )
     return out
 
 

@@ -122,7 +122,8 @@ def _refusal(rank, world_size, what):
     cases = {
         "shard_size_3": lambda: distckpt.parallelize(model, "hsdp", shard_size=3),
         "dim_names": lambda: distckpt.parallelize(
-            model, "fsdp2", device_mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))),
+            model, "fsdp2", device_mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        ),
         "fsdp1_2d": lambda: distckpt.parallelize(model, "fsdp", device_mesh=_mesh()),
         "hsdp_1d": lambda: distckpt.parallelize(model, "hsdp", device_mesh=init_device_mesh("cpu", (4,))),
         "shard_size_ddp": lambda: distckpt.parallelize(model, "ddp", shard_size=2),
@@ -184,8 +185,11 @@ def test_guard_compares_replicas_of_each_shard(pool4):
     for inject in ("grad", "param"):
         msgs = pool4.run(_guard, inject, timeout=120)
         for m in msgs:
-            assert isinstance(m, str) and f"blocks.1.fc2.weight ({'gradient' if inject == 'grad' else 'parameter'})" \
-                in m and "ranks [2] differ from rank 0" in m, (inject, msgs)
+            assert (
+                isinstance(m, str)
+                and f"blocks.1.fc2.weight ({'gradient' if inject == 'grad' else 'parameter'})" in m
+                and "ranks [2] differ from rank 0" in m
+            ), (inject, msgs)
 
 
 # --- DCP save and resume ---------------------------------------------------------------------------
@@ -213,8 +217,15 @@ def _resume(rank, world_size, folder, split):
             assert state.step == split
         pm, opt = state.model, state.optimizer
         opt.zero_grad(set_to_none=True)
-        pattern.schedule(pm, pattern.loss, micro_batches(pattern, step, rank, world_size), step, rank,
-                         lambda pm=pm: distckpt.accumulate(pm), 1.0)
+        pattern.schedule(
+            pm,
+            pattern.loss,
+            micro_batches(pattern, step, rank, world_size),
+            step,
+            rank,
+            lambda pm=pm: distckpt.accumulate(pm),
+            1.0,
+        )
         opt.step()
         state.step += 1
     return full_params(state.model, "fsdp2")
@@ -264,4 +275,3 @@ def test_budget_counts_shards_over_the_shard_dimension(pool4):
     for peak, hsdp, fsdp2 in pool4.run(_budget_peak, timeout=180):
         # Sharding over all 4 ranks (world_size) would predict less than HSDP really holds.
         assert fsdp2 < peak <= hsdp, (fsdp2, peak, hsdp)
-

@@ -34,8 +34,12 @@ def _step(rank: int, world_size: int, strategy: str):
     with use_numpy_store() as store:
         loss = pm(idx[rank::world_size], tgt[rank::world_size])
         loss.backward()
-    return (distckpt.checkpointed(pm, modes=True), loss.detach(), full_grads(pm, strategy),
-            (store.packs, store.unpacks, store.bytes))
+    return (
+        distckpt.checkpointed(pm, modes=True),
+        loss.detach(),
+        full_grads(pm, strategy),
+        (store.packs, store.unpacks, store.bytes),
+    )
 
 
 def _single_process_moves() -> tuple[int, int, int]:

@@ -30,8 +30,9 @@ STEPS = 3
 _PATTERN_BLOCKS = object()  # _train's default: the pattern's own blocks=
 
 
-def _train(rank, world_size, name, strategy, reentrant, graph, steps=STEPS, kwargs=None, blocks=_PATTERN_BLOCKS,
-           policy="full"):
+def _train(
+    rank, world_size, name, strategy, reentrant, graph, steps=STEPS, kwargs=None, blocks=_PATTERN_BLOCKS, policy="full"
+):
     """Per-step full grads and final full params; a ConfigError raised in step s carries ``.step = s``
     (raised before that step's optimizer step)."""
     pattern = PATTERNS[name]
@@ -149,8 +150,10 @@ def test_pattern(dist_pool, name, strategy, reentrant):
         if out[0][0] == "ok" and out[1][0] == "ok":
             _assert_matches([o[1] for o in out], name)
         else:
-            assert all(o[0] == "refused" and o[1] == "ConfigError" and o[3] in (None, 0)
-                       and any(w in o[2] for w in either) for o in out), out
+            assert all(
+                o[0] == "refused" and o[1] == "ConfigError" and o[3] in (None, 0) and any(w in o[2] for w in either)
+                for o in out
+            ), out
         return
     if not refused:
         _assert_matches(dist_pool.run(_train, name, strategy, reentrant, "auto", timeout=60), name)
@@ -173,8 +176,10 @@ def _units(rank, world_size, strategy, policy):
     distckpt.wrap(model, policy, blocks=pattern.blocks)
     pm = distckpt.parallelize(model, strategy)
     kind = FSDPModule if strategy == "fsdp2" else FullyShardedDataParallel
-    return (sorted(_clean_fqn(n) for n, m in pm.named_modules() if n and isinstance(m, kind)),
-            sorted(distckpt.checkpointed(pm)))
+    return (
+        sorted(_clean_fqn(n) for n, m in pm.named_modules() if n and isinstance(m, kind)),
+        sorted(distckpt.checkpointed(pm)),
+    )
 
 
 @pytest.mark.dist
@@ -262,12 +267,18 @@ def test_static_graph_flags(dist_pool):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize(("name", "strategy", "bad_step"), [
-    # DDP's static graph sends a zero through every output on its first step (its _DDPSink), so a head
-    # computed but not in the loss is seen on the second step: still before it changes anything.
-    ("unused_output", "ddp", 1), ("by_rank", "ddp", 0), ("by_step", "ddp", 1),
-    ("by_step", "fsdp2", 1), ("unused_output", "fsdp", 0),
-])
+@pytest.mark.parametrize(
+    ("name", "strategy", "bad_step"),
+    [
+        # DDP's static graph sends a zero through every output on its first step (its _DDPSink), so a head
+        # computed but not in the loss is seen on the second step: still before it changes anything.
+        ("unused_output", "ddp", 1),
+        ("by_rank", "ddp", 0),
+        ("by_step", "ddp", 1),
+        ("by_step", "fsdp2", 1),
+        ("unused_output", "fsdp", 0),
+    ],
+)
 def test_static_graph_refuses_changing_graph(dist_pool, name, strategy, bad_step):
     """ConfigError at the first step whose used parameters differ, before that step's optimizer step."""
     if bad_step:  # the steps before it train correctly
@@ -289,24 +300,30 @@ def test_dynamic_graph(dist_pool, name, strategy):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize(("strategy", "kwargs"), [
-    ("ddp", {"bucket_cap_mb": 1, "gradient_as_bucket_view": True}),
-    ("fsdp2", {"reshard_after_forward": False}),
-    ("fsdp", {"limit_all_gathers": False}),
-])
+@pytest.mark.parametrize(
+    ("strategy", "kwargs"),
+    [
+        ("ddp", {"bucket_cap_mb": 1, "gradient_as_bucket_view": True}),
+        ("fsdp2", {"reshard_after_forward": False}),
+        ("fsdp", {"limit_all_gathers": False}),
+    ],
+)
 def test_kwargs_pass_through(dist_pool, strategy, kwargs):
     _assert_matches(dist_pool.run(_train, "sampled", strategy, False, "auto", kwargs=kwargs, timeout=60), "sampled")
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize(("strategy", "graph", "kwargs", "fix"), [
-    ("ddp", "auto", {"find_unused_parameters": True}, "Remove it"),
-    ("ddp", "dynamic", {"static_graph": True}, "Remove static_graph"),
-    ("ddp", "static", {"static_graph": False}, "Remove static_graph"),
-    ("fsdp", "auto", {"use_orig_params": False}, "Remove use_orig_params"),
-    ("fsdp", "auto", {"auto_wrap_policy": None}, "Remove it"),
-    ("fsdp2", "auto", {"mesh": None}, "device_mesh=mesh"),
-])
+@pytest.mark.parametrize(
+    ("strategy", "graph", "kwargs", "fix"),
+    [
+        ("ddp", "auto", {"find_unused_parameters": True}, "Remove it"),
+        ("ddp", "dynamic", {"static_graph": True}, "Remove static_graph"),
+        ("ddp", "static", {"static_graph": False}, "Remove static_graph"),
+        ("fsdp", "auto", {"use_orig_params": False}, "Remove use_orig_params"),
+        ("fsdp", "auto", {"auto_wrap_policy": None}, "Remove it"),
+        ("fsdp2", "auto", {"mesh": None}, "device_mesh=mesh"),
+    ],
+)
 def test_contradicting_kwargs(dist_pool, strategy, graph, kwargs, fix):
     msgs = dist_pool.run(_config_error, _train, "all_heads", strategy, False, graph, 1, kwargs=kwargs, timeout=60)
     assert all(m is not None and fix in m for m in msgs), msgs
@@ -340,10 +357,13 @@ def _plain_ddp(rank, world_size, name, flags):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize(("name", "flags", "text"), [
-    ("by_rank", {}, "Expected to have finished reduction in the prior iteration"),
-    ("two_forwards", {"find_unused_parameters": True}, "Expected to mark a variable ready only once"),
-])
+@pytest.mark.parametrize(
+    ("name", "flags", "text"),
+    [
+        ("by_rank", {}, "Expected to have finished reduction in the prior iteration"),
+        ("two_forwards", {"find_unused_parameters": True}, "Expected to mark a variable ready only once"),
+    ],
+)
 def test_plain_ddp_fails_where_parallelize_works(dist_pool, name, flags, text):
     """The control for test_pattern: without distckpt's join, DDP raises its own errors on these patterns."""
     with pytest.raises(RankError) as e:
@@ -388,12 +408,15 @@ def _preflight_parallelized(rank, world_size, strategy):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize(("body", "args", "text"), [
-    (_user_ddp, (True, {"find_unused_parameters": True}), "ready only once"),
-    (_user_ddp, (True, {}), "pytorch#121594"),
-    (_user_fsdp_root_only, (), "not inside its own FSDP unit"),
-    (_checkpoint_around_fsdp, (), "pytorch#82203"),
-])
+@pytest.mark.parametrize(
+    ("body", "args", "text"),
+    [
+        (_user_ddp, (True, {"find_unused_parameters": True}), "ready only once"),
+        (_user_ddp, (True, {}), "pytorch#121594"),
+        (_user_fsdp_root_only, (), "not inside its own FSDP unit"),
+        (_checkpoint_around_fsdp, (), "pytorch#82203"),
+    ],
+)
 def test_preflight_refuses(dist_pool, body, args, text):
     msgs = dist_pool.run(_config_error, body, *args, timeout=60)
     assert all(m is not None and text in m for m in msgs), msgs
@@ -444,8 +467,9 @@ def _accumulate_refusal(rank, world_size, reentrant, graph):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize(("reentrant", "graph", "cause"), [(True, "auto", "reentrant checkpointing"),
-                                                            (False, "static", "graph='static'")])
+@pytest.mark.parametrize(
+    ("reentrant", "graph", "cause"), [(True, "auto", "reentrant checkpointing"), (False, "static", "graph='static'")]
+)
 def test_accumulate_refusal_names_its_cause(dist_pool, reentrant, graph, cause):
     # The cause comes from what parallelize recorded, not guessed from one of the two.
     msgs = dist_pool.run(_accumulate_refusal, reentrant, graph)

@@ -18,8 +18,17 @@ ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 
 # A tiny job: a few seconds per run on 2 CPU ranks.
-TINY = ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.seq_len=16", "data.batch_size=8",
-        "trainer=debug", "trainer.max_steps=6", "trainer.save_every=3", "trainer.eval_every=0"]
+TINY = [
+    "model.n_layer=2",
+    "model.d_model=32",
+    "model.n_head=2",
+    "model.seq_len=16",
+    "data.batch_size=8",
+    "trainer=debug",
+    "trainer.max_steps=6",
+    "trainer.save_every=3",
+    "trainer.eval_every=0",
+]
 
 
 def example_commands(example: str) -> list[list[str]]:
@@ -31,7 +40,7 @@ def example_commands(example: str) -> list[list[str]]:
 def launcher_overrides(cmd: list[str]) -> list[str]:
     """The overrides of a ``torchrun ... launch/train.py OVERRIDES`` command."""
     assert cmd[0] == "torchrun" and "launch/train.py" in cmd
-    return cmd[cmd.index("launch/train.py") + 1:]
+    return cmd[cmd.index("launch/train.py") + 1 :]
 
 
 def check_in_process(argv: list[str], monkeypatch, capsys) -> tuple[int, str]:
@@ -73,12 +82,19 @@ def env() -> dict[str, str]:
 
 def torchrun_cmd(overrides: list[str], run_dir: Path, *, nproc: int = 2, extra: list[str] | None = None) -> list[str]:
     agent = extra or ["--standalone"]
-    return [TORCHRUN, *agent, f"--nproc_per_node={nproc}", str(ROOT / "launch" / "train.py"),
-            *overrides, f"hydra.run.dir={run_dir}"]
+    return [
+        TORCHRUN,
+        *agent,
+        f"--nproc_per_node={nproc}",
+        str(ROOT / "launch" / "train.py"),
+        *overrides,
+        f"hydra.run.dir={run_dir}",
+    ]
 
 
-def torchrun(overrides: list[str], run_dir: Path, *, nproc: int = 2, extra: list[str] | None = None,
-             timeout: float = 120) -> subprocess.CompletedProcess:
+def torchrun(
+    overrides: list[str], run_dir: Path, *, nproc: int = 2, extra: list[str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess:
     """Run the launcher under torchrun; fail the test with its output if it fails."""
     agent = popen(torchrun_cmd(overrides, run_dir, nproc=nproc, extra=extra))
     try:
@@ -92,8 +108,9 @@ def torchrun(overrides: list[str], run_dir: Path, *, nproc: int = 2, extra: list
 
 def popen(cmd: list[str]) -> subprocess.Popen:
     """Start ``cmd`` in its own process group, so that :func:`kill_group` also reaches torchrun's workers."""
-    return subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
 
 
 def kill_group(proc: subprocess.Popen) -> None:
@@ -151,9 +168,18 @@ def write_tiny_gpt2(path: Path) -> Path:
     import transformers
 
     torch.manual_seed(123)
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
-                                     bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
-                                     attn_pdrop=0.0)
+    config = transformers.GPT2Config(
+        n_layer=2,
+        n_embd=32,
+        n_head=2,
+        vocab_size=64,
+        n_positions=16,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     transformers.GPT2LMHeadModel(config).save_pretrained(path)
     return path
 

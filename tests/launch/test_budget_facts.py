@@ -20,8 +20,7 @@ from launch.run import ac_policy
 
 def test_budget_gets_strategy_optimizer_and_accumulation():
     cfg = compose(["strategy=fsdp2", "ac=budget", "ac.size=20GiB", "optim=sgd", "trainer.grad_accum=2"])
-    assert ac_policy(cfg, 2) == Budget(20 * 2**30, strategy="fsdp2", optimizer="sgd_momentum",
-                                       grad_accumulation=True)
+    assert ac_policy(cfg, 2) == Budget(20 * 2**30, strategy="fsdp2", optimizer="sgd_momentum", grad_accumulation=True)
     cfg = compose(["strategy=hsdp", "strategy.shard_size=2", "ac=budget", "ac.size=1GiB"])
     assert ac_policy(cfg, 4) == Budget(2**30, strategy="hsdp", optimizer="adamw", shard_size=2)
     cfg = compose(["ac=budget", "ac.size=1GiB", "optim=sgd", "optim.momentum=0"])
@@ -38,8 +37,10 @@ def test_sgd_plans_less_optimizer_state_than_adamw():
     sgd_cfg = compose(["strategy=none", "ac=budget", "ac.size=1GiB", "optim=sgd", "optim.momentum=0"])
     adamw_cfg = compose(["strategy=none", "ac=budget", "ac.size=1GiB", "optim=adamw"])
     sgd, adamw = ac_policy(sgd_cfg, 1), ac_policy(adamw_cfg, 1)
-    assert static_bytes(mp, optimizer=sgd.optimizer)[0] + 2 * mp.trainable_bytes <= \
-        static_bytes(mp, optimizer=adamw.optimizer)[0]  # AdamW: exp_avg and exp_avg_sq per parameter
+    assert (
+        static_bytes(mp, optimizer=sgd.optimizer)[0] + 2 * mp.trainable_bytes
+        <= static_bytes(mp, optimizer=adamw.optimizer)[0]
+    )  # AdamW: exp_avg and exp_avg_sq per parameter
     # Midway between AdamW's peaks with every block and with none checkpointed.
     kw = dict(strategy="none", optimizer="adamw")
     size = (predicted_peak(mp, range(gcfg.layers), **kw) + predicted_peak(mp, [], **kw)) // 2
@@ -67,10 +68,16 @@ def test_launcher_plan_counts_the_configs_optimizer(capsys):
 def test_summary_says_each_blocks_mode():
     from launch.run import _checkpointed_by_mode
 
-    modes = {"h.0": "full", "h.1": "selective", "h.2": "full", **{f"g.{i}": "selective" for i in range(5)},
-             "h.3": "pointwise"}
-    assert _checkpointed_by_mode(modes) == ("full: h.0, h.2; selective: h.1, g.0, g.1, g.2, ... (6 blocks); "
-                                            "pointwise: h.3")
+    modes = {
+        "h.0": "full",
+        "h.1": "selective",
+        "h.2": "full",
+        **{f"g.{i}": "selective" for i in range(5)},
+        "h.3": "pointwise",
+    }
+    assert _checkpointed_by_mode(modes) == (
+        "full: h.0, h.2; selective: h.1, g.0, g.1, g.2, ... (6 blocks); pointwise: h.3"
+    )
     assert _checkpointed_by_mode({}) == ""
 
 

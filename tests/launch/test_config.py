@@ -19,11 +19,19 @@ from launch.config import validate
 CONF = ROOT / "conf"
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
 # Options that need another group to make sense (validate() refuses them alone, on purpose).
-CUSTOM = ["model=custom", "model._target_=examples.custom.TwoTaskNet", "data=custom",
-          "data._target_=examples.custom.make_dataset"]
-NEEDS = {("data", "digits"): ["model=mlp"], ("precision", "bf16_sharded"): ["strategy=fsdp2"],
-         ("model", "custom"): CUSTOM, ("data", "custom"): CUSTOM,
-         ("data", "tokens"): [f"data.path={ROOT / 'pyproject.toml'}"]}  # any existing file: composition only
+CUSTOM = [
+    "model=custom",
+    "model._target_=examples.custom.TwoTaskNet",
+    "data=custom",
+    "data._target_=examples.custom.make_dataset",
+]
+NEEDS = {
+    ("data", "digits"): ["model=mlp"],
+    ("precision", "bf16_sharded"): ["strategy=fsdp2"],
+    ("model", "custom"): CUSTOM,
+    ("data", "custom"): CUSTOM,
+    ("data", "tokens"): [f"data.path={ROOT / 'pyproject.toml'}"],
+}  # any existing file: composition only
 if not torch.cuda.is_available():  # budget:auto is the free CUDA memory
     NEEDS[("ac", "budget")] = ["ac.size=1GiB"]
 
@@ -60,8 +68,14 @@ def test_ac_group_builds_policy_specs():
     assert compose(["ac=selective"]).ac.policy == "selective"
 
 
-@pytest.mark.parametrize("override,instead", [("ckpt=full", "ac=full"), ("ckpt.policy=every:2", "ac.policy=every:2"),
-                                              ("+ckpt.reentrant=true", "ac.reentrant=true")])
+@pytest.mark.parametrize(
+    "override,instead",
+    [
+        ("ckpt=full", "ac=full"),
+        ("ckpt.policy=every:2", "ac.policy=every:2"),
+        ("+ckpt.reentrant=true", "ac.reentrant=true"),
+    ],
+)
 def test_old_group_name_ckpt_is_refused(override, instead, capsys, monkeypatch):
     """The group was renamed `ckpt` -> `ac`: the old name fails before torchrun with one line naming `ac`."""
     monkeypatch.setattr(sys, "argv", ["train.py", "--check", override])
@@ -74,24 +88,34 @@ def test_old_group_name_ckpt_is_refused(override, instead, capsys, monkeypatch):
 
 def test_old_group_name_fails_make_train_check_step(tmp_path):
     """What `make train ARGS=ckpt=full` runs before torchrun: `launch/train.py --check`, exit 2."""
-    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), "--check", "ckpt=full"], cwd=ROOT,
-                          env=dict(env(), DISTCKPT_NPROC="2"), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "launch" / "train.py"), "--check", "ckpt=full"],
+        cwd=ROOT,
+        env=dict(env(), DISTCKPT_NPROC="2"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == ["config error: the config group `ckpt` is now called `ac`: "
-                                                "write ac=full instead of ckpt=full."]
+    assert proc.stderr.strip().splitlines() == [
+        "config error: the config group `ckpt` is now called `ac`: write ac=full instead of ckpt=full."
+    ]
 
 
-@pytest.mark.parametrize("override,expect", [
-    ("trainer.max_steps=abc", "trainer.max_steps"),
-    ("trainer.max_stepz=3", "max_stepz"),
-    ("strategy=bogus", "strategy/bogus"),
-    ("model=hf model.config_name=???", "model.config_name"),
-    ("data=digits", "model=mlp"),
-    ("data.batch_size=7", "data.batch_size"),
-    ("strategy.name=fsdp3", "strategy.name"),
-    ("precision.dtype=fp16 precision.grad_scaler=false", "grad scaler"),
-    ("trainer.on_nonfinite=ignore", "trainer.on_nonfinite"),
-])
+@pytest.mark.parametrize(
+    "override,expect",
+    [
+        ("trainer.max_steps=abc", "trainer.max_steps"),
+        ("trainer.max_stepz=3", "max_stepz"),
+        ("strategy=bogus", "strategy/bogus"),
+        ("model=hf model.config_name=???", "model.config_name"),
+        ("data=digits", "model=mlp"),
+        ("data.batch_size=7", "data.batch_size"),
+        ("strategy.name=fsdp3", "strategy.name"),
+        ("precision.dtype=fp16 precision.grad_scaler=false", "grad scaler"),
+        ("trainer.on_nonfinite=ignore", "trainer.on_nonfinite"),
+    ],
+)
 def test_bad_override_exits_2_with_a_short_message(override, expect, capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(sys, "argv", ["train.py", *override.split()])
@@ -105,9 +129,14 @@ def test_bad_override_exits_2_with_a_short_message(override, expect, capsys, mon
 
 def test_bad_override_from_the_command_line_writes_nothing(tmp_path):
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), "trainer.max_steps=abc",
-                           f"hydra.run.dir={run_dir}"], cwd=ROOT, env=env(), capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "launch" / "train.py"), "trainer.max_steps=abc", f"hydra.run.dir={run_dir}"],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[0].startswith("config error: Error merging override trainer.max_steps")
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) <= 2
@@ -131,31 +160,39 @@ def test_check_flag_accepts_the_default_job(monkeypatch):
 
 
 # --- every field has a typed range, checked before anything is written (issue 11) ---------------------
-@pytest.mark.parametrize("override,expect", [
-    ("data.batch_size=0", "data.batch_size=0 is out of range: it must be an integer >= 1"),
-    ("model.seq_len=0", "model.seq_len=0 is out of range: it must be an integer >= 2"),
-    ("optim.min_lr_ratio=-1", "optim.min_lr_ratio=-1.0 is out of range: it must be a number in [0, 1]"),
-    ("optim.lr=-1", "optim.lr=-1.0 is out of range: it must be a number > 0"),
-    ("optim.lr=nan", "optim.lr=nan is out of range: it must be a number > 0"),
-    ("model.dropout=1.5", "model.dropout=1.5 is out of range: it must be a number in [0, 1)"),
-    ("model.vocab_size=0", "model.vocab_size=0 is out of range: it must be an integer >= 1"),
-    ("model.n_layer=0", "model.n_layer=0 is out of range: it must be an integer >= 1"),
-    ("model=mlp model.hidden=0", "model.hidden=0 is out of range: it must be an integer >= 1"),
-    ("optim.weight_decay=-0.1", "optim.weight_decay=-0.1 is out of range: it must be a number >= 0"),
-    ("optim.betas=[0.9,1.0]", "optim.betas=[0.9,1.0] is out of range: each value must be a number in [0, 1)"),
-    ("optim.betas=[0.9]", "optim.betas=[0.9] needs 2 values"),
-    ("trainer.keep_last=-1", "trainer.keep_last=-1 is out of range: it must be an integer >= 0"),
-    ("ac=every_n ac.n=0", "ac.n=0 is out of range: it must be an integer >= 1"),
-    ("ac.policy=every:0", "ac.policy=every:0: every:N needs an integer N >= 1, got 0."),
-    ("ac.policy=fraction:1.5", "ac.policy=fraction:1.5: fraction:F needs 0 <= F <= 1, got 1.5."),
-    ("ac.policy=sometimes", "ac.policy=sometimes: unknown checkpoint policy 'sometimes'."),
-    ("ac=budget ac.size=lots", "ac.size=lots: 'lots' is not a size"),
-    ("ac=budget ac.size=1GiB ac.offload_flops_per_byte=0",
-     "ac.offload_flops_per_byte=0.0 is out of range: it must be a number > 0"),
-    ("ac.blocks=[nomatch.*]", "ac.blocks=[nomatch.*]: blocks=['nomatch.*'] matches no module of MultiTaskGPT."),
-    ("ac.policy=selective ac.reentrant=true", "needs reentrant=False"),
-    ("ac=budget ac.size=auto trainer.device=cpu", "budget:auto uses the free CUDA memory, and this run has no CUDA"),
-])
+@pytest.mark.parametrize(
+    "override,expect",
+    [
+        ("data.batch_size=0", "data.batch_size=0 is out of range: it must be an integer >= 1"),
+        ("model.seq_len=0", "model.seq_len=0 is out of range: it must be an integer >= 2"),
+        ("optim.min_lr_ratio=-1", "optim.min_lr_ratio=-1.0 is out of range: it must be a number in [0, 1]"),
+        ("optim.lr=-1", "optim.lr=-1.0 is out of range: it must be a number > 0"),
+        ("optim.lr=nan", "optim.lr=nan is out of range: it must be a number > 0"),
+        ("model.dropout=1.5", "model.dropout=1.5 is out of range: it must be a number in [0, 1)"),
+        ("model.vocab_size=0", "model.vocab_size=0 is out of range: it must be an integer >= 1"),
+        ("model.n_layer=0", "model.n_layer=0 is out of range: it must be an integer >= 1"),
+        ("model=mlp model.hidden=0", "model.hidden=0 is out of range: it must be an integer >= 1"),
+        ("optim.weight_decay=-0.1", "optim.weight_decay=-0.1 is out of range: it must be a number >= 0"),
+        ("optim.betas=[0.9,1.0]", "optim.betas=[0.9,1.0] is out of range: each value must be a number in [0, 1)"),
+        ("optim.betas=[0.9]", "optim.betas=[0.9] needs 2 values"),
+        ("trainer.keep_last=-1", "trainer.keep_last=-1 is out of range: it must be an integer >= 0"),
+        ("ac=every_n ac.n=0", "ac.n=0 is out of range: it must be an integer >= 1"),
+        ("ac.policy=every:0", "ac.policy=every:0: every:N needs an integer N >= 1, got 0."),
+        ("ac.policy=fraction:1.5", "ac.policy=fraction:1.5: fraction:F needs 0 <= F <= 1, got 1.5."),
+        ("ac.policy=sometimes", "ac.policy=sometimes: unknown checkpoint policy 'sometimes'."),
+        ("ac=budget ac.size=lots", "ac.size=lots: 'lots' is not a size"),
+        (
+            "ac=budget ac.size=1GiB ac.offload_flops_per_byte=0",
+            "ac.offload_flops_per_byte=0.0 is out of range: it must be a number > 0",
+        ),
+        ("ac.blocks=[nomatch.*]", "ac.blocks=[nomatch.*]: blocks=['nomatch.*'] matches no module of MultiTaskGPT."),
+        ("ac.policy=selective ac.reentrant=true", "needs reentrant=False"),
+        (
+            "ac=budget ac.size=auto trainer.device=cpu",
+            "budget:auto uses the free CUDA memory, and this run has no CUDA",
+        ),
+    ],
+)
 def test_out_of_range_value_is_refused_by_check(override, expect, capsys, monkeypatch):
     """`--check` (what `make train` runs before torchrun) refuses it: exit 2, at most two lines naming the
     override and what it allows."""
@@ -199,21 +236,36 @@ def test_ranges_accept_their_bounds():
     assert 0.0 in PROBABILITY and 1.0 in PROBABILITY and -1e-9 not in PROBABILITY
     assert 1e-12 in Range(0, lo_open=True) and 0.0 not in Range(0, lo_open=True)
     assert float("inf") not in Range(0) and float("nan") not in Range() and True not in Range()
-    assert (str(SIZE), str(DROPOUT), str(PROBABILITY), str(Range(0, lo_open=True))) == (">= 1", "in [0, 1)",
-                                                                                        "in [0, 1]", "> 0")
+    assert (str(SIZE), str(DROPOUT), str(PROBABILITY), str(Range(0, lo_open=True))) == (
+        ">= 1",
+        "in [0, 1)",
+        "in [0, 1]",
+        "> 0",
+    )
 
 
 # One fresh Python + torch + Hydra each; all three exit through the same check before @hydra.main (their
 # messages are checked in process above). The default run keeps ac.blocks=[nomatch.*], which needs the
 # model built before the refusal; the other two are slow only.
-@pytest.mark.parametrize("override", [pytest.param("data.batch_size=0", marks=pytest.mark.slow),
-                                      "ac.blocks=[nomatch.*]",
-                                      pytest.param("ac.policy=every:0", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "override",
+    [
+        pytest.param("data.batch_size=0", marks=pytest.mark.slow),
+        "ac.blocks=[nomatch.*]",
+        pytest.param("ac.policy=every:0", marks=pytest.mark.slow),
+    ],
+)
 def test_refused_run_writes_no_run_dir(override, tmp_path):
     """A plain run (not --check) with a bad value: exit 2 in one or two lines, and no run dir, no config.yaml."""
     run_dir = tmp_path / "outputs" / "run"
-    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), override, f"hydra.run.dir={run_dir}"],
-                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "launch" / "train.py"), override, f"hydra.run.dir={run_dir}"],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     err = proc.stderr.strip().splitlines()
     assert 1 <= len(err) <= 2 and err[0].startswith("config error: ") and "Traceback" not in proc.stderr, err
@@ -232,15 +284,19 @@ def test_train_validates_the_model_before_writing(tmp_path):
 
 def test_missing_transformers_names_the_hf_extra():
     """model=hf without transformers installed (hidden in a fresh process): exit 2 naming the extra."""
-    code = ("import runpy, sys; sys.modules['transformers'] = None; "
-            f"sys.argv = ['train.py', '--check', 'model=hf']; runpy.run_path({str(ROOT / 'launch' / 'train.py')!r}, "
-            "run_name='__main__')")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True,
-                          timeout=120)
+    code = (
+        "import runpy, sys; sys.modules['transformers'] = None; "
+        f"sys.argv = ['train.py', '--check', 'model=hf']; runpy.run_path({str(ROOT / 'launch' / 'train.py')!r}, "
+        "run_name='__main__')"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "config error: model=hf needs the transformers package, which is not installed: pip install -e '.[hf]' "
-        "(from the checkout)."]
+        "(from the checkout)."
+    ]
 
 
 def test_every_extra_named_exists_in_pyproject():
@@ -254,15 +310,18 @@ def test_every_extra_named_exists_in_pyproject():
         assert any(req.startswith(dist) for req in extras.get(extra, [])), (module, extra)
 
 
-@pytest.mark.parametrize("overrides,world,local,expect", [
-    (["strategy=hsdp"], 4, None, None),  # shard_size null: the job's ranks (one node) before torchrun
-    (["strategy=hsdp"], 4, "2", None),  # LOCAL_WORLD_SIZE under torchrun: 2 nodes x 2
-    (["strategy=hsdp", "strategy.shard_size=2"], 4, None, None),
-    (["strategy=hsdp", "strategy.shard_size=3"], 4, None, "does not divide the world size 4"),
-    (["strategy=hsdp"], 4, "3", "does not divide the world size 4"),
-    (["strategy=hsdp", "strategy.shard_size=0"], 4, None, "is out of range: it must be an integer >= 1"),
-    (["strategy=fsdp2", "strategy.shard_size=2"], 4, None, "is for strategy=hsdp"),
-])
+@pytest.mark.parametrize(
+    "overrides,world,local,expect",
+    [
+        (["strategy=hsdp"], 4, None, None),  # shard_size null: the job's ranks (one node) before torchrun
+        (["strategy=hsdp"], 4, "2", None),  # LOCAL_WORLD_SIZE under torchrun: 2 nodes x 2
+        (["strategy=hsdp", "strategy.shard_size=2"], 4, None, None),
+        (["strategy=hsdp", "strategy.shard_size=3"], 4, None, "does not divide the world size 4"),
+        (["strategy=hsdp"], 4, "3", "does not divide the world size 4"),
+        (["strategy=hsdp", "strategy.shard_size=0"], 4, None, "is out of range: it must be an integer >= 1"),
+        (["strategy=fsdp2", "strategy.shard_size=2"], 4, None, "is for strategy=hsdp"),
+    ],
+)
 def test_hsdp_shard_size_is_validated(overrides, world, local, expect, monkeypatch):
     if local is None:
         monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)

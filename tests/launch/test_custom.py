@@ -24,9 +24,19 @@ from launch.run import train
 
 pytestmark = pytest.mark.launch
 
-CUSTOM = ["model=custom", "model._target_=examples.custom.TwoTaskNet", "+model.width=32",
-          "data=custom", "data._target_=examples.custom.make_dataset", "+data.n=256", "data.batch_size=16",
-          "+data.eval.split=eval", "trainer=debug", "trainer.save_every=0", "trainer.log_every=1"]
+CUSTOM = [
+    "model=custom",
+    "model._target_=examples.custom.TwoTaskNet",
+    "+model.width=32",
+    "data=custom",
+    "data._target_=examples.custom.make_dataset",
+    "+data.n=256",
+    "data.batch_size=16",
+    "+data.eval.split=eval",
+    "trainer=debug",
+    "trainer.save_every=0",
+    "trainer.log_every=1",
+]
 WEIGHTED = "+trainer.task_weights={cls: 1.0, reg: 0.5}"
 
 
@@ -49,8 +59,14 @@ def test_custom_example_on_2_ranks_matches_a_single_process(tmp_path):
     # examples/custom.py's docstring command as written (CUSTOM's model and data, WEIGHTED), fewer steps:
     # also the examples test of that command (tests/launch/test_examples.py), one torchrun for both.
     (cmd,) = example_commands("custom.py")
-    over = [*launcher_overrides(cmd), "trainer=debug", "trainer.save_every=0", "trainer.log_every=1",
-            "trainer.max_steps=24", "trainer.eval_every=0"]  # 16 batches/epoch: 1.5 epochs
+    over = [
+        *launcher_overrides(cmd),
+        "trainer=debug",
+        "trainer.save_every=0",
+        "trainer.log_every=1",
+        "trainer.max_steps=24",
+        "trainer.eval_every=0",
+    ]  # 16 batches/epoch: 1.5 epochs
     torchrun([*over, "strategy=ddp"], tmp_path / "ddp")
     ref = train(compose([*over, "strategy=none", "ac=none"]), run_dir=tmp_path / "ref")
     records = _metrics(tmp_path / "ddp")
@@ -61,15 +77,24 @@ def test_custom_example_on_2_ranks_matches_a_single_process(tmp_path):
 
 
 def _launch(args: list[str], tmp_path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), *args, f"hydra.run.dir={tmp_path}"],
-                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "launch" / "train.py"), *args, f"hydra.run.dir={tmp_path}"],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 BAD_TARGETS = [
     ("model._target_=no_such_pkg.Net", "model._target_=no_such_pkg.Net cannot be imported (No module named"),
     ("model._target_=examples.custom.NoSuchNet", "model._target_=examples.custom.NoSuchNet cannot be imported"),
-    ("+model.widht=3", "model._target_=examples.custom.TwoTaskNet cannot be called with the arguments "
-                       "['widht', 'width'] (got an unexpected keyword argument 'widht')"),
+    (
+        "+model.widht=3",
+        "model._target_=examples.custom.TwoTaskNet cannot be called with the arguments "
+        "['widht', 'width'] (got an unexpected keyword argument 'widht')",
+    ),
     ("data._target_=examples.custom.n_samples", "data._target_=examples.custom.n_samples cannot be imported"),
     ("+data.size=3", "data._target_=examples.custom.make_dataset cannot be called with the arguments ['n', 'size']"),
 ]
@@ -97,11 +122,16 @@ def test_check_of_a_bad_target_from_the_command_line_writes_nothing(tmp_path):
     assert len(proc.stderr.splitlines()) <= 25 and not (tmp_path / "config.yaml").exists()
 
 
-@pytest.mark.parametrize(("override", "message"), [
-    ("model._target_=examples.custom.make_dataset ~model.width",
-     "model._target_=examples.custom.make_dataset returned a Features; it must return an nn.Module"),
-    ("data.n=-4", "data._target_=examples.custom.make_dataset raised when called"),
-])
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "model._target_=examples.custom.make_dataset ~model.width",
+            "model._target_=examples.custom.make_dataset returned a Features; it must return an nn.Module",
+        ),
+        ("data.n=-4", "data._target_=examples.custom.make_dataset raised when called"),
+    ],
+)
 def test_a_target_that_fails_when_called_exits_2_naming_it(override, message, tmp_path):
     proc = _launch([*CUSTOM, "strategy=none", *override.split()], tmp_path)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-3000:]

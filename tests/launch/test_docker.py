@@ -23,8 +23,12 @@ def _hadolint() -> str:
 
 @pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.cpu"])
 def test_dockerfiles_pass_hadolint(dockerfile):
-    proc = subprocess.run([_hadolint(), "--no-color", "--failure-threshold", "info", str(DOCKER / dockerfile)],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [_hadolint(), "--no-color", "--failure-threshold", "info", str(DOCKER / dockerfile)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -55,6 +59,12 @@ def test_slurm_script_is_valid_bash_and_uses_c10d_rendezvous():
     script = ROOT / "launch" / "slurm.sbatch"
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     text = script.read_text()
-    for needle in ("srun", "torchrun", "--rdzv-backend=c10d", '--rdzv-id="$SLURM_JOB_ID"', "#SBATCH --signal=TERM",
-                   "hydra.run.dir=outputs/slurm-$SLURM_JOB_ID"):
+    for needle in (
+        "srun",
+        "torchrun",
+        "--rdzv-backend=c10d",
+        '--rdzv-id="$SLURM_JOB_ID"',
+        "#SBATCH --signal=TERM",
+        "hydra.run.dir=outputs/slurm-$SLURM_JOB_ID",
+    ):
         assert needle in text, needle

@@ -14,8 +14,13 @@ from launch.run import train
 
 # Skipped without transformers/peft, imported only by the tests that use them: importing peft at collection
 # cost every pytest-xdist worker ~6 s of CPU (it imports transformers' models), for the tests of one.
-pytestmark = [pytest.mark.launch, *(pytest.mark.skipif(importlib.util.find_spec(name) is None, reason=f"needs {name}")
-                                    for name in ("transformers", "peft"))]
+pytestmark = [
+    pytest.mark.launch,
+    *(
+        pytest.mark.skipif(importlib.util.find_spec(name) is None, reason=f"needs {name}")
+        for name in ("transformers", "peft")
+    ),
+]
 
 
 @pytest.fixture(scope="module")
@@ -24,9 +29,19 @@ def pretrained(tmp_path_factory):
 
 
 def _over(pretrained, *extra):
-    return ["model=hf", f"model.pretrained={pretrained}", "model.seq_len=16", "data.batch_size=8", "data.n=64",
-            "data.n_eval=0", "trainer=debug", "trainer.max_steps=5", "trainer.save_every=0", "trainer.eval_every=0",
-            *extra]
+    return [
+        "model=hf",
+        f"model.pretrained={pretrained}",
+        "model.seq_len=16",
+        "data.batch_size=8",
+        "data.n=64",
+        "data.n_eval=0",
+        "trainer=debug",
+        "trainer.max_steps=5",
+        "trainer.save_every=0",
+        "trainer.eval_every=0",
+        *extra,
+    ]
 
 
 # LoRA on 2 ranks against a single process, and its adapter loaded back with peft: in test_multitask.py, on the
@@ -56,8 +71,16 @@ def test_check_refuses_a_missing_pretrained_directory(tmp_path, monkeypatch, cap
 def test_llama_and_gpt2_take_the_mlp_width_and_kv_heads_from_the_config():
     from launch.build import build_model
 
-    cfg = compose(["model=hf", "model.config_name=llama", "model.d_model=64", "model.n_head=8", "model.kv_heads=2",
-                   "model.intermediate_size=96"])
+    cfg = compose(
+        [
+            "model=hf",
+            "model.config_name=llama",
+            "model.d_model=64",
+            "model.n_head=8",
+            "model.kv_heads=2",
+            "model.intermediate_size=96",
+        ]
+    )
     validate(cfg, world_size=1)
     lm = build_model(cfg.model, cfg.data).lm
     assert (lm.config.num_key_value_heads, lm.config.intermediate_size) == (2, 96)
@@ -71,12 +94,18 @@ def test_llama_and_gpt2_take_the_mlp_width_and_kv_heads_from_the_config():
     assert build_model(default.model, default.data).lm.config.num_key_value_heads == default.model.n_head
 
 
-@pytest.mark.parametrize("override,expect", [
-    ("model.config_name=llama model.kv_heads=3", "model.n_head=4 must be divisible by model.kv_heads=3"),
-    ("model.config_name=llama model.kv_heads=0", "model.kv_heads=0 is out of range: it must be an integer >= 1"),
-    ("model.config_name=llama model.intermediate_size=0", "model.intermediate_size=0 is out of range"),
-    ("model.config_name=gpt2 model.kv_heads=2", "model=hf: transformers' gpt2 config has no grouped-query attention"),
-])
+@pytest.mark.parametrize(
+    "override,expect",
+    [
+        ("model.config_name=llama model.kv_heads=3", "model.n_head=4 must be divisible by model.kv_heads=3"),
+        ("model.config_name=llama model.kv_heads=0", "model.kv_heads=0 is out of range: it must be an integer >= 1"),
+        ("model.config_name=llama model.intermediate_size=0", "model.intermediate_size=0 is out of range"),
+        (
+            "model.config_name=gpt2 model.kv_heads=2",
+            "model=hf: transformers' gpt2 config has no grouped-query attention",
+        ),
+    ],
+)
 def test_check_refuses_bad_mlp_width_and_kv_heads(override, expect, capsys, monkeypatch):
     from launch.check import check_overrides
 
@@ -93,8 +122,17 @@ def test_launcher_plan_of_a_gqa_llama_counts_its_real_parameters(capsys):
     from launch.build import build_model
     from launch.plan import main as launch_plan
 
-    over = ["model=hf", "model.config_name=llama", "model.n_layer=4", "model.d_model=64", "model.n_head=8",
-            "model.kv_heads=2", "model.intermediate_size=96", "data.batch_size=2", "data.n=8"]
+    over = [
+        "model=hf",
+        "model.config_name=llama",
+        "model.n_layer=4",
+        "model.d_model=64",
+        "model.n_head=8",
+        "model.kv_heads=2",
+        "model.intermediate_size=96",
+        "data.batch_size=2",
+        "data.n=8",
+    ]
     cfg = compose(over)
     real = sum(p.numel() for p in build_model(cfg.model, cfg.data).parameters())
     assert launch_plan([*over, "--strategy", "fsdp2", "--world-size", "4"]) == 0

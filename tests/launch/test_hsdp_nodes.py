@@ -28,8 +28,13 @@ def _two_nodes(overrides: list[str], run: Path, restarts: int = 0) -> list[tuple
     # (torch's c10d backend). A free_port() could be bound by another process (an xdist worker) meanwhile.
     store = host_store()
     port = store.port
-    agent = ["--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=hsdp{port}",
-             f"--max-restarts={restarts}"]
+    agent = [
+        "--nnodes=2",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id=hsdp{port}",
+        f"--max-restarts={restarts}",
+    ]
     agents = [popen(torchrun_cmd(overrides, run, nproc=2, extra=agent)) for _ in range(2)]
     try:
         outs = [a.communicate(timeout=300) for a in agents]

@@ -92,8 +92,10 @@ def test_offline_failing_too_turns_wandb_off(tmp_path, wandb_env):
     wandb_env.setattr(wandb, "init", broken_init)
     wandb_env.setenv("WANDB_API_KEY", KEY40)
     w, warned = _writer(tmp_path / "run")
-    assert warned == ["wandb: online init failed (OSError: read-only file system) and offline too (OSError: "
-                      "read-only file system); wandb is off for this run, metrics.jsonl has every metric."]
+    assert warned == [
+        "wandb: online init failed (OSError: read-only file system) and offline too (OSError: "
+        "read-only file system); wandb is off for this run, metrics.jsonl has every metric."
+    ]
     w.log({"loss": 1.0}, step=1)  # a no-op, not an error
     w.close()
 
@@ -113,9 +115,19 @@ def test_training_with_a_bad_key_goes_on_and_writes_jsonl(tmp_path, wandb_env):
 
     wandb_env.setenv("WANDB_API_KEY", "xxx")
     with pytest.warns(UserWarning, match=r"wandb: online init failed \(AuthenticationError"):
-        res = train(compose([*TINY, "strategy=none", "logger=wandb", "logger.wandb_init_timeout=2",
-                             "trainer.max_steps=3", "trainer.save_every=0"]),
-                    run_dir=tmp_path / "a")
+        res = train(
+            compose(
+                [
+                    *TINY,
+                    "strategy=none",
+                    "logger=wandb",
+                    "logger.wandb_init_timeout=2",
+                    "trainer.max_steps=3",
+                    "trainer.save_every=0",
+                ]
+            ),
+            run_dir=tmp_path / "a",
+        )
     assert res.step == 3
     records = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]

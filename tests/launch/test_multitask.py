@@ -39,15 +39,33 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("multitask")
     pre = str(root / "gpt2-tiny")
     make, cmd = example_commands("tiny_pretrained.py")
-    subprocess.run([sys.executable, *[pre if w == "/tmp/gpt2-tiny" else w for w in make[1:]]], cwd=ROOT, env=env(),
-                   check=True, timeout=120)
+    subprocess.run(
+        [sys.executable, *[pre if w == "/tmp/gpt2-tiny" else w for w in make[1:]]],
+        cwd=ROOT,
+        env=env(),
+        check=True,
+        timeout=120,
+    )
     example = [w.replace("/tmp/gpt2-tiny", pre) for w in launcher_overrides(cmd)]
-    assert {"model.lora.r=4", "data=multitask", "data.batch_size=12", "data.tasks.lm.weight=2",
-            "data.tasks.cls.weight=1"} <= set(example)  # 8 lm + 4 cls samples per batch
-    over = [*example, "model.seq_len=16", "model.lora.alpha=8",  # alpha: reaches the saved adapter config
-            "data.tasks.lm.data.n=48", "data.tasks.cls.data.n=24",  # 6 batches per epoch each: 8 steps cross one
-            "+trainer.task_weights={lm: 1.0, cls: 0.5}", "trainer=debug", "trainer.max_steps=8",
-            "trainer.save_every=0", "trainer.eval_every=0"]
+    assert {
+        "model.lora.r=4",
+        "data=multitask",
+        "data.batch_size=12",
+        "data.tasks.lm.weight=2",
+        "data.tasks.cls.weight=1",
+    } <= set(example)  # 8 lm + 4 cls samples per batch
+    over = [
+        *example,
+        "model.seq_len=16",
+        "model.lora.alpha=8",  # alpha: reaches the saved adapter config
+        "data.tasks.lm.data.n=48",
+        "data.tasks.cls.data.n=24",  # 6 batches per epoch each: 8 steps cross one
+        "+trainer.task_weights={lm: 1.0, cls: 0.5}",
+        "trainer=debug",
+        "trainer.max_steps=8",
+        "trainer.save_every=0",
+        "trainer.eval_every=0",
+    ]
     ref = train(compose([*over, "strategy=none", "ac=none"]), run_dir=root / "ref")
     return over, root / "ref", ref, pre
 
@@ -72,16 +90,26 @@ def test_two_task_lora_on_2_ranks_matches_a_single_process(strategy, setup, tmp_
 
 def test_task_shares_must_split_over_the_ranks(setup):
     over, _, _, _ = setup
-    with pytest.raises(ConfigError, match=r"data.tasks.lm: weight 5 gives 10 of data.batch_size=12 samples, not a "
-                                          r"multiple of 1 ranks x trainer.grad_accum=4"):
+    with pytest.raises(
+        ConfigError,
+        match=r"data.tasks.lm: weight 5 gives 10 of data.batch_size=12 samples, not a "
+        r"multiple of 1 ranks x trainer.grad_accum=4",
+    ):
         validate(compose([*over, "data.tasks.lm.weight=5", "strategy=none", "trainer.grad_accum=4"]), 1)
     validate(compose([*over, "strategy=none", "trainer.grad_accum=4"]), 1)  # 8 + 4 samples: both split
 
 
 def test_a_task_must_name_a_loss_of_the_model(setup, tmp_path):
     over, _, _, _ = setup
-    bad = [*over, "strategy=none", "+data.tasks.ner={weight: 1.0, data: {name: synthetic, n: 48, n_eval: 0}}",
-           "data.batch_size=16"]
-    with pytest.raises(ConfigError, match=r"data.tasks.ner: the model's forward on this task's batch returns "
-                                          r"\['cls', 'lm'\]"):
+    bad = [
+        *over,
+        "strategy=none",
+        "+data.tasks.ner={weight: 1.0, data: {name: synthetic, n: 48, n_eval: 0}}",
+        "data.batch_size=16",
+    ]
+    with pytest.raises(
+        ConfigError,
+        match=r"data.tasks.ner: the model's forward on this task's batch returns "
+        r"\['cls', 'lm'\]",
+    ):
         train(compose(bad), run_dir=tmp_path / "bad")

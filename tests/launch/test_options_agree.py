@@ -18,8 +18,7 @@ import distckpt
 from distckpt.options import STRATEGIES, check_run
 from launch.config import validate
 
-COMBOS = list(itertools.product(STRATEGIES, (False, True), ("auto", "static", "dynamic"),
-                                (False, True)))
+COMBOS = list(itertools.product(STRATEGIES, (False, True), ("auto", "static", "dynamic"), (False, True)))
 
 
 def _refused(fn) -> str | None:
@@ -47,8 +46,13 @@ def _library(rank, world_size, strategy, reentrant, graph, accumulate):
 
 
 def _overrides(strategy, reentrant, graph, accumulate):
-    return [f"strategy={strategy}", f"strategy.graph={graph}", f"ac.reentrant={str(reentrant).lower()}",
-            f"trainer.grad_accum={2 if accumulate else 1}", "data.batch_size=8"]
+    return [
+        f"strategy={strategy}",
+        f"strategy.graph={graph}",
+        f"ac.reentrant={str(reentrant).lower()}",
+        f"trainer.grad_accum={2 if accumulate else 1}",
+        "data.batch_size=8",
+    ]
 
 
 @functools.cache
@@ -94,5 +98,10 @@ def test_launcher_library_and_rules_agree(dist_pool):
         if len(set(verdicts.values())) != 1 or (rule and rule not in launcher):
             disagree.append((combo, verdicts, rule, launcher, library))
     assert not disagree, disagree
-    assert sum(_refused(lambda c=c: check_run(c[0], reentrant=c[1], graph=c[2], accumulate=c[3])) is not None
-               for c in COMBOS) > 0  # the rule refuses something
+    assert (
+        sum(
+            _refused(lambda c=c: check_run(c[0], reentrant=c[1], graph=c[2], accumulate=c[3])) is not None
+            for c in COMBOS
+        )
+        > 0
+    )  # the rule refuses something

@@ -40,15 +40,25 @@ def run(saved, tmp_path):
     return tmp_path / "run"
 
 
-@pytest.mark.parametrize("change,expect", [
-    ("model.n_layer=3", "missing from the checkpoint: 48 (12 model, 36 optimizer), e.g. model.blocks.2.fc.bias, "),
-    ("model.n_layer=1 ac.blocks=[blocks.*]", "in the checkpoint but not in this run: 48 (12 model, 36 optimizer), "
-                                "e.g. model.blocks.1.fc.bias, "),
-    ("model.d_model=48", "shape changed: 90 (30 model, 60 optimizer), e.g. model.blocks.0.fc.bias [128] in the "
-                         "checkpoint, [192] now"),
-    ("optim=sgd", "missing from the checkpoint: 31 (0 model, 31 optimizer), e.g. "
-                  "optim.blocks.0.fc.bias.momentum_buffer"),
-])
+@pytest.mark.parametrize(
+    "change,expect",
+    [
+        ("model.n_layer=3", "missing from the checkpoint: 48 (12 model, 36 optimizer), e.g. model.blocks.2.fc.bias, "),
+        (
+            "model.n_layer=1 ac.blocks=[blocks.*]",
+            "in the checkpoint but not in this run: 48 (12 model, 36 optimizer), e.g. model.blocks.1.fc.bias, ",
+        ),
+        (
+            "model.d_model=48",
+            "shape changed: 90 (30 model, 60 optimizer), e.g. model.blocks.0.fc.bias [128] in the "
+            "checkpoint, [192] now",
+        ),
+        (
+            "optim=sgd",
+            "missing from the checkpoint: 31 (0 model, 31 optimizer), e.g. optim.blocks.0.fc.bias.momentum_buffer",
+        ),
+    ],
+)
 def test_resume_of_another_model_or_optimizer_is_refused(run, change, expect):
     before = (run / "config.yaml").read_text()
     with pytest.raises(ResumeError) as e:
@@ -127,8 +137,10 @@ def test_no_intact_checkpoint_is_a_short_error_naming_the_folder(run):
     with pytest.raises(ResumeError) as e:
         _run(run, ["trainer.max_steps=9"])
     msg = str(e.value)
-    assert msg.startswith(f"no intact checkpoint in {run / 'checkpoints'}: step_6 (__0_0.distcp does not match "
-                          "its checksum (corrupted bytes)), step_3 (__0_0.distcp has ")
+    assert msg.startswith(
+        f"no intact checkpoint in {run / 'checkpoints'}: step_6 (__0_0.distcp does not match "
+        "its checksum (corrupted bytes)), step_3 (__0_0.distcp has "
+    )
     assert "trainer.resume=false" in msg and len(msg.splitlines()) == 1
 
 

@@ -17,8 +17,14 @@ TEXT = "the quick brown fox jumps over the lazy dog; " * 40 + "ünïcödé ok\n"
 
 
 def _make(args: list[str]) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tokens.py"), *args], cwd=ROOT, env=env(),
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "make_tokens.py"), *args],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -50,8 +56,9 @@ def test_a_tokenizer_saved_in_a_local_directory(tmp_path):
     raw.train_from_iterator([TEXT], trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
     PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]").save_pretrained(tmp_path / "tok")
     (tmp_path / "in.txt").write_text(TEXT, encoding="utf-8")
-    proc = _make([str(tmp_path / "in.txt"), str(tmp_path / "out"), "--tokenizer", str(tmp_path / "tok"),
-                  "--eval-fraction", "0"])
+    proc = _make(
+        [str(tmp_path / "in.txt"), str(tmp_path / "out"), "--tokenizer", str(tmp_path / "tok"), "--eval-fraction", "0"]
+    )
     want = AutoTokenizer.from_pretrained(tmp_path / "tok", local_files_only=True)(TEXT)["input_ids"]
     assert len(want) > 100 and np.fromfile(tmp_path / "out" / "train.bin", dtype="uint16").tolist() == want
     assert f"model.vocab_size={raw.get_vocab_size()}" in proc.stdout
@@ -59,10 +66,21 @@ def test_a_tokenizer_saved_in_a_local_directory(tmp_path):
 
 def test_token_file_on_2_ranks_matches_a_single_process(byte_files, tmp_path):
     out, _ = byte_files
-    over = ["data=tokens", f"data.path={out / 'train.bin'}", f"data.eval_path={out / 'val.bin'}",
-            "model.vocab_size=256", "model.seq_len=16", "model.n_layer=2", "model.d_model=32", "model.n_head=2",
-            "data.batch_size=8", "trainer=debug", "trainer.max_steps=16", "trainer.save_every=0",
-            "trainer.eval_every=8"]  # 1452 train bytes / 16 = 90 windows: 11 batches per epoch, 16 steps cross one
+    over = [
+        "data=tokens",
+        f"data.path={out / 'train.bin'}",
+        f"data.eval_path={out / 'val.bin'}",
+        "model.vocab_size=256",
+        "model.seq_len=16",
+        "model.n_layer=2",
+        "model.d_model=32",
+        "model.n_head=2",
+        "data.batch_size=8",
+        "trainer=debug",
+        "trainer.max_steps=16",
+        "trainer.save_every=0",
+        "trainer.eval_every=8",
+    ]  # 1452 train bytes / 16 = 90 windows: 11 batches per epoch, 16 steps cross one
     torchrun([*over, "strategy=ddp"], tmp_path / "ddp")
     ref = train(compose([*over, "strategy=none", "ac=none"]), run_dir=tmp_path / "ref")
     assert set(ref.losses) == {"loss", "lm"} and ref.eval_loss is not None

@@ -98,8 +98,9 @@ def test_kill_9_and_torchrun_restart_resume_bitwise(kill, workers, uninterrupted
     # and the replayed steps cross into epoch 2. Kill at 14: step_12 is mid-epoch 2. With workers=1 a
     # DataLoader worker process per rank reads the data (the reference has none: it must not depend on it).
     fault = f"trainer.callbacks=[{{_target_:tests.faults.KillAt,step:{kill},rank:1}}]"  # tests/faults.py
-    proc = torchrun([*LONG, "strategy=ddp", fault, f"data.num_workers={workers}"],
-                    run, extra=["--standalone", "--max-restarts=1"])
+    proc = torchrun(
+        [*LONG, "strategy=ddp", fault, f"data.num_workers={workers}"], run, extra=["--standalone", "--max-restarts=1"]
+    )
     assert f"resumed from step_{kill - 2}" in proc.stdout
     steps = [r["step"] for r in _metrics(run)]
     assert steps.count(kill - 1) == 2 and steps[-1] == LONG_STEPS  # two steps ran twice: before the kill and after
@@ -148,8 +149,14 @@ def test_two_torchrun_agents_as_two_nodes(single_process, tmp_path):
     store = host_store()  # the rendezvous' store, served here (as in test_hsdp_nodes.py)
     port = store.port
     agents = [
-        popen(torchrun_cmd([*TINY, "strategy=ddp"], run, nproc=1, extra=[
-            "--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=twonodes"]))
+        popen(
+            torchrun_cmd(
+                [*TINY, "strategy=ddp"],
+                run,
+                nproc=1,
+                extra=["--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=twonodes"],
+            )
+        )
         for _ in range(2)
     ]
     try:
@@ -165,8 +172,18 @@ def test_two_torchrun_agents_as_two_nodes(single_process, tmp_path):
 
 def _wrapped_torchrun(overrides: list[str], run: Path) -> subprocess.CompletedProcess:
     """What `make train` runs: torchrun through launch/torchrun.py, which exits with the workers' code."""
-    agent = popen([sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc_per_node=2",
-                   str(ROOT / "launch" / "train.py"), *overrides, f"hydra.run.dir={run}"])
+    agent = popen(
+        [
+            sys.executable,
+            "-m",
+            "launch.torchrun",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(ROOT / "launch" / "train.py"),
+            *overrides,
+            f"hydra.run.dir={run}",
+        ]
+    )
     try:
         out, err = agent.communicate(timeout=120)
     finally:
@@ -195,8 +212,9 @@ def test_resume_error_under_torchrun_is_one_message_and_exit_2(one_process_run):
 def test_nonfinite_stop_under_torchrun_is_two_lines_and_exit_3(one_process_run):
     # Also a resume on another world size (1 -> 2 ranks): only the per-rank RNG entries differ, so it loads.
     nan = "trainer.callbacks=[{_target_:tests.faults.NanGrads,steps:[8],rank:1}]"  # tests/faults.py
-    proc = _wrapped_torchrun([*TINY, "strategy=ddp", "trainer.max_steps=9", "trainer.on_nonfinite=stop", nan],
-                             one_process_run)
+    proc = _wrapped_torchrun(
+        [*TINY, "strategy=ddp", "trainer.max_steps=9", "trainer.on_nonfinite=stop", nan], one_process_run
+    )
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout and "step_6" in proc.stdout
     assert proc.stderr.strip().splitlines() == [

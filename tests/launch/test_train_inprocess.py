@@ -130,8 +130,19 @@ def test_tensorboard_events(tmp_path):
 
 def test_digits_mlp_two_tasks(tmp_path):
     pytest.importorskip("sklearn")
-    res = _train(tmp_path, "a", ["strategy=none", "model=mlp", "data=digits", "trainer=debug",
-                                 "trainer.max_steps=40", "trainer.save_every=0", "trainer.eval_every=40"])
+    res = _train(
+        tmp_path,
+        "a",
+        [
+            "strategy=none",
+            "model=mlp",
+            "data=digits",
+            "trainer=debug",
+            "trainer.max_steps=40",
+            "trainer.save_every=0",
+            "trainer.eval_every=40",
+        ],
+    )
     records = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     assert set(res.losses) == {"loss", "a", "b"}
     assert res.losses["a"] < 0.6 * records[0]["a"]
@@ -139,18 +150,31 @@ def test_digits_mlp_two_tasks(tmp_path):
 
 def test_hf_causal_lm_from_a_config_name(tmp_path):
     pytest.importorskip("transformers")
-    res = _train(tmp_path, "a", [*NONE, "model=hf", "model.config_name=gpt2", "model.d_model=32",
-                                 "trainer.max_steps=2", "trainer.save_every=0"])
+    res = _train(
+        tmp_path,
+        "a",
+        [
+            *NONE,
+            "model=hf",
+            "model.config_name=gpt2",
+            "model.d_model=32",
+            "trainer.max_steps=2",
+            "trainer.save_every=0",
+        ],
+    )
     assert set(res.losses) == {"loss", "lm", "cls"} and res.step == 2
     assert res.checkpointed == ["lm.transformer.h.0", "lm.transformer.h.1"]  # found by distckpt.wrap
 
 
 def test_guards_run_when_enabled(tmp_path):
-    res = _train(tmp_path, "a", [*NONE, "trainer.guard_every=2", "trainer.verify_recompute=true",
-                                 "trainer.save_every=0"])
+    res = _train(
+        tmp_path, "a", [*NONE, "trainer.guard_every=2", "trainer.verify_recompute=true", "trainer.save_every=0"]
+    )
     assert res.guard_checks == 3  # steps 1, 3, 5 of 6
-    assert res.guard == "grad sync: 3 steps checked (one process: no-gradient check only); recompute check: ok " \
-                        "(recompute equals forward)"
+    assert (
+        res.guard == "grad sync: 3 steps checked (one process: no-gradient check only); recompute check: ok "
+        "(recompute equals forward)"
+    )
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -162,11 +186,17 @@ def test_mixed_precision_tracks_fp32(tmp_path, precision):
     assert res.losses["loss"] != ref.losses["loss"]  # autocast really ran in lower precision
 
 
-@pytest.mark.parametrize("target,expect", [
-    ("tests.faults.Nope", "trainer.callbacks: cannot make tests.faults.Nope: "),
-    ("collections.OrderedDict", "trainer.callbacks: collections.OrderedDict made a OrderedDict, not a "
-                                "distckpt.train.Callback; subclass it."),
-])
+@pytest.mark.parametrize(
+    "target,expect",
+    [
+        ("tests.faults.Nope", "trainer.callbacks: cannot make tests.faults.Nope: "),
+        (
+            "collections.OrderedDict",
+            "trainer.callbacks: collections.OrderedDict made a OrderedDict, not a "
+            "distckpt.train.Callback; subclass it.",
+        ),
+    ],
+)
 def test_bad_callback_is_a_config_error(tmp_path, target, expect):
     with pytest.raises(ConfigError) as e:
         _train(tmp_path, "a", [*NONE, f"trainer.callbacks=[{{_target_:{target}}}]"])

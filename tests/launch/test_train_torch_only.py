@@ -39,8 +39,14 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_training_loop_runs_with_torch_alone(tmp_path):
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "run")], cwd=ROOT, env=env(),
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path / "run")],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("ok ")
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 3

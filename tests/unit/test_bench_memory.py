@@ -76,11 +76,20 @@ def test_dominated_by_needs_both_axes():
 def test_budget_points_at_every_other_points_peak():
     from benchmarks.memory import _budget_configs
 
-    others = [_point("torch full", 300, 9, "peer"), _point("full", 300, 9, "distckpt"),
-              _point("compile 0.5", 420, 1, "compile"), _point("too small", 50, 0, "compile")]
+    others = [
+        _point("torch full", 300, 9, "peer"),
+        _point("full", 300, 9, "distckpt"),
+        _point("compile 0.5", 420, 1, "compile"),
+        _point("too small", 50, 0, "compile"),
+    ]
     points = _budget_configs(100, 1000, None, 3, others)
-    assert [(c.budget, c.at) for c in points] == [(100, ""), (300, "torch full = full"), (420, "compile 0.5"),
-                                                  (550, ""), (1000, "")]
+    assert [(c.budget, c.at) for c in points] == [
+        (100, ""),
+        (300, "torch full = full"),
+        (420, "compile 0.5"),
+        (550, ""),
+        (1000, ""),
+    ]
     assert all(c.kind == "budget" for c in points)
 
 
@@ -91,6 +100,7 @@ def test_an_undominated_point_shows_the_budget_at_its_peak():
     at = _point("budget 0.00 MiB", 590, 40)
     at.at = "compile 0.5"
     rows = _dominance("m", [none, peer, at], 1000)
-    want = ("| compile 0.5 | 60.0% | 1.0% | **no**: budget 0.00 MiB, sized at its peak, measured 59.0% at 4.0% "
-            "recompute |")
+    want = (
+        "| compile 0.5 | 60.0% | 1.0% | **no**: budget 0.00 MiB, sized at its peak, measured 59.0% at 4.0% recompute |"
+    )
     assert want in rows, rows

@@ -32,17 +32,34 @@ def _random_profile(n: int, rng: random.Random, split: bool = False) -> ModelPro
         inp = rng.randint(1, 50) * 1000
         extra = {}
         if split:
-            extra = dict(forward_overhead_bytes=rng.randint(0, 100) * 1000,
-                         backward_overhead_bytes=rng.randint(-50, 100) * 1000,
-                         grads_at_peak_bytes=(n - i) * 10**6 // (n + 1))
-        blocks.append(BlockProfile(
-            f"b{i}", activation_bytes=inp + rng.randint(0, 400) * 1000, forward_flops=rng.randint(1, 1000) * 10**6,
-            input_bytes=inp, saved_input_bytes=inp, overhead_bytes=rng.randint(0, 100) * 1000, **extra,
-        ))
+            extra = dict(
+                forward_overhead_bytes=rng.randint(0, 100) * 1000,
+                backward_overhead_bytes=rng.randint(-50, 100) * 1000,
+                grads_at_peak_bytes=(n - i) * 10**6 // (n + 1),
+            )
+        blocks.append(
+            BlockProfile(
+                f"b{i}",
+                activation_bytes=inp + rng.randint(0, 400) * 1000,
+                forward_flops=rng.randint(1, 1000) * 10**6,
+                input_bytes=inp,
+                saved_input_bytes=inp,
+                overhead_bytes=rng.randint(0, 100) * 1000,
+                **extra,
+            )
+        )
     head = dict(head_peak_overhead_bytes=rng.randint(-20, 50) * 1000, head_peak_grads_bytes=5 * 10**4) if split else {}
-    return ModelProfile(tuple(blocks), param_bytes=10**6, trainable_bytes=10**6, batch_bytes=1000, pre_bytes=5000,
-                        post_bytes=rng.randint(0, 500) * 1000, head_overhead_bytes=20_000, max_param_bytes=10**5,
-                        **head)
+    return ModelProfile(
+        tuple(blocks),
+        param_bytes=10**6,
+        trainable_bytes=10**6,
+        batch_bytes=1000,
+        pre_bytes=5000,
+        post_bytes=rng.randint(0, 500) * 1000,
+        head_overhead_bytes=20_000,
+        max_param_bytes=10**5,
+        **head,
+    )
 
 
 def _brute_force(mp: ModelProfile, budget: int) -> int:
@@ -125,15 +142,17 @@ def test_strategy_accounting():
     with pytest.raises(ConfigError, match="strategy"):
         static_bytes(mp, strategy="zero3")
     # HSDP shards over the "shard" dimension only: 4 ranks as 2 x 2 hold what FSDP2 over 2 ranks holds.
-    assert static_bytes(mp, strategy="hsdp", world_size=4, shard_size=2) == static_bytes(mp, strategy="fsdp2",
-                                                                                          world_size=2)
-    assert static_bytes(mp, strategy="hsdp", world_size=4, shard_size=2)[0] > static_bytes(
-        mp, strategy="fsdp2", world_size=4)[0]
+    assert static_bytes(mp, strategy="hsdp", world_size=4, shard_size=2) == static_bytes(
+        mp, strategy="fsdp2", world_size=2
+    )
+    assert (
+        static_bytes(mp, strategy="hsdp", world_size=4, shard_size=2)[0]
+        > static_bytes(mp, strategy="fsdp2", world_size=4)[0]
+    )
     with pytest.raises(ConfigError, match="shard_size=N"):
         static_bytes(mp, strategy="hsdp", world_size=4)
     with pytest.raises(ConfigError, match="does not divide"):
         static_bytes(mp, strategy="hsdp", world_size=4, shard_size=3)
-
 
 
 def test_sharded_working_set_per_phase():
@@ -143,12 +162,29 @@ def test_sharded_working_set_per_phase():
     # for the first in backward), and the gradients made so far unsharded: the root's and the block's own (mine:
     # counting them as shards was 1.3% low on MultiTaskGPT under FSDP2, a checkpointed block next to a kept one).
     u, g, h, n, ws, mine = 40_000, 30_000, 6_000, 3, 2, 5_000
-    blocks = tuple(BlockProfile(f"b{i}", activation_bytes=9_000, forward_flops=1, input_bytes=1_000,
-                                saved_input_bytes=1_000, grads_ready_bytes=h + (n - i) * g,
-                                grads_at_peak_bytes=h + (n - 1 - i) * g + mine, forward_overhead_bytes=100,
-                                backward_overhead_bytes=2_000) for i in range(n))
-    mp = ModelProfile(blocks, param_bytes=n * u + 10_000, trainable_bytes=n * g + h, block_param_bytes=u,
-                      head_grads_bytes=h, head_peak_grads_bytes=h, trainable_tensors=6)
+    blocks = tuple(
+        BlockProfile(
+            f"b{i}",
+            activation_bytes=9_000,
+            forward_flops=1,
+            input_bytes=1_000,
+            saved_input_bytes=1_000,
+            grads_ready_bytes=h + (n - i) * g,
+            grads_at_peak_bytes=h + (n - 1 - i) * g + mine,
+            forward_overhead_bytes=100,
+            backward_overhead_bytes=2_000,
+        )
+        for i in range(n)
+    )
+    mp = ModelProfile(
+        blocks,
+        param_bytes=n * u + 10_000,
+        trainable_bytes=n * g + h,
+        block_param_bytes=u,
+        head_grads_bytes=h,
+        head_peak_grads_bytes=h,
+        trainable_tensors=6,
+    )
     for strategy in ("fsdp", "fsdp2"):
         static, _ = static_bytes(mp, strategy=strategy, world_size=ws)
         plain, _, end = _bounds(mp, static, strategy=strategy, world_size=ws)
@@ -162,7 +198,9 @@ def test_sharded_working_set_per_phase():
     # DDP and one process: no working set, the static term holds every replica.
     static, _ = static_bytes(mp, strategy="ddp", world_size=ws)
     assert _bounds(mp, static, strategy="ddp", world_size=ws)[0][0] == (
-        static - (mp.trainable_bytes - blocks[0].grads_at_peak_bytes) + blocks[0].footprint_bytes + 2_000)
+        static - (mp.trainable_bytes - blocks[0].grads_at_peak_bytes) + blocks[0].footprint_bytes + 2_000
+    )
+
 
 def test_parse_and_auto():
     assert parse_policy("budget:6MiB") == Budget(6 * 2**20)
@@ -245,8 +283,9 @@ def test_gradient_accumulation_counts_all_gradients():
     hi = predicted_peak(mp, [], strategy="none", grad_accumulation=True)
     assert lo > predicted_peak(mp, range(4), strategy="none")
     budget = (lo + hi) // 2
-    model = distckpt.wrap(copy.deepcopy(base), Budget(budget, strategy="none", grad_accumulation=True),
-                          example_inputs=inputs)
+    model = distckpt.wrap(
+        copy.deepcopy(base), Budget(budget, strategy="none", grad_accumulation=True), example_inputs=inputs
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(*inputs).backward()
     opt.step()  # optimizer state exists; the gradients stay: the next micro-batch accumulates
@@ -276,7 +315,8 @@ def test_budget_auto_and_cuda_peak_within_budget():
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     outside = torch.cuda.memory_allocated() - sum(
-        t.untyped_storage().nbytes() for t in [*model.parameters(), *inputs]
+        t.untyped_storage().nbytes()
+        for t in [*model.parameters(), *inputs]
         + [s for st in opt.state.values() for s in st.values() if torch.is_tensor(s)]
     )
     model(*inputs).backward()

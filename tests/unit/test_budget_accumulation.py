@@ -70,8 +70,9 @@ def test_accumulating_step_peaks_at_the_activations_own_peak():
         assert measured <= predicted <= 1.001 * measured, (modes, predicted - measured)
     # Without the activations' own peak (the sample step's pairing with the gradients made so far), the
     # kept blocks are predicted low: the block's MLP output projection's new gradient was missing.
-    paired = dataclasses.replace(mp, blocks=tuple(dataclasses.replace(b, accumulating_overhead_bytes=-1)
-                                                  for b in mp.blocks))
+    paired = dataclasses.replace(
+        mp, blocks=tuple(dataclasses.replace(b, accumulating_overhead_bytes=-1) for b in mp.blocks)
+    )
     measured = _accumulating_peak(distckpt.wrap(copy.deepcopy(base), Placement(("none",) * n)), inputs)
     assert predicted_peak(paired, ("none",) * n, **kw) < measured
 

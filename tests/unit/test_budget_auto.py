@@ -26,8 +26,11 @@ CFG = GPTConfig(vocab=64, seq=32, dim=32, heads=2, layers=5)  # 5 blocks, 3 trac
 def _subject(kind: str):
     torch.manual_seed(0)
     model = GPT(CFG) if kind == "gpt" else hf_gpt2(CFG)  # HF GPT-2 ties its embedding and LM head
-    blocks = [(f"h.{i}", b) for i, b in enumerate(model.h)] if kind == "gpt" else \
-        [(f"transformer.h.{i}", b) for i, b in enumerate(model.transformer.h)]
+    blocks = (
+        [(f"h.{i}", b) for i, b in enumerate(model.h)]
+        if kind == "gpt"
+        else [(f"transformer.h.{i}", b) for i, b in enumerate(model.transformer.h)]
+    )
     inputs = batch(CFG, 4)
     return model, blocks, inputs if kind == "gpt" else {"input_ids": inputs[0], "labels": inputs[1]}
 
@@ -89,8 +92,9 @@ def test_budget_auto_goes_through_the_estimator_not_a_real_step(monkeypatch):
         raise AssertionError("budget:auto ran a real sample step")
 
     monkeypatch.setattr(Candidates, "model_profile", no_real_step)
-    wrapped = distckpt.wrap(copy.deepcopy(model), "budget:auto", blocks=[f"h.{i}" for i in range(5)],
-                            example_inputs=inputs)
+    wrapped = distckpt.wrap(
+        copy.deepcopy(model), "budget:auto", blocks=[f"h.{i}" for i in range(5)], example_inputs=inputs
+    )
     assert seen == ["cpu"]
     assert distckpt.checkpointed(wrapped, modes=True) == {f"h.{i}": m for i, m in enumerate(want) if m != "none"}
 

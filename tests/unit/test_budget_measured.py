@@ -112,8 +112,7 @@ def _check(widths: tuple[int, ...], batch: int, fractions: tuple[float, ...]) ->
         budget = int(full_peak + frac * (none_peak - full_peak))
         best = min(f - no_recompute for peak, f in measured.values() if peak <= budget)
         model = copy.deepcopy(base)
-        distckpt.wrap(model, Budget(budget, strategy="none", optimizer="none"), blocks=_is_block,
-                      example_inputs=(x,))
+        distckpt.wrap(model, Budget(budget, strategy="none", optimizer="none"), blocks=_is_block, example_inputs=(x,))
         chosen = tuple(i for i, b in enumerate(model.blocks) if is_checkpointed(b))
         peak, flops = measured[chosen]
         assert peak <= budget, (frac, chosen, peak, budget)
@@ -167,8 +166,11 @@ def test_near_optimal_against_measured_mixed_placements():
 
     peaks = {modes: _peak(wrapped(modes), x) for modes in itertools.product(modes_of, repeat=n)}
     no_recompute = _flops(base, x)
-    alone = {(i, m): _flops(wrapped(tuple(m if j == i else "none" for j in range(n))), x) - no_recompute
-             for i in range(n) for m in modes_of[1:]}
+    alone = {
+        (i, m): _flops(wrapped(tuple(m if j == i else "none" for j in range(n))), x) - no_recompute
+        for i in range(n)
+        for m in modes_of[1:]
+    }
     recompute = {modes: sum(alone.get((i, m), 0) for i, m in enumerate(modes)) for modes in peaks}
     none_peak, full_peak = peaks[("none",) * n], peaks[("full",) * n]
     used = set()

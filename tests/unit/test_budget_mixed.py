@@ -147,8 +147,9 @@ def test_reentrant_budget_and_bad_placements():
     kw = dict(strategy="none", optimizer="none")
     budget = (predicted_peak(mp, ("selective",) * 4, **kw) + predicted_peak(mp, range(4), **kw)) // 2
     # Reentrant checkpoint takes no op-level policy: the same budget is planned with none and full only.
-    model = distckpt.wrap(copy.deepcopy(base), Budget(budget, **kw), blocks=_is_block, example_inputs=(x,),
-                          reentrant=True)
+    model = distckpt.wrap(
+        copy.deepcopy(base), Budget(budget, **kw), blocks=_is_block, example_inputs=(x,), reentrant=True
+    )
     assert set(distckpt.checkpointed(model, modes=True).values()) == {"full"}
     with pytest.raises(ConfigError, match="'none', 'pointwise', 'selective', 'full'"):
         Placement(("none", "partial"))
@@ -157,13 +158,13 @@ def test_reentrant_budget_and_bad_placements():
     for mode in ("selective", "pointwise"):
         with pytest.raises(ConfigError, match=f"{mode} .op-level. checkpointing needs reentrant=False"):
             distckpt.wrap(copy.deepcopy(base), Placement((mode, "none") * 2), blocks=_is_block, reentrant=True)
-    no_sel = dataclasses.replace(mp, blocks=(dataclasses.replace(mp.blocks[0], selective_held_bytes=-1),
-                                             *mp.blocks[1:]))
+    no_sel = dataclasses.replace(
+        mp, blocks=(dataclasses.replace(mp.blocks[0], selective_held_bytes=-1), *mp.blocks[1:])
+    )
     with pytest.raises(ConfigError, match="no selective measurement"):
         predicted_peak(no_sel, ("selective",) * 4, **kw)
     assert "selective" not in plan_budget(no_sel, budget, **kw).modes[:1]  # not offered where not measured
-    no_pw = dataclasses.replace(mp, blocks=(dataclasses.replace(mp.blocks[0], pointwise_held_bytes=-1),
-                                            *mp.blocks[1:]))
+    no_pw = dataclasses.replace(mp, blocks=(dataclasses.replace(mp.blocks[0], pointwise_held_bytes=-1), *mp.blocks[1:]))
     with pytest.raises(ConfigError, match="no pointwise measurement"):
         predicted_peak(no_pw, ("pointwise",) * 4, **kw)
 

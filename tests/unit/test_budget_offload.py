@@ -38,8 +38,9 @@ KW = dict(strategy="none", optimizer="none")
 def _hf_gpt2() -> tuple[nn.Module, dict]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=4, n_head=2, resid_pdrop=0.1,
-                     attn_pdrop=0.1, embd_pdrop=0.1)
+    cfg = GPT2Config(
+        vocab_size=96, n_positions=32, n_embd=32, n_layer=4, n_head=2, resid_pdrop=0.1, attn_pdrop=0.1, embd_pdrop=0.1
+    )
     torch.manual_seed(0)
     model = GPT2LMHeadModel(cfg)
     model.train()
@@ -177,8 +178,14 @@ def test_mixed_placements_with_offload_predicted_within_three_percent(which):
         base, inputs = _hf_gpt2()
     mp = _profile(base, inputs)
     assert all(b.offload_held_bytes >= 0 and b.offload_bytes > 0 for b in mp.blocks)
-    placements = [("offload",) * 4, ("offload", "none", "full", "offload"), ("none", "offload", "offload", "full"),
-                  ("full", "offload", "none", "none"), ("none",) * 4, ("full",) * 4]
+    placements = [
+        ("offload",) * 4,
+        ("offload", "none", "full", "offload"),
+        ("none", "offload", "offload", "full"),
+        ("full", "offload", "none", "none"),
+        ("none",) * 4,
+        ("full",) * 4,
+    ]
     with use_numpy_store():
         for modes in placements:
             model = distckpt.wrap(copy.deepcopy(base), Placement(modes))
@@ -251,14 +258,18 @@ def test_budget_policy_plans_offload_on_the_cpu_with_the_test_store():
     mp = _profile(base, inputs)
     budget = (predicted_peak(mp, range(4), **KW) + predicted_peak(mp, [], **KW)) // 2
     with use_numpy_store():
-        model = distckpt.wrap(copy.deepcopy(base), Budget(budget, offload_flops_per_byte=1e-3, selective=False, **KW),
-                              example_inputs=inputs)
+        model = distckpt.wrap(
+            copy.deepcopy(base),
+            Budget(budget, offload_flops_per_byte=1e-3, selective=False, **KW),
+            example_inputs=inputs,
+        )
         modes = distckpt.checkpointed(model, modes=True)
         assert "offload" in modes.values(), modes
         assert _peak(model, inputs) <= budget
     # Without the test store the same budget is planned with recompute only (nothing to gain on the CPU).
-    model = distckpt.wrap(copy.deepcopy(base), Budget(budget, offload_flops_per_byte=1e-3, selective=False, **KW),
-                          example_inputs=inputs)
+    model = distckpt.wrap(
+        copy.deepcopy(base), Budget(budget, offload_flops_per_byte=1e-3, selective=False, **KW), example_inputs=inputs
+    )
     assert "offload" not in distckpt.checkpointed(model, modes=True).values()
 
 
@@ -312,8 +323,12 @@ def test_near_optimal_against_measured_placements_with_offload():
         budget = int(full_peak + frac * (none_peak - full_peak))
         best = min(c for modes, c in cost.items() if peaks[modes] <= budget)
         with use_numpy_store():
-            distckpt.wrap(model, Budget(budget, strategy="none", optimizer="none", selective=False,
-                                        offload_flops_per_byte=ratio), blocks=_is_block, example_inputs=(x,))
+            distckpt.wrap(
+                model,
+                Budget(budget, strategy="none", optimizer="none", selective=False, offload_flops_per_byte=ratio),
+                blocks=_is_block,
+                example_inputs=(x,),
+            )
         chosen = tuple(checkpoint_mode(b) for b in model.blocks)
         used.update(chosen)
         assert peaks[chosen] <= budget, (frac, chosen, peaks[chosen], budget)

@@ -51,7 +51,10 @@ def test_checkpoint_of_another_model_is_refused_and_nothing_loaded(tmp_path):
     path = save_checkpoint(old, tmp_path)
     new = _state(1e-3, 0.1, (0.8, 0.9), extra=True)
     before = [p.detach().clone() for p in new.model.parameters()]
-    with pytest.raises(ResumeError, match=r"missing from the checkpoint: 8 \(2 model, 6 optimizer\), e\.g\. "
-                                          r"model\.3\.bias, model\.3\.weight, optim\.3\.bias\.exp_avg"):
+    with pytest.raises(
+        ResumeError,
+        match=r"missing from the checkpoint: 8 \(2 model, 6 optimizer\), e\.g\. "
+        r"model\.3\.bias, model\.3\.weight, optim\.3\.bias\.exp_avg",
+    ):
         load_checkpoint(new, path)
     assert new.step == 0 and all(torch.equal(a, b) for a, b in zip(before, new.model.parameters()))

@@ -120,8 +120,14 @@ def test_task_mix_shares_the_batch_by_weight_and_resumes_each_task():
     from distckpt.train.data import TaskBatches, TaskMixLoader
 
     def make():
-        return TaskMixLoader({"a": (_ids(12), None), "b": (DictDataset({"i": torch.arange(100, 106)}), None)},
-                             {"a": 2.0, "b": 1.0}, 6, seed=0, rank=0, world_size=1)
+        return TaskMixLoader(
+            {"a": (_ids(12), None), "b": (DictDataset({"i": torch.arange(100, 106)}), None)},
+            {"a": 2.0, "b": 1.0},
+            6,
+            seed=0,
+            rank=0,
+            world_size=1,
+        )
 
     ref = make().next_batch()
     assert isinstance(ref, TaskBatches) and ref["a"]["i"].shape == (4,) and ref["b"]["i"].shape == (2,)

@@ -41,8 +41,11 @@ def _fwd_bwd(fn, q, k, v, counter_factory=flop_counter) -> tuple[int, int, dict]
         out = fn(q, k, v)
     with counter_factory() as bc:
         out.backward(torch.ones_like(out))
-    return fc.get_total_flops(), bc.get_total_flops(), {**fc.get_flop_counts()["Global"],
-                                                         **bc.get_flop_counts()["Global"]}
+    return (
+        fc.get_total_flops(),
+        bc.get_total_flops(),
+        {**fc.get_flop_counts()["Global"], **bc.get_flop_counts()["Global"]},
+    )
 
 
 def _matmul_softmax(q, k, v, *, is_causal=False, enable_gqa=False, scale=None, attn_mask=None):
@@ -87,8 +90,9 @@ def test_a_plain_flop_counter_is_left_alone():
     flop_counter()
     assert FWD not in flop_registry and BWD not in flop_registry
     q, k, v = _qkv(2, 2, 8, 8)
-    fwd, bwd, ops = _fwd_bwd(F.scaled_dot_product_attention, q, k, v,
-                             counter_factory=lambda: FlopCounterMode(display=False))
+    fwd, bwd, ops = _fwd_bwd(
+        F.scaled_dot_product_attention, q, k, v, counter_factory=lambda: FlopCounterMode(display=False)
+    )
     assert (fwd, bwd) == (0, 0) and ops == {}
 
 

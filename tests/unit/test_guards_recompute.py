@@ -138,8 +138,9 @@ def test_bf16_autocast_with_batchnorm_passes():
 
 def test_selective_policy_passes_and_is_checked():
     assert verify_recompute(distckpt.wrap(Net(p=0.3), "selective"), loss_fn).ok
-    report = verify_recompute(distckpt.wrap(Net(p=0.3), "selective", preserve_rng_state=False), loss_fn,
-                              raise_on_mismatch=False)
+    report = verify_recompute(
+        distckpt.wrap(Net(p=0.3), "selective", preserve_rng_state=False), loss_fn, raise_on_mismatch=False
+    )
     assert report.mismatches[0].kind == "rng"
 
 
@@ -160,7 +161,8 @@ def test_offloaded_blocks_are_not_reported_as_recomputed_but_their_gradients_are
             return packed[1]
 
     model._modules["blocks"][0]._distckpt_options = dataclasses.replace(
-        model.blocks[0]._distckpt_options, store=Corrupting())
+        model.blocks[0]._distckpt_options, store=Corrupting()
+    )
     bad = verify_recompute(model, loss_fn, raise_on_mismatch=False)
     assert not bad.ok and any(m.module.startswith("blocks.0") for m in bad.mismatches), bad
 
@@ -200,7 +202,8 @@ def test_nan_loss_is_not_verified():
     report = verify_recompute(model, lambda m: loss_fn(m) * float("nan"), raise_on_mismatch=False)
     assert not report.ok
     assert [(m.module, m.kind, m.detail) for m in report.mismatches] == [
-        ("", "nonfinite", "the loss is not finite with and without checkpointing")]
+        ("", "nonfinite", "the loss is not finite with and without checkpointing")
+    ]
     with pytest.raises(distckpt.RecomputeMismatchError, match="not finite"):
         verify_recompute(model, lambda m: loss_fn(m) * float("nan"))
 

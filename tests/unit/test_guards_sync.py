@@ -77,8 +77,9 @@ def test_every_skips_steps():
     assert checked == [True, False, True, False]
 
 
-@pytest.mark.parametrize("kwargs", [{"every": 0}, {"params_every": -1}, {"no_grad_steps": 0},
-                                    {"on_no_grad": "log"}, {"rtol": -1.0}])
+@pytest.mark.parametrize(
+    "kwargs", [{"every": 0}, {"params_every": -1}, {"no_grad_steps": 0}, {"on_no_grad": "log"}, {"rtol": -1.0}]
+)
 def test_bad_arguments(kwargs):
     with pytest.raises(distckpt.ConfigError):
         GradSyncGuard(nn.Linear(2, 2), **kwargs)
@@ -89,9 +90,20 @@ def test_fingerprint_sees_permutations_and_norms(n):
     g = torch.randn(n)
     sumsq, proj = _fingerprint(g)
     wnorm = _wnorm(n)
-    assert wnorm == pytest.approx(float(torch.stack([_weights(g.device, 0, 4096)[i % 4096] * (
-        _weights(g.device, 1, n // 4096 + 1)[i // 4096] if n > 4096 else 1.0) for i in range(n)]).double().norm()),
-        rel=1e-6)
+    assert wnorm == pytest.approx(
+        float(
+            torch.stack(
+                [
+                    _weights(g.device, 0, 4096)[i % 4096]
+                    * (_weights(g.device, 1, n // 4096 + 1)[i // 4096] if n > 4096 else 1.0)
+                    for i in range(n)
+                ]
+            )
+            .double()
+            .norm()
+        ),
+        rel=1e-6,
+    )
     assert float(sumsq) == pytest.approx(float(g.double().pow(2).sum()), rel=1e-5)
     swapped = g.clone()
     swapped[[0, n - 1]] = swapped[[n - 1, 0]]

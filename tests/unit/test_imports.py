@@ -29,15 +29,33 @@ def test_library_imports_with_torch_only():
 
 
 def test_public_api_names_and_signatures():
-    for name in ["wrap", "checkpointed", "parallelize", "ddp_kwargs", "preflight", "accumulate", "GradSyncGuard",
-                 "verify_recompute", "ConfigError", "GradDesyncError", "RecomputeMismatchError"]:
+    for name in [
+        "wrap",
+        "checkpointed",
+        "parallelize",
+        "ddp_kwargs",
+        "preflight",
+        "accumulate",
+        "GradSyncGuard",
+        "verify_recompute",
+        "ConfigError",
+        "GradDesyncError",
+        "RecomputeMismatchError",
+    ]:
         assert hasattr(distckpt, name), name
     assert issubclass(distckpt.ConfigError, ValueError)
     assert issubclass(distckpt.GradDesyncError, RuntimeError)
     assert issubclass(distckpt.RecomputeMismatchError, RuntimeError)
     sig = inspect.signature(distckpt.wrap)
-    assert list(sig.parameters) == ["model", "policy", "blocks", "reentrant", "preserve_rng_state", "offload",
-                                    "example_inputs"]
+    assert list(sig.parameters) == [
+        "model",
+        "policy",
+        "blocks",
+        "reentrant",
+        "preserve_rng_state",
+        "offload",
+        "example_inputs",
+    ]
     assert sig.parameters["policy"].default == "full" and sig.parameters["reentrant"].default is False
     sig = inspect.signature(distckpt.parallelize)
     assert list(sig.parameters)[:4] == ["model", "strategy", "graph", "device_mesh"]

@@ -33,14 +33,18 @@ def _forbidden(module: str) -> bool:
 def test_library_does_not_import_the_launcher():
     files = sorted(LIBRARY.rglob("*.py"))
     assert files, LIBRARY
-    bad = [f"{path.relative_to(LIBRARY.parent)}:{line} imports {name}"
-           for path in files
-           for line, name in _imported(ast.parse(path.read_text(), filename=str(path)))
-           if _forbidden(name)]
+    bad = [
+        f"{path.relative_to(LIBRARY.parent)}:{line} imports {name}"
+        for path in files
+        for line, name in _imported(ast.parse(path.read_text(), filename=str(path)))
+        if _forbidden(name)
+    ]
     assert not bad, "the library must not import the launcher's stack:\n" + "\n".join(bad)
 
 
 def test_scanner_sees_lazy_imports():
-    tree = ast.parse("def f():\n    import hydra.core\n    from launch.check import compose\n"
-                     "    from torch.utils.tensorboard import SummaryWriter\n    import torch.nn\n")
+    tree = ast.parse(
+        "def f():\n    import hydra.core\n    from launch.check import compose\n"
+        "    from torch.utils.tensorboard import SummaryWriter\n    import torch.nn\n"
+    )
     assert [_forbidden(name) for _, name in _imported(tree)] == [True, True, True, False]

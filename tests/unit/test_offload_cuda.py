@@ -47,8 +47,11 @@ def test_cuda_offload_peak_predicted_within_three_percent_and_exact():
     mp = profile_model(base, find_blocks(base), inputs, modes=("full", "offload"))
     n = len(mp.blocks)
     assert all(b.offload_bytes > 0 and b.offload_held_bytes >= 0 for b in mp.blocks)
-    for modes in (("offload",) * n, tuple(("offload", "full", "none")[i % 3] for i in range(n)),
-                  tuple(("none", "offload")[i % 2] for i in range(n))):
+    for modes in (
+        ("offload",) * n,
+        tuple(("offload", "full", "none")[i % 3] for i in range(n)),
+        tuple(("none", "offload")[i % 2] for i in range(n)),
+    ):
         model = distckpt.wrap(copy.deepcopy(base), Placement(modes))
         predicted, measured = predicted_peak(mp, modes, **KW), _peak(model, inputs)
         assert abs(predicted - measured) <= 0.03 * measured, (modes, predicted, measured)

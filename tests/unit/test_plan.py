@@ -78,11 +78,36 @@ def test_hsdp_shards_over_the_shard_group_only(monkeypatch):
 
 
 def test_cli_plan_prints_each_policy_and_rejects_a_bad_budget(capsys):
-    assert main(["plan", "--factory", "benchmarks.plan_accuracy:make_gpt", "--strategy", "ddp", "--world-size", "2",
-                 "--micro-batch", "2", "--budget", "8MiB"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--factory",
+                "benchmarks.plan_accuracy:make_gpt",
+                "--strategy",
+                "ddp",
+                "--world-size",
+                "2",
+                "--micro-batch",
+                "2",
+                "--budget",
+                "8MiB",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
-    for word in ("parameters", "gradients", "optimizer state", "activations", "none", "full", "pointwise", "selective",
-                 "budget:8.00MiB"):
+    for word in (
+        "parameters",
+        "gradients",
+        "optimizer state",
+        "activations",
+        "none",
+        "full",
+        "pointwise",
+        "selective",
+        "budget:8.00MiB",
+    ):
         assert word in out, word
     assert main(["plan", "--factory", "benchmarks.plan_accuracy:make_gpt", "--budget", "lots"]) == 2
     assert "not a size" in capsys.readouterr().err

@@ -62,8 +62,9 @@ def test_op_list_is_configurable():
     x = torch.randn(2, cfg.seq, cfg.dim)
     nothing, _, _ = _block_step(copy.deepcopy(block), x, selective_context_fn(save_ops=()))
     full, _, _ = _block_step(copy.deepcopy(block), x)
-    mm_only, _, _ = _block_step(copy.deepcopy(block), x, selective_context_fn(save_ops=["aten.mm", "addmm"],
-                                                                            every_other_matmul=False))
+    mm_only, _, _ = _block_step(
+        copy.deepcopy(block), x, selective_context_fn(save_ops=["aten.mm", "addmm"], every_other_matmul=False)
+    )
     default, _, grads = _block_step(copy.deepcopy(block), x, selective_context_fn())
     via_policy, _, _ = _block_step(copy.deepcopy(block), x, Selective(("mm", "addmm"), False).context_fn())
     assert via_policy == mm_only

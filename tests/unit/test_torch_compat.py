@@ -145,8 +145,10 @@ def _tracked_step(tracker, model, x):
         model(x).sum().backward()
     for p in model.parameters():
         p.grad = None
-    stats = {name: {state: [dict(s) for s in snaps] for state, snaps in tracker.memory_tracking[m].snapshots.items()}
-             for name, m in model.named_modules()}
+    stats = {
+        name: {state: [dict(s) for s in snaps] for state, snaps in tracker.memory_tracking[m].snapshots.items()}
+        for name, m in model.named_modules()
+    }
     return stats, tracker.get_tracker_snapshot("peak")
 
 
@@ -157,8 +159,9 @@ def test_mem_tracker_peaks_equal_the_stock_trackers(fake):
     from torch.distributed._tools.mem_tracker import MemTracker
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 32), nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.LayerNorm(32)),
-                          nn.Linear(32, 4))
+    model = nn.Sequential(
+        nn.Linear(8, 32), nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.LayerNorm(32)), nn.Linear(32, 4)
+    )
     x = torch.randn(16, 8)
     with compat.fake_mode() if fake else contextlib.nullcontext():
         stock = _tracked_step(MemTracker(), model, x)
@@ -257,8 +260,9 @@ def test_stop_recomputation_error_is_what_checkpoint_stops_a_recompute_with():
         return (x.sin() * 2).cos()  # the recompute stops after cos saves its input, before the end
 
     x = torch.randn(3, requires_grad=True)
-    y = torch.utils.checkpoint.checkpoint(fn, x, use_reentrant=False,
-                                          context_fn=lambda: (contextlib.nullcontext(), Rec()))
+    y = torch.utils.checkpoint.checkpoint(
+        fn, x, use_reentrant=False, context_fn=lambda: (contextlib.nullcontext(), Rec())
+    )
     y.sum().backward()
     assert seen and all(t is None or issubclass(t, stop) for t in seen), seen
     assert any(t is not None for t in seen), seen  # an early stop went through the recompute context

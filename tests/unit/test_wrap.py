@@ -81,9 +81,17 @@ def assert_same(ref, got, exact=True):
 
 @pytest.mark.parametrize(
     "spec,expected",
-    [("full", list(range(8))), ("every:2", [0, 2, 4, 6]), ("every:3", [0, 3, 6]), ("first:3", [0, 1, 2]),
-     ("first:20", list(range(8))), ("fraction:0.5", [1, 3, 5, 7]), ("fraction:0", []), ("fraction:1", list(range(8))),
-     ("none", [])],
+    [
+        ("full", list(range(8))),
+        ("every:2", [0, 2, 4, 6]),
+        ("every:3", [0, 3, 6]),
+        ("first:3", [0, 1, 2]),
+        ("first:20", list(range(8))),
+        ("fraction:0.5", [1, 3, 5, 7]),
+        ("fraction:0", []),
+        ("fraction:1", list(range(8))),
+        ("none", []),
+    ],
 )
 def test_policy_selection(spec, expected):
     model = Net()
@@ -91,8 +99,22 @@ def test_policy_selection(spec, expected):
     assert distckpt.checkpointed(model) == [f"layers.{i}" for i in expected]
 
 
-@pytest.mark.parametrize("spec", ["every:0", "every:x", "first:-1", "fraction:1.5", "fraction:nan", "budget:lots",
-                                  "budget:0", "bogus", "full:2", "every", 3.5])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "every:0",
+        "every:x",
+        "first:-1",
+        "fraction:1.5",
+        "fraction:nan",
+        "budget:lots",
+        "budget:0",
+        "bogus",
+        "full:2",
+        "every",
+        3.5,
+    ],
+)
 def test_bad_policy_names_valid_forms(spec):
     with pytest.raises(ConfigError, match="every:N"):
         distckpt.wrap(Net(), spec)
@@ -180,13 +202,22 @@ def test_auto_blocks_prefers_finer_nested_blocks_and_resnet_stages():
 
 def test_auto_blocks_hf_gpt2_and_llama():
     transformers = pytest.importorskip("transformers")
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=64,
-                                                                 n_positions=16))
+    gpt2 = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    )
     distckpt.wrap(gpt2)
     assert distckpt.checkpointed(gpt2) == ["transformer.h.0", "transformer.h.1", "transformer.h.2"]
-    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2,
-        vocab_size=64, max_position_embeddings=16))
+    llama = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            num_hidden_layers=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            vocab_size=64,
+            max_position_embeddings=16,
+        )
+    )
     distckpt.wrap(llama, "every:2")
     assert distckpt.checkpointed(llama) == ["model.layers.0"]
 
@@ -495,8 +526,10 @@ def test_recompute_flops_at_most_one_forward_and_like_torch(policy, n_ckpt):
     assert len(chosen) == n_ckpt
     theirs = copy.deepcopy(plain)
     apply_activation_checkpointing(
-        theirs, checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(m, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
-        check_fn=lambda m: isinstance(m, Block) and any(m is plain_b for plain_b in [theirs.layers[i] for i in chosen]))
+        theirs,
+        checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(m, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+        check_fn=lambda m: isinstance(m, Block) and any(m is plain_b for plain_b in [theirs.layers[i] for i in chosen]),
+    )
     recompute = _flops(ours, x) - base
     assert 0 < recompute <= n_ckpt * block_fwd  # never more than one forward of the checkpointed blocks
     assert _flops(ours, x) <= _flops(theirs, x)
@@ -523,8 +556,9 @@ def test_full_lowers_peak_memory():
 
 def test_hf_gpt2_exact():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
-                                  resid_pdrop=0.1, attn_pdrop=0.1, embd_pdrop=0.1)
+    cfg = transformers.GPT2Config(
+        n_layer=3, n_embd=32, n_head=2, vocab_size=64, n_positions=16, resid_pdrop=0.1, attn_pdrop=0.1, embd_pdrop=0.1
+    )
     torch.manual_seed(0)
     plain = transformers.GPT2LMHeadModel(cfg).train()
     wrapped = copy.deepcopy(plain)
@@ -603,8 +637,12 @@ def _names_under_wrappers(rank, world_size):
     model = distckpt.wrap(Net(n=3), "every:2")
     out["ddp"] = distckpt.checkpointed(DistributedDataParallel(model))
     model = distckpt.wrap(Net(n=3), "every:2")
-    fsdp = FullyShardedDataParallel(model, auto_wrap_policy=lambda module, recurse, **kw: recurse or is_checkpointed(
-        module), device_id=torch.device("cpu"), use_orig_params=True)
+    fsdp = FullyShardedDataParallel(
+        model,
+        auto_wrap_policy=lambda module, recurse, **kw: recurse or is_checkpointed(module),
+        device_id=torch.device("cpu"),
+        use_orig_params=True,
+    )
     out["fsdp"] = distckpt.checkpointed(fsdp)
     model = distckpt.wrap(Net(n=3), "every:2")
     for layer in model.layers:
@@ -631,11 +669,28 @@ def _tiny_decoder(family: str, **extra):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     if family == "gpt2":  # passes its cache to the block positionally
-        cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
-                                      resid_pdrop=0.1, attn_pdrop=0.1, embd_pdrop=0.1, **extra)
+        cfg = transformers.GPT2Config(
+            n_layer=2,
+            n_embd=32,
+            n_head=2,
+            vocab_size=64,
+            n_positions=16,
+            resid_pdrop=0.1,
+            attn_pdrop=0.1,
+            embd_pdrop=0.1,
+            **extra,
+        )
         return transformers.GPT2LMHeadModel(cfg).train()
-    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-                                   num_key_value_heads=1, vocab_size=64, attention_dropout=0.1, **extra)
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=64,
+        attention_dropout=0.1,
+        **extra,
+    )
     return transformers.LlamaForCausalLM(cfg).train()
 
 

@@ -164,14 +164,16 @@ def _reference(name: str) -> tuple[torch.nn.Module, dict[str, Any], tuple[torch.
 def _assert_exact(ref: tuple[torch.Tensor, dict], got: tuple[torch.Tensor, dict]) -> None:
     assert torch.equal(ref[0], got[0]), (ref[0], got[0])
     assert ref[1].keys() == got[1].keys()
-    bad = [n for n, g in ref[1].items() if not (g is None and got[1][n] is None)
-           and (g is None or got[1][n] is None or not torch.equal(g, got[1][n]))]
+    bad = [
+        n
+        for n, g in ref[1].items()
+        if not (g is None and got[1][n] is None) and (g is None or got[1][n] is None or not torch.equal(g, got[1][n]))
+    ]
     assert not bad, f"gradients differ: {bad[:5]}"
 
 
 def _block_classes(model: torch.nn.Module) -> set[str]:
     return {type(m)._distckpt_orig_class.__name__ for m in model.modules() if is_checkpointed(m)}
-
 
 
 @pytest.mark.parametrize("name", _params("blocks"))
@@ -183,8 +185,13 @@ def test_blocks_none_picks_the_layers(name):
     assert _block_classes(model) == set(fam.blocks), chosen
     n_layers = sum(type(m).__name__ in fam.blocks for m in _reference(name)[0].modules())
     assert len(chosen) == n_layers == zoo.LAYERS
-    RESULTS[name].update(blocks=sorted(fam.blocks), fqn=chosen[0], n_blocks=len(chosen),
-                         ambiguous=bool(err), hf_class=type(_reference(name)[0]).__name__)
+    RESULTS[name].update(
+        blocks=sorted(fam.blocks),
+        fqn=chosen[0],
+        n_blocks=len(chosen),
+        ambiguous=bool(err),
+        hf_class=type(_reference(name)[0]).__name__,
+    )
 
 
 @pytest.mark.parametrize("name", _params("exact"))
