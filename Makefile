@@ -33,8 +33,10 @@ train: $(RUN_STAMP)
 	echo "torchrun --standalone --nproc_per_node=$$n launch/train.py $(ARGS)"; \
 	OMP_NUM_THREADS=1 $(BIN)/python -m launch.torchrun --standalone --nproc_per_node=$$n launch/train.py $(ARGS)
 
+# Lint and formatting: `make format` fixes what both report.
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 # Two pytest-xdist workers: the tests run one-threaded (as torchrun's workers do), so one core would idle.
 # --dist loadgroup: the tests that share a module fixture stay on one worker (tests/conftest.py).
