@@ -134,11 +134,16 @@ def _load_schedule_position(scheduler: Any, saved: dict[str, Any]) -> None:
     scheduler.load_state_dict(sched)
     if hasattr(scheduler, "last_epoch") and hasattr(scheduler, "step"):
         # Recompute the lr of this position from the configured base lrs (exact for closed-form schedules
-        # such as the launcher's LambdaLR): one step back, then the scheduler's own step.
+        # such as the launcher's LambdaLR): one step back, then the scheduler's own step. That step also
+        # counts itself in the scheduler's bookkeeping (`_step_count` one above the uninterrupted run's,
+        # found by comparing a resumed checkpoint with an uninterrupted one entry by entry): put the saved
+        # counters back, so the lr is the only thing this recomputation changes.
+        counters = {k: v for k, v in sched.items() if k in ("_step_count", "_is_initial", "_get_lr_called_within_step")}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "lr_scheduler.step() before optimizer.step()"
             scheduler.last_epoch -= 1
             scheduler.step()
+        scheduler.__dict__.update(counters)
 
 
 def latest_checkpoint(ckpt_dir: str | os.PathLike[str]) -> Path | None:

@@ -9,6 +9,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -205,3 +206,38 @@ def assert_saved_adapter(run_dir: Path, pretrained: str | Path, trained: dict[st
         assert torch.equal(v, original[k]), k
     head = torch.load(out / "task_head.pt")
     assert torch.equal(head["weight"], trained["cls_head.weight"])
+
+
+def checkpoint_entries(path: Path) -> dict[str, object]:
+    """Every entry of the DCP checkpoint at ``path``, flattened to dotted keys (model, optimizer, scheduler,
+    step, each rank's data position and RNG state), read in this process."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(str(path), f"{tmp}/all.pt")
+        return _leaves(torch.load(f"{tmp}/all.pt", weights_only=False), "")
+
+
+def _leaves(value: object, prefix: str) -> dict[str, object]:
+    if isinstance(value, dict):
+        return {k: v for key, item in value.items() for k, v in _leaves(item, f"{prefix}{key}.").items()}
+    if isinstance(value, list):
+        return {k: v for i, item in enumerate(value) for k, v in _leaves(item, f"{prefix}{i}.").items()}
+    return {prefix[:-1]: value}
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def assert_checkpoints_equal(a: Path, b: Path) -> None:
+    """The two checkpoints hold the same entries with equal values (tensors bitwise), not only equal weights."""
+    x, y = checkpoint_entries(a), checkpoint_entries(b)
+    assert x.keys() == y.keys(), f"entries differ: {sorted(x.keys() ^ y.keys())[:6]}"
+    differ = [k for k in x if not (torch.equal(x[k], y[k]) if isinstance(x[k], torch.Tensor) else bool(x[k] == y[k]))]
+    assert not differ, f"{len(differ)} of {len(x)} entries differ between {a} and {b}: " + ", ".join(
+        f"{k} ({_short(x[k])} vs {_short(y[k])})" if not isinstance(x[k], torch.Tensor) else k for k in differ[:6]
+    )
+    groups = {k.split(".")[1] for k in x}
+    assert {"model", "optim", "scheduler", "step", "data", "rng"} <= groups, groups  # all of it was compared
