@@ -73,10 +73,11 @@ def build_datasets(d: DictConfig, m: DictConfig) -> tuple[Any, Any]:
             d, "data", (Dataset, IterableDataset), what, **eval_over
         ) if eval_over else None
     if d.name == "tokens":
-        vocab = m.get("vocab_size")
+        vocab = m.get("vocab_size")  # with model.pretrained: the pretrained vocabulary (conf/model/hf.yaml)
+        fixed = f"model.pretrained={m.pretrained}" if m.get("pretrained") else None
 
         def windows(path: str) -> TokenWindows:
-            return TokenWindows(path, m.seq_len, d.dtype, vocab_size=vocab)
+            return TokenWindows(path, m.seq_len, d.dtype, vocab_size=vocab, vocab_of=fixed)
 
         return windows(d.path), windows(d.eval_path) if d.eval_path else None
     if d.name == "digits":

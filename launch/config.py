@@ -216,6 +216,15 @@ def register() -> None:
         cs.store(group=group, name=name, node=node)
     if not OmegaConf.has_resolver("run_id"):
         OmegaConf.register_new_resolver("run_id", _run_id, use_cache=True)
+    if not OmegaConf.has_resolver("hf_pretrained"):
+        OmegaConf.register_new_resolver("hf_pretrained", _hf_pretrained, use_cache=True)
+
+
+def _hf_pretrained(path: str | None, key: str, default: int) -> int:
+    """``${hf_pretrained:${.pretrained},vocab_size,64}``: the pretrained model's own size, else the default."""
+    from launch.hf import pretrained_default  # transformers only when a pretrained directory is named
+
+    return pretrained_default(path, key, default)
 
 
 CHOICES = {
@@ -407,9 +416,11 @@ def _check_combinations(cfg: DictConfig, world_size: int) -> None:
             f"trainer.grad_accum={t.grad_accum}; change data.batch_size or trainer.grad_accum."
         )
     if m.name == "hf" and m.pretrained:
-        from launch.hf import check_pretrained
+        from launch.hf import check_pretrained, check_pretrained_sizes
 
         check_pretrained(m.pretrained)
+        if _importable("transformers"):  # else check_extras names the extra
+            check_pretrained_sizes(m)
     if d.name == "multitask":
         total = sum(task.weight for task in d.tasks.values())
         for name, task in d.tasks.items():

@@ -340,12 +340,22 @@ class TokenWindows(Dataset):
         seq_len: tokens per window (the model's ``seq_len``); a last partial window is dropped.
         dtype: ``"uint16"`` (nanoGPT's default, vocabularies up to 65536) or ``"uint32"``.
         vocab_size: if given, every id must be below it (checked once, with one pass over the file).
+        vocab_of: what ``vocab_size`` is the vocabulary of, when it is fixed (``"model.pretrained=DIR"``):
+            the error then asks for another file, not a larger ``model.vocab_size``.
 
     Raises:
         ConfigError: a missing or ill-sized file, a bad dtype, no complete window, or an id out of range.
     """
 
-    def __init__(self, path: str, seq_len: int, dtype: str = "uint16", vocab_size: int | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        seq_len: int,
+        dtype: str = "uint16",
+        vocab_size: int | None = None,
+        *,
+        vocab_of: str | None = None,
+    ) -> None:
         import numpy as np  # torch's optional numpy; needed for memory-mapped token files only
 
         if dtype not in TOKEN_DTYPES:
@@ -366,6 +376,11 @@ class TokenWindows(Dataset):
             )
         self._ids: Any = None
         if vocab_size is not None and (top := int(self._memmap().max())) >= vocab_size:
+            if vocab_of is not None:  # a pretrained vocabulary cannot grow: the file is the one to change
+                raise ConfigError(
+                    f"token file {path} has token id {top} >= {vocab_size}, the vocabulary of {vocab_of}; "
+                    f"write the file with that model's tokenizer (scripts/make_tokens.py --tokenizer DIR)."
+                )
             raise ConfigError(
                 f"token file {path} has token id {top} >= model.vocab_size={vocab_size}; "
                 f"set model.vocab_size={top + 1} or more (or check data.dtype)."

@@ -185,6 +185,27 @@ def write_tiny_gpt2(path: Path) -> Path:
     return path
 
 
+def write_tiny_llama(path: Path, *, vocab_size: int = 256, context: int = 32) -> Path:
+    """A tiny Llama of ``vocab_size`` tokens and ``context`` positions, saved with ``save_pretrained`` from a
+    config (no download). Llama has no dropout, so 2 ranks can match one process."""
+    import transformers
+
+    torch.manual_seed(321)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=context,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
 def assert_saved_adapter(run_dir: Path, pretrained: str | Path, trained: dict[str, torch.Tensor]) -> None:
     """``run_dir/hf/`` of a LoRA run from ``pretrained``: the adapter loads with peft onto the pretrained base and
     is the trained one (``trained``: the run's final parameters), the base stayed the pretrained one, and the
