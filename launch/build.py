@@ -103,8 +103,11 @@ def task_data(node: DictConfig) -> DictConfig:
     return node if schema is None else OmegaConf.merge(OmegaConf.structured(schema), node)
 
 
-def build_data(d: DictConfig, m: DictConfig, device: torch.device | None = None) -> ShardedLoader | TaskMixLoader:
-    """This rank's loader for ``data=...``: sharded over the ranks, shuffled per epoch, resumable."""
+def build_data(
+    d: DictConfig, m: DictConfig, device: torch.device | None = None, *, allow_reshuffle: bool = False
+) -> ShardedLoader | TaskMixLoader:
+    """This rank's loader for ``data=...``: sharded over the ranks, shuffled per epoch, resumable
+    (``allow_reshuffle``: ``trainer.allow_reshuffle``, see :class:`~distckpt.train.data.ShardedLoader`)."""
     pin = bool(d.pin_memory) and device is not None and device.type == "cuda"
     if d.name == "multitask":
         datasets = {t: build_datasets(task_data(task.data), m) for t, task in d.tasks.items()}
@@ -117,6 +120,7 @@ def build_data(d: DictConfig, m: DictConfig, device: torch.device | None = None)
             num_workers=d.num_workers,
             pin_memory=pin,
             drop_last=d.drop_last,
+            allow_reshuffle=allow_reshuffle,
         )
     train_set, eval_set = build_datasets(d, m)
     return ShardedLoader(
@@ -128,6 +132,7 @@ def build_data(d: DictConfig, m: DictConfig, device: torch.device | None = None)
         pin_memory=pin,
         drop_last=d.drop_last,
         eval_dataset=eval_set,
+        allow_reshuffle=allow_reshuffle,
     )
 
 

@@ -162,6 +162,9 @@ class TrainerConfig:
     on_nonfinite: str = "skip"  # skip | stop
     max_consecutive_skips: int = 10  # skip: stop the run after this many skipped steps in a row (0: no limit)
     task_weights: dict[str, float] = field(default_factory=dict)  # loss = sum of weight * task loss (default 1)
+    # Resume a streamed data set saved on another layout (ranks x data workers) at its global position, although
+    # its order cannot be kept there (samples may repeat or be skipped); false: such a resume is refused.
+    allow_reshuffle: bool = False
     guard_every: int = 0  # distckpt.GradSyncGuard every N steps; 0 = off
     verify_recompute: bool = False  # distckpt.verify_recompute once at start
     progress: bool = True

@@ -173,7 +173,7 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -> Loo
         Path(path).mkdir(parents=True, exist_ok=True)
 
     torch.manual_seed(t.seed)  # the same initial parameters on every rank
-    data = build_data(cfg.data, cfg.model, device)
+    data = build_data(cfg.data, cfg.model, device, allow_reshuffle=t.allow_reshuffle)
     model = build_model(cfg.model, cfg.data)
     example = data.example(t.grad_accum)
     if isinstance(example, TaskBatches):  # data=multitask: the model sees one task's batch per forward
