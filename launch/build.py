@@ -80,6 +80,10 @@ def build_datasets(d: DictConfig, m: DictConfig) -> tuple[Any, Any]:
             return TokenWindows(path, m.seq_len, d.dtype, vocab_size=vocab, vocab_of=fixed)
 
         return windows(d.path), windows(d.eval_path) if d.eval_path else None
+    if d.name == "hf":
+        from launch.hf_data import build_hf_data  # datasets/transformers: the "hf" extra
+
+        return build_hf_data(d, m)
     if d.name == "digits":
         return digits("train", d.n_eval), digits("eval", d.n_eval) if d.n_eval else None
     if m.name == "mlp":
@@ -97,9 +101,9 @@ def build_datasets(d: DictConfig, m: DictConfig) -> tuple[Any, Any]:
 
 def task_data(node: DictConfig) -> DictConfig:
     """A task's ``data`` node of ``data=multitask``, completed with its data group's defaults."""
-    from launch.config import DataConfig, TokensDataConfig
+    from launch.config import DataConfig, HFDataConfig, TokensDataConfig
 
-    schema = {"tokens": TokensDataConfig, "custom": None}.get(node.name, DataConfig)
+    schema = {"tokens": TokensDataConfig, "hf": HFDataConfig, "custom": None}.get(node.name, DataConfig)
     return node if schema is None else OmegaConf.merge(OmegaConf.structured(schema), node)
 
 

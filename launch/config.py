@@ -96,6 +96,18 @@ class TokensDataConfig(DataConfig):
     dtype: str = "uint16"  # uint16 | uint32
 
 
+@dataclass
+class HFDataConfig(DataConfig):
+    name: str = "hf"
+    path: str = MISSING  # a datasets directory (save_to_disk) or local .jsonl/.json/.parquet/.txt files (a glob)
+    eval_path: Optional[str] = None  # the eval split, the same kinds of path; None: no eval split
+    text_field: str = "text"  # the column holding each document's text
+    tokenizer: Optional[str] = None  # a directory written by save_pretrained; None: model.pretrained's
+    streaming: bool = False  # false: tokenize once into a token cache (map-style); true: datasets' streaming
+    shuffle_block: int = 256  # streaming with shuffle: windows shuffled together (the state re-reads one block)
+    cache_dir: Optional[str] = None  # the token cache (streaming=false); None: $DISTCKPT_CACHE or ~/.cache/distckpt
+
+
 # --- strategy, activation checkpointing (the `ac` group), precision --------------------------------------------------
 @dataclass
 class StrategyConfig:
@@ -202,6 +214,7 @@ SCHEMAS: list[tuple[str, str, type]] = [
     ("model", "hf_schema", HFModelConfig),
     ("data", "data_schema", DataConfig),
     ("data", "tokens_schema", TokensDataConfig),
+    ("data", "hf_data_schema", HFDataConfig),
     ("strategy", "strategy_schema", StrategyConfig),
     ("ac", "ac_schema", ACConfig),
     ("precision", "precision_schema", PrecisionConfig),
@@ -233,7 +246,7 @@ def _hf_pretrained(path: str | None, key: str, default: int) -> int:
 CHOICES = {
     "strategy.name": STRATEGIES,
     "strategy.graph": GRAPHS,
-    "data.name": ("synthetic", "digits", "custom", "tokens", "multitask"),
+    "data.name": ("synthetic", "digits", "custom", "tokens", "hf", "multitask"),
     "precision.dtype": ("fp32", "bf16", "fp16"),
     "optim.name": OPTIMIZERS,
     "optim.scheduler": ("constant", "cosine", "linear"),
@@ -296,6 +309,7 @@ RANGES: dict[str, Range] = {
     "data.n": SIZE,
     "data.n_eval": Range(0, why="0: no eval split"),
     "data.noise": PROBABILITY,
+    "data.shuffle_block": Range(1, why="windows shuffled together; 1: no shuffle"),
     "strategy.shard_size": Range(1, why="ranks per shard group; null: the ranks of one node"),
     "ac.n": SIZE,
     "ac.offload_flops_per_byte": Range(0, lo_open=True),
@@ -445,6 +459,21 @@ def _check_combinations(cfg: DictConfig, world_size: int) -> None:
                 f"data=tokens cuts the file into model.seq_len windows: model={m.name} has no "
                 "seq_len (add +model.seq_len=N)."
             )
+    if d.name == "hf":
+        from launch.hf_data import check_source
+
+        for key in ("path", "eval_path"):
+            if d[key] is not None:
+                check_source(d[key])
+        if "seq_len" not in m:
+            raise ConfigError(
+                f"data=hf packs text into model.seq_len windows: model={m.name} has no seq_len (add +model.seq_len=N)."
+            )
+        if not d.tokenizer and not (m.name == "hf" and m.get("pretrained")):
+            raise ConfigError(
+                "data=hf needs a tokenizer: data.tokenizer=DIR (a directory written by save_pretrained), or "
+                "model=hf model.pretrained=DIR, whose tokenizer is the default."
+            )
     if d.name == "digits" and m.name not in ("mlp", "custom"):
         raise ConfigError(f"data=digits is image features: it needs model=mlp (got model={m.name}).")
     if cfg.precision.dtype == "fp16" and not cfg.precision.grad_scaler:
@@ -477,6 +506,8 @@ def _check_combinations(cfg: DictConfig, world_size: int) -> None:
 # Optional packages: (the override that needs it, when, the module, the pyproject extra that installs it).
 EXTRAS: list[tuple[str, Callable[[DictConfig], bool], str, str]] = [
     ("model=hf", lambda c: c.model.name == "hf", "transformers", "hf"),
+    ("data=hf", lambda c: c.data.name == "hf", "datasets", "hf"),
+    ("data=hf", lambda c: c.data.name == "hf", "transformers", "hf"),
     ("data=digits", lambda c: c.data.name == "digits", "sklearn", "launch"),
     ("logger.tensorboard=true", lambda c: bool(c.logger.tensorboard), "tensorboard", "launch"),
     ("logger.wandb=online/offline", lambda c: c.logger.wandb in ("online", "offline"), "wandb", "launch"),

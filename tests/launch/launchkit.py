@@ -206,6 +206,55 @@ def write_tiny_llama(path: Path, *, vocab_size: int = 256, context: int = 32) ->
     return path
 
 
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "seven",
+    "small",
+    "birds",
+    "sing",
+    "in",
+    "tall",
+    "green",
+    "trees",
+]
+
+
+def write_jsonl(path: Path, n: int, *, field: str = "text", seed: int = 0) -> Path:
+    """``n`` documents of a few words each, one JSON object a line: ``{"text": ..., "doc": i}``."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for i in range(n):
+            words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12)))
+            f.write(json.dumps({field: f"doc {i % 10} {words}", "doc": i}) + "\n")
+    return path
+
+
+def write_tokenizer(path: Path) -> Path:
+    """A word-level tokenizer of :data:`WORDS` (and the digits), with ``<eos>``, saved with ``save_pretrained``
+    (built, not downloaded)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    corpus = [" ".join(WORDS), "doc " + " ".join(map(str, range(10)))]
+    raw.train_from_iterator(corpus, trainers.WordLevelTrainer(special_tokens=["[UNK]", "<eos>"]))
+    PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]", eos_token="<eos>").save_pretrained(path)
+    return path
+
+
 def assert_saved_adapter(run_dir: Path, pretrained: str | Path, trained: dict[str, torch.Tensor]) -> None:
     """``run_dir/hf/`` of a LoRA run from ``pretrained``: the adapter loads with peft onto the pretrained base and
     is the trained one (``trained``: the run's final parameters), the base stayed the pretrained one, and the
