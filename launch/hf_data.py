@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import random
+from array import array
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from distckpt.train.data import TokenWindows
 # File suffix -> the packaged `datasets` builder that reads it (no loading script, no Hub).
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
 _TOKENIZE_ROWS = 1000  # documents tokenized per call while writing the token cache
+_STREAM_ROWS = 128  # documents a stream reader reads and tokenizes at a time (one tokenizer call)
 
 
 def text_files(path: str) -> list[str]:
@@ -152,7 +154,8 @@ class _PackedReader:
 
     def __init__(self, text: PackedText, part: Any, index: int) -> None:
         self.text, self.part, self.index = text, part, index
-        self.position: dict[str, Any] = {"source": None, "carry": [], "block": 0, "taken": 0}
+        # carry: the tokens read and not yet in a window, as int32 bytes (the state travels with every batch).
+        self.position: dict[str, Any] = {"source": None, "carry": b"", "block": 0, "taken": 0}
 
     def state_dict(self) -> dict[str, Any]:
         return dict(self.position)
@@ -169,7 +172,7 @@ class _PackedReader:
                 rows = next(docs, None)
                 if rows is None:
                     return windows, True
-                carry.extend(encode(_field(rows, t.field, t.source))[0])
+                carry.extend(i for ids in encode(_field(rows, t.field, t.source)) for i in ids)
             windows.append(carry[: t.seq_len])
             del carry[: t.seq_len]
         return windows, False
@@ -181,11 +184,13 @@ class _PackedReader:
         encode = _encoder(load_tokenizer(t.tokenizer), t.eos)
         if pos["source"] is not None:
             self.part.load_state_dict(pos["source"])
-        docs = iter(self.part.iter(batch_size=1))
-        carry, block, skip = list(pos["carry"]), int(pos["block"]), int(pos["taken"])
+        # Documents a few dozen at a time (one tokenizer call each): the carry holds every token read and not
+        # yet in a window, so the state at a block's start is datasets' state after a whole read plus it.
+        docs = iter(self.part.iter(batch_size=_STREAM_ROWS))
+        carry, block, skip = array("i", pos["carry"]).tolist(), int(pos["block"]), int(pos["taken"])
         source = pos["source"]  # the first block's start: before iterating, datasets' state is not yet live
         while True:
-            start = {"source": source, "carry": list(carry), "block": block}
+            start = {"source": source, "carry": array("i", carry).tobytes(), "block": block}
             windows, ended = self._windows(docs, carry, encode)
             order = list(range(len(windows)))
             if t.shuffle_block > 1:

@@ -32,7 +32,7 @@ from torch.utils.data._utils.collate import default_collate
 
 from distckpt._dist import rank_world
 from distckpt.errors import ConfigError, ResumeError
-from distckpt.train.streams import RankShard, StreamReaders, can_shard, open_reader
+from distckpt.train.streams import RankShard, StreamReaders, can_shard, open_reader, reader_collate
 
 __all__ = [
     "DictDataset",
@@ -225,7 +225,7 @@ class ShardedLoader:
             if dataset is self.dataset and self._readers is not None:
                 per_rank = self.batch_size // self.world_size
                 readers = self._readers.dataset(dataset, per_rank, self.rank, self.world_size)
-                return DataLoader(readers, batch_size=None, **self._common(epoch))
+                return DataLoader(readers, batch_size=None, collate_fn=reader_collate, **self._common(epoch))
             shard = RankShard(dataset, self.batch_size, self.rank, self.world_size, skip=start)
             return DataLoader(shard, batch_size=self.batch_size // self.world_size, **self._common(epoch))
         sampler = GlobalBatchSampler(

@@ -30,7 +30,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
-__all__ = ["RankShard", "StreamReaders", "can_shard", "open_reader"]
+__all__ = ["RankShard", "StreamReaders", "can_shard", "open_reader", "reader_collate"]
 
 Batch = dict[str, torch.Tensor]
 
@@ -64,6 +64,12 @@ class _HFReader:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.part.load_state_dict(sd)
+
+
+def reader_collate(item: Any) -> Any:
+    """The DataLoader's ``collate_fn`` for the readers' ready-made batches: ``batch_size=None`` otherwise runs
+    ``default_convert`` over every item, the reader's state included (measured: a third of the read time)."""
+    return item
 
 
 def open_reader(ds: Any, rank: int, world_size: int, worker: int, num_workers: int) -> Any:
