@@ -24,6 +24,7 @@ from distckpt.apply.recompute import (
     EAGER_RUN,
     CheckpointOptions,
     cache_positions,
+    eager_reason,
     prepare_eager_run,
     run_checkpointed,
     stateful_norms,
@@ -41,6 +42,10 @@ logger = logging.getLogger("distckpt")
 # Prefixes that wrappers insert into FQNs; checkpointed() reports names as in the user's model.
 _WRAPPER_NAMES = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
 
+# Keys of per-block compile (distckpt.apply.compile): the model's record of its options, a block's compiled state.
+_COMPILE = "_distckpt_compile"
+_COMPILED = "_distckpt_compiled"
+
 
 class _CheckpointedMixin:
     """Base inserted in front of a block's class; see the module docstring."""
@@ -51,18 +56,29 @@ class _CheckpointedMixin:
     _distckpt_disabled: int = 0
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        inner = super().forward  # type: ignore[misc]
+        inner = super().forward
+        compiled = self.__dict__.get(_COMPILED)  # set by distckpt.apply.compile.compile_blocks
+        compiling = torch.compiler.is_compiling()  # inside a compiled model (or a compiled block: not here)
         if self._distckpt_disabled or not torch.is_grad_enabled():
             # Nothing is saved for backward without grad (eval, inference): run the block as is,
             # a KV cache included.
-            return inner(*args, **kwargs)
+            return (
+                compiled.forward(self, args, kwargs)
+                if compiled is not None and not compiling
+                else inner(*args, **kwargs)
+            )
         args, kwargs = without_cache(self, args, kwargs)
-        if (self._distckpt_norms or not self._distckpt_options.recompute) and torch.compiler.is_compiling():
-            # A compiled recompute would update BatchNorm running stats a second time (measured), and
-            # dynamo cannot trace the context that prevents it: such blocks run eagerly (a graph break).
-            # So do offloaded blocks: their saved-tensor hooks must see the eager forward's tensors.
-            return EAGER_RUN[0](self, inner, self._distckpt_options, args, kwargs)
-        return run_checkpointed(self, inner, self._distckpt_options, args, kwargs)
+        opts = self._distckpt_options
+        if compiling:
+            if eager_reason(self):
+                # Checkpointing dynamo cannot trace faithfully runs eagerly (a graph break, with one warning).
+                return EAGER_RUN[0](self, inner, opts, args, kwargs)
+            return run_checkpointed(self, inner, opts, args, kwargs)
+        if compiled is not None:
+            if eager_reason(self):
+                return run_checkpointed(self, compiled.inner(self), opts, args, kwargs)  # compiled forward only
+            return compiled.traced(self, args, kwargs)  # checkpoint and forward in one graph
+        return run_checkpointed(self, inner, opts, args, kwargs)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         # The checkpointed class is made at run time, so pickle cannot find it by name: pickle the
@@ -284,6 +300,9 @@ def wrap(
         pol = dataclasses.replace(pol, selective=False)  # reentrant checkpoint takes no op-level policy
     _refuse_parallel(model)
     _foreign_checkpointing(model)
+    compiled = model.__dict__.get(_COMPILE)  # compile_blocks ran before: compile again after this choice
+    if compiled is not None:
+        compiled.remove(model)
 
     candidates = find_blocks(model, blocks)
     replaced = unwrap(model, [m for _, m in candidates])
@@ -310,6 +329,8 @@ def wrap(
     # FSDP/FSDP2 make every candidate block a unit, checkpointed or not (parallelize reads this).
     model.__dict__[_BLOCKS] = tuple(m for _, m in candidates)
     if pol is None:
+        if compiled is not None:
+            compiled.apply(model)
         return model
     opts = CheckpointOptions(reentrant, preserve_rng_state, offload, context_fn)
     if isinstance(pol, Budget):
@@ -317,7 +338,9 @@ def wrap(
         model.__dict__[_BUDGET] = _BudgetRecord(pol, candidates, opts, example_inputs)
     if example_inputs is None and isinstance(pol, Budget):
         # No sample batch: profile on the first training forward, with its inputs.
-        handle = model.register_forward_pre_hook(_plan_on_first_forward, with_kwargs=True)
+        # Disabled for dynamo: under torch.compile(model) the plan (a profile of the model) runs eagerly, a graph
+        # break before the first forward; traced, it crashed dynamo (measured, torch 2.13).
+        handle = model.register_forward_pre_hook(torch.compiler.disable(_plan_on_first_forward), with_kwargs=True)
         model._distckpt_pending_plan = handle
         return model
     _apply_plan(model, pol, candidates, opts, example_inputs)
@@ -363,6 +386,9 @@ def _world_size() -> int:
 def _apply_plan(
     model: nn.Module, pol: Policy, candidates: list[tuple[str, nn.Module]], opts: CheckpointOptions, example_inputs: Any
 ) -> None:
+    compiled = model.__dict__.get(_COMPILE)
+    if compiled is not None:
+        compiled.remove(model)  # a plan profiles the blocks uncompiled; compiled again below, in their new modes
     record: _BudgetRecord | None = model.__dict__.get(_BUDGET)
     world = _world_size()
     if record is not None and record.handed_over is not None:
@@ -383,7 +409,7 @@ def _apply_plan(
         )
         block._distckpt_norms = stateful_norms(block)  # found once, not on every forward
         block._distckpt_cache_slots = cache_positions(type(block)._distckpt_orig_class)
-        if block._distckpt_norms or mode == "offload":
+        if eager_reason(block):
             prepare_eager_run()
     counts = (
         ", ".join(f"{sum(m == k for m in modes.values())} {k}" for k in CHECKPOINT_MODES[1:] if k in modes.values())
@@ -392,6 +418,8 @@ def _apply_plan(
     logger.info(
         "distckpt.apply.wrap: policy %s checkpoints %d of %d blocks (%s)", pol, len(modes), len(candidates), counts
     )
+    if compiled is not None:
+        compiled.apply(model)
 
 
 def _mode_context_fn(mode: str, opts: CheckpointOptions, made: dict[str, Any]) -> Any:
