@@ -330,13 +330,14 @@ def stop_recomputation_error() -> type:
 
 def dynamo_trace_errors() -> tuple[type, ...]:
     """What ``torch.compile(fullgraph=True)`` raises when it cannot trace a function in one graph: a graph break
-    (``torch._dynamo.exc.Unsupported``) or data-dependent control flow (``GuardOnDataDependentSymNode``, e.g. an
-    expert that runs only when a token chose it). Per-block compile turns them into a ConfigError naming the block
-    and the fix. No public name for the first. torch 2.13."""
-    from torch._dynamo.exc import Unsupported
+    (``torch._dynamo.exc.Unsupported``), data-dependent control flow (``GuardOnDataDependentSymNode``, e.g. an expert
+    that runs only when a token chose it; ``UserError`` when that happens inside the checkpoint's higher-order op),
+    or a checkpoint body dynamo could not capture (``UncapturedHigherOrderOpError``). Per-block compile turns them
+    into a ConfigError naming the block and the fix. Measured, torch 2.13; no public names for them."""
+    from torch._dynamo.exc import UncapturedHigherOrderOpError, Unsupported, UserError
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-    return Unsupported, GuardOnDataDependentSymNode
+    return Unsupported, UserError, UncapturedHigherOrderOpError, GuardOnDataDependentSymNode
 
 
 @contextlib.contextmanager
