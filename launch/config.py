@@ -102,6 +102,9 @@ class StrategyConfig:
     name: str = "ddp"  # none | ddp | fsdp | fsdp2 | hsdp
     graph: str = "auto"  # auto | static | dynamic (distckpt.parallelize)
     shard_size: Optional[int] = None  # hsdp: ranks per shard group; None: LOCAL_WORLD_SIZE (one node's ranks)
+    # torch.compile backend for each block, after checkpointing and before sharding (parallelize's compile=), e.g.
+    # inductor or aot_eager; None: no compile
+    compile: Optional[str] = None
 
 
 @dataclass
@@ -336,6 +339,26 @@ def _check_ranges(cfg: DictConfig) -> None:
             )
 
 
+def _validate_compile(strategy: DictConfig) -> None:
+    backend = strategy.get("compile")
+    if backend is None:
+        return
+    import torch
+
+    known = torch.compiler.list_backends(exclude_tags=())
+    if backend not in known:
+        raise ConfigError(
+            f"strategy.compile={backend!r} is not a torch.compile backend; use one of {', '.join(sorted(known))} "
+            "(inductor is torch.compile's default), or strategy.compile=null for no compile."
+        )
+
+
+def compile_kwargs(strategy: DictConfig) -> dict[str, Any]:
+    """``parallelize``'s ``compile=`` for ``strategy.compile`` (each block compiled with that backend), or nothing."""
+    backend = strategy.get("compile")
+    return {} if backend is None else {"compile": {"backend": backend}}
+
+
 def shard_size(strategy: DictConfig, world_size: int) -> int | None:
     """``strategy.shard_size`` under ``strategy=hsdp``, by default ``LOCAL_WORLD_SIZE`` (the ranks of one
     node; before torchrun sets it, the whole job: one node); None for the other strategies."""
@@ -444,6 +467,7 @@ def _check_combinations(cfg: DictConfig, world_size: int) -> None:
             "use precision=bf16 (autocast) instead."
         )
     _validate_shard_size(cfg.strategy, world_size)
+    _validate_compile(cfg.strategy)
     try:  # the library's own rule for these settings, so --check and parallelize agree
         check_run(s, reentrant=cfg.ac.reentrant, graph=cfg.strategy.graph, accumulate=t.grad_accum > 1)
     except ConfigError as e:
