@@ -17,9 +17,10 @@ and input shapes, not one per block), so a deep copy of the model calls them wit
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -38,7 +39,7 @@ from distckpt.apply.wrap import (
 )
 from distckpt.errors import ConfigError
 
-__all__ = ["CompileOptions", "apply_compile", "compile_blocks", "compile_options", "compiled_blocks"]
+__all__ = ["CompileOptions", "apply_compile", "compile_blocks", "compile_options", "compiled_blocks", "uncompiled"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +175,8 @@ class _ModelCompile:
 
     def apply(self, model: nn.Module) -> None:
         self.remove(model)
+        if pending_plan(model):
+            return  # a budget still to be planned at the first forward: its plan compiles the blocks it chose
         for name, block in candidate_blocks(model):
             if "forward" in vars(block):
                 raise ConfigError(
@@ -244,9 +247,25 @@ def apply_compile(model: nn.Module, options: CompileOptions) -> nn.Module:
         )
     record = _ModelCompile(options)
     model.__dict__[_COMPILE] = record
-    if not pending_plan(model):  # else the plan, at the first forward, applies it
-        record.apply(model)
+    record.apply(model)
     return model
+
+
+@contextlib.contextmanager
+def uncompiled(model: nn.Module) -> Iterator[None]:
+    """Inside, the blocks of ``model`` run uncompiled (``verify_recompute`` records each op of a block's forward and
+    of its recompute through hooks that dynamo cannot trace, and what it checks is the checkpointing)."""
+    # The model compile_blocks saw: ``model`` itself, or the module inside a DDP/FSDP wrapper.
+    owner = next((m for m in model.modules() if _COMPILE in m.__dict__), None)
+    if owner is None:
+        yield
+        return
+    record = owner.__dict__[_COMPILE]
+    record.remove(owner)
+    try:
+        yield
+    finally:
+        record.apply(owner)
 
 
 def compiled_blocks(model: nn.Module) -> list[str]:

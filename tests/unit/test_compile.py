@@ -306,6 +306,15 @@ def test_wrap_again_compiles_the_new_modes():
     assert compiled_blocks(model) == []
 
 
+def test_verify_recompute_checks_the_checkpointing_of_compiled_blocks():
+    # Its op recording cannot be traced: it runs the blocks uncompiled, then they are compiled again.
+    model = compile_blocks(distckpt.wrap(Net(), "every:2"), backend=BACKEND)
+    x = torch.randn(6, 4)
+    report = distckpt.verify_recompute(model, lambda m: m(x).pow(2).mean())
+    assert report.ok and report.blocks == ["layers.0", "layers.2"], report
+    assert len(compiled_blocks(model)) == 4
+
+
 def test_refusals():
     with pytest.raises(ConfigError, match="found no blocks to compile"):
         compile_blocks(nn.Sequential(nn.Linear(2, 2)), backend=BACKEND)
