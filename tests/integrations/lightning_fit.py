@@ -7,16 +7,30 @@ The pool's ranks already hold a gloo group and torchrun's variables, so Lightnin
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from patterns import PATTERNS, full_grads, full_params, make_optimizer, micro_batches, sequential
+from lightning.pytorch.strategies import DDPStrategy
+from patterns import (
+    PATTERNS,
+    Block,
+    HeadBlock,
+    LoraBlock,
+    MoELayer,
+    full_grads,
+    full_params,
+    make_optimizer,
+    micro_batches,
+    sequential,
+)
 from patterns import build as build_net
 
 import distckpt
+from benchmarks.integrations_lightning import cpu_fsdp_strategy
 from distckpt.integrations.lightning import DistckptDDPStrategy, DistckptFSDPStrategy
 
 STEPS = 3
@@ -122,6 +136,36 @@ def _batches(name: str, rank: int, world: int, manual: bool) -> list[Any]:
     return steps if manual else [x for xs in steps for x in xs]
 
 
+# Lightning's own ways, without distckpt (docs/integrations.md's table): its DDPStrategy with PyTorch's
+# checkpoint_wrapper on the blocks (Lightning has no checkpointing option for DDP: configure_model does this), the
+# same with the find_unused_parameters=True that Lightning's error message suggests, and FSDPStrategy's own
+# activation_checkpointing_policy (one unit per block).
+OWN = ("ddp", "ddp_find_unused_parameters_true", "fsdp")
+
+
+def _block_types() -> set[type]:
+    return {Block, LoraBlock, HeadBlock, MoELayer}
+
+
+def own_strategy(own: str, lm: pl.LightningModule, reentrant: bool) -> Any:
+    """Lightning's own strategy ``own`` (of OWN) and checkpointing, applied to ``lm`` as a user would."""
+    if own == "fsdp":
+        return cpu_fsdp_strategy(auto_wrap_policy=_block_types(), activation_checkpointing_policy=_block_types())
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    impl = CheckpointImpl.REENTRANT if reentrant else CheckpointImpl.NO_REENTRANT
+    apply_activation_checkpointing(
+        lm.net,
+        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=impl),
+        check_fn=lambda m: isinstance(m, tuple(_block_types())),
+    )
+    return DDPStrategy(find_unused_parameters=own != "ddp")
+
+
 def fit(
     rank: int,
     world: int,
@@ -131,17 +175,25 @@ def fit(
     reentrant: bool = False,
     guard_every: int = 1,
     callbacks: tuple = (),
+    own: str | None = None,
     **options: Any,
 ) -> tuple[list[dict], dict, list[int]]:
-    """``Trainer.fit`` of pattern ``name``: (per-step grads, final params, gradient reductions per batch)."""
+    """``Trainer.fit`` of pattern ``name``: (per-step grads, final params, gradient reductions per batch).
+    ``own``: Lightning's own strategy and checkpointing instead of distckpt's (one of OWN; ``strategy`` then
+    says which of "ddp"/"fsdp" it is)."""
     pattern = PATTERNS[name]
     manual = pattern.schedule is not sequential
     env = dict(os.environ)
     rec = _Record(strategy)
+    lm = PatternModule(name, manual=manual)
+    if own is None:
+        chosen = STRATEGIES[strategy](blocks=pattern.blocks, reentrant=reentrant, guard_every=guard_every, **options)
+    else:
+        chosen = own_strategy(own, lm, reentrant)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world,
-        strategy=STRATEGIES[strategy](blocks=pattern.blocks, reentrant=reentrant, guard_every=guard_every, **options),
+        strategy=chosen,
         max_steps=STEPS,
         accumulate_grad_batches=1 if manual else pattern.micro_batches,
         use_distributed_sampler=False,
@@ -153,7 +205,6 @@ def fit(
         callbacks=[rec, *callbacks],
         default_root_dir=f"/tmp/distckpt-lightning-{os.getpid()}",
     )
-    lm = PatternModule(name, manual=manual)
     try:
         trainer.fit(lm, torch.utils.data.DataLoader(_batches(name, rank, world, manual), batch_size=None))
     finally:
