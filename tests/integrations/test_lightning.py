@@ -179,3 +179,43 @@ def _env():
     import os
 
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+# --- what Lightning gives without distckpt (docs/integrations.md's table) ---------------------------------------
+
+
+def _own(rank, world, name, strategy, own, reentrant=False):
+    """Lightning's own strategy and checkpointing: ("ok", grads, params, reductions) or ("error", type, first line)."""
+    try:
+        return ("ok", *lf.fit(rank, world, name, strategy, own=own, reentrant=reentrant, guard_every=0))
+    except Exception as e:  # noqa: BLE001 - what Lightning raises is the measurement
+        return ("error", type(e).__name__, str(e).strip().splitlines()[0])
+
+
+def _differs(out, name):
+    with pytest.raises(AssertionError):
+        assert_matches([o[1:3] for o in out], _reference(name))
+
+
+@pytest.mark.slow  # measurements of Lightning itself, not of distckpt (whose cases run by default above)
+@pytest.mark.dist
+def test_lightning_own_checkpointing_table(dist_pool):
+    run = dist_pool.run
+    # DDPStrategy() + checkpoint_wrapper: a head unused on some rank stops the run at the next step.
+    out = run(_own, "by_rank", "ddp", "ddp", timeout=120)
+    assert all(o[0] == "error" and "not used in producing the loss" in o[2] for o in out), out
+    # find_unused_parameters=True: exact with non-reentrant blocks; with reentrant ones, an error or no gradient.
+    out = run(_own, "two_forwards", "ddp", "ddp_find_unused_parameters_true", timeout=120)
+    assert_matches([o[1:3] for o in out], _reference("two_forwards"))
+    out = run(_own, "two_forwards", "ddp", "ddp_find_unused_parameters_true", True, timeout=120)
+    assert all(o[0] == "error" and "mark a variable ready only once" in o[2] for o in out), out
+    out = run(_own, "frozen_embed", "ddp", "ddp_find_unused_parameters_true", True, timeout=120)
+    assert out[0][0] == "ok" and out[0][1][0]["blocks.0.fc1.weight"] is None  # silently no gradient
+    # FSDPStrategy's own checkpointing: zero gradients where a single process has none (silently wrong with AdamW),
+    # wrong values with a gradient penalty, and a sync on every micro-batch of accumulate_grad_batches.
+    for name in ("sampled", "grad_penalty"):
+        out = run(_own, name, "fsdp", "fsdp", timeout=120)
+        assert all(o[0] == "ok" for o in out), out
+        _differs(out, name)
+    out = run(_own, "accumulate", "fsdp", "fsdp", timeout=120)
+    assert all(n > 0 for n in out[0][3]), out[0][3]
