@@ -31,23 +31,30 @@ class _Distckpt:
     model: nn.Module | None
     lightning_module: pl.LightningModule | None
 
-    def _distckpt_options(
-        self, policy: Any, blocks: Any, reentrant: bool, graph: str, guard_every: int, lightning_ac: bool
+    def __init__(
+        self,
+        policy: Any = "full",
+        *,
+        blocks: Any = None,
+        reentrant: bool = False,
+        graph: str = "auto",
+        guard_every: int = 0,
+        **kwargs: Any,
     ) -> None:
-        if lightning_ac:
-            raise ConfigError(
-                "activation_checkpointing_policy (Lightning's checkpointing) and distckpt's policy would checkpoint "
-                "the blocks twice, and Lightning's is not kept in sync under data parallelism. Drop "
-                "activation_checkpointing_policy and choose the blocks with policy= and blocks=."
-            )
+        self._refuse(kwargs)
         if not isinstance(guard_every, int) or isinstance(guard_every, bool) or guard_every < 0:
             raise ConfigError(
                 f"guard_every={guard_every!r}: an int >= 0 (0 turns GradSyncGuard off, N checks every N)."
             )
         check_graph(graph)
+        super().__init__(**kwargs)  # Lightning's strategy
         self._policy, self._blocks, self._reentrant = policy, blocks, reentrant
         self._graph, self._guard_every = graph, guard_every
         self._guard: distckpt.GradSyncGuard | None = None
+
+    @staticmethod
+    def _refuse(kwargs: dict[str, Any]) -> None:
+        """Lightning options that contradict distckpt's (none under DDP)."""
 
     def _checkpoint(self, model: nn.Module) -> None:
         """``distckpt.wrap`` the blocks, unless ``policy=None`` keeps the model's own distckpt checkpointing."""
@@ -131,19 +138,6 @@ class DistckptDDPStrategy(_Distckpt, DDPStrategy):
         ConfigError: bad options; at ``fit``: what ``distckpt.wrap`` and ``distckpt.parallelize`` refuse.
     """
 
-    def __init__(
-        self,
-        policy: Any = "full",
-        *,
-        blocks: Any = None,
-        reentrant: bool = False,
-        graph: str = "auto",
-        guard_every: int = 0,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(**kwargs)
-        self._distckpt_options(policy, blocks, reentrant, graph, guard_every, lightning_ac=False)
-
     def _setup_model(self, model: nn.Module) -> nn.Module:
         # Lightning calls this when fitting only (configure_ddp): the LightningModule, on its device.
         return self._parallelize(model, "ddp", dict(self._ddp_kwargs))
@@ -173,24 +167,19 @@ class DistckptFSDPStrategy(_Distckpt, FSDPStrategy):
         ConfigError: bad options; at ``fit``: what ``distckpt.wrap`` and ``distckpt.parallelize`` refuse.
     """
 
-    def __init__(
-        self,
-        policy: Any = "full",
-        *,
-        blocks: Any = None,
-        reentrant: bool = False,
-        graph: str = "auto",
-        guard_every: int = 0,
-        **kwargs: Any,
-    ) -> None:
-        lightning_ac = bool(kwargs.get("activation_checkpointing_policy") or kwargs.get("activation_checkpointing"))
+    @staticmethod
+    def _refuse(kwargs: dict[str, Any]) -> None:
+        if kwargs.get("activation_checkpointing_policy") or kwargs.get("activation_checkpointing"):
+            raise ConfigError(
+                "activation_checkpointing_policy (Lightning's checkpointing) and distckpt's policy would checkpoint "
+                "the blocks twice, and Lightning's is not kept in sync under data parallelism. Drop "
+                "activation_checkpointing_policy and choose the blocks with policy= and blocks=."
+            )
         if kwargs.get("auto_wrap_policy") is not None:
             raise ConfigError(
                 "auto_wrap_policy is set by distckpt (one FSDP unit per block, so checkpointing sits inside the units, "
                 "pytorch#82203). Drop it, and choose the blocks with blocks=."
             )
-        super().__init__(**kwargs)
-        self._distckpt_options(policy, blocks, reentrant, graph, guard_every, lightning_ac=lightning_ac)
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
