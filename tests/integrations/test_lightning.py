@@ -27,6 +27,14 @@ ROOT = Path(__file__).resolve().parents[2]
 _REF: dict = {}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_worker():
+    """Module-scoped: tests/conftest.py's scheduler keeps this file's tests on one xdist worker, so Lightning is
+    imported by one pair of pool ranks, not two."""
+    yield
+    _REF.clear()
+
+
 def _reference(name):
     if name not in _REF:
         _REF[name] = reference(PATTERNS[name], world_size=2, steps=lf.STEPS)
