@@ -82,7 +82,7 @@ class _Distckpt:
     @contextlib.contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         """No gradient sync on this micro-batch (``accumulate_grad_batches``, ``toggle_model(sync_grad=False)``):
-        ``distckpt.accumulate``, which FSDP gets too (Lightning's own syncs FSDP on every micro-batch)."""
+        ``distckpt.accumulate``, so distckpt's bookkeeping skips the reduction too and refuses what cannot skip it."""
         if self._sync_state() is None:  # not parallelized by distckpt (not fitting)
             yield
             return
