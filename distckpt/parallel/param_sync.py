@@ -272,6 +272,35 @@ class SyncState:
                 if unit is self.units[-1] and self.strategy != "ddp":
                     self._check_units_ran()
 
+    def join_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The root's join on ``loss``, for a backward that runs inside the root's own forward (Lightning's
+        manual optimization: ``training_step`` is the DDP forward, ``manual_backward`` runs in it, before the
+        root's forward hook could join). Call it right before that backward, with DDP's
+        ``require_backward_grad_sync`` as it will be read by the reducer's ``prepare_for_backward``.
+
+        Args:
+            loss: the tensor about to be backwarded.
+
+        Returns:
+            ``loss`` with every parameter of the root joined (the value is unchanged).
+
+        Raises:
+            ConfigError: under FSDP/FSDP2, whose root parameters are joined in their unit's forward only.
+        """
+        ddp = self._ddp() if self._ddp is not None else None
+        if ddp is None:
+            raise ConfigError(
+                f"a backward inside the model's own forward (Lightning's manual optimization) under {self.strategy}: "
+                "FSDP joins the root's parameters in the root's forward, which has not returned yet. Use DDP, or "
+                "automatic optimization (return the loss from training_step)."
+            )
+        root, k = self.units[-1], len(self.units) - 1
+        self._pre_forward(root, k)  # a record of its own: its window is the one this backward reduces
+        # Each such backward re-arms the reducer (prepare_for_backward) unless inside no_sync: this one reduces
+        # everything accumulated so far, so no earlier forward of the window is left unsynchronized.
+        self._armed = bool(ddp.require_backward_grad_sync)
+        return self._post_forward(root, loss)
+
     def _check_units_ran(self) -> None:
         """FSDP: every block unit runs in each forward. One that some forward skips while others run
         (an expert, a routed or sampled module) makes ranks pair the all-gathers of different units:
