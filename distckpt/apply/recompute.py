@@ -108,7 +108,7 @@ def without_cache(
 
 
 def stateful_norms(module: nn.Module) -> list[nn.Module]:
-    return [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats]
+    return [m for m in module.modules() if isinstance(m, compat.norm_base_class()) and m.track_running_stats]
 
 
 @contextlib.contextmanager

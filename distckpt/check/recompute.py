@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint as tuc
 
+from distckpt import _torch_compat as compat
 from distckpt._dist import local_shard as _local
 from distckpt._dist import unwrap_ddp as _inner
 from distckpt.apply.wrap import _clean_fqn, checkpoint_mode, checkpointing_disabled, is_checkpointed
@@ -345,7 +346,7 @@ def _owner_kind(model: nn.Module, buffer_fqn: str) -> str:
         mod = model.get_submodule(owner) if owner else model
     except AttributeError:
         return "buffer"
-    return "batchnorm" if isinstance(mod, nn.modules.batchnorm._NormBase) else "buffer"
+    return "batchnorm" if isinstance(mod, compat.norm_base_class()) else "buffer"
 
 
 def _scalar(loss: Any) -> torch.Tensor:

@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_map
 
 from distckpt import _torch_compat as compat
 from distckpt.errors import ConfigError
@@ -197,7 +196,7 @@ def _resize(batch: Any, micro_batch: int | None, seq_len: int | None) -> Any:
             shape[1] = seq_len
         return t.new_zeros(shape) if shape != list(t.shape) else t
 
-    return tree_map(resize, batch)
+    return compat.tree_map(resize, batch)
 
 
 class _LossModule(nn.Module):
@@ -331,7 +330,9 @@ def estimate_profile(model: nn.Module, blocks: list[tuple[str, nn.Module]], exam
     if key not in cache:
         mode = compat.fake_mode()
         with _fake_tensors(model, mode):
-            fake_inputs = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, (args, kwargs))
+            fake_inputs = compat.tree_map(
+                lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, (args, kwargs)
+            )
             with mode:
                 mp, _ = _trace(model, model, blocks, _profile.Call(*fake_inputs))
         cache[key] = _profile._agree(mp)

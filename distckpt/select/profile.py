@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten
 
+from distckpt import _torch_compat as compat
 from distckpt.errors import ConfigError
 from distckpt.select.recompute_passes import _recompute_profile
 from distckpt.select.recorder import (
@@ -310,7 +310,7 @@ def _as_args(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
 
 
 def _signature(value: Any) -> Any:
-    leaves, spec = tree_flatten(value)
+    leaves, spec = compat.tree_flatten(value)
     return str(spec), tuple(
         (tuple(t.shape), t.dtype, str(t.device)) if isinstance(t, torch.Tensor) else repr(t) for t in leaves
     )
