@@ -328,7 +328,7 @@ def stop_recomputation_error() -> type:
     """The exception non-reentrant checkpoint raises to stop a recompute early
     (``torch.utils.checkpoint._StopRecomputationError``): a recompute context exits with it when
     backward has every saved tensor, and the op-level policies learn how far it got
-    (:class:`distckpt.select.selective._Reach`). No public name for it. torch 2.13."""
+    (:class:`distckpt.runtime.selective._Reach`). No public name for it. torch 2.13."""
     from torch.utils.checkpoint import _StopRecomputationError
 
     return _StopRecomputationError
