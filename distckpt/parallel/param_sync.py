@@ -36,7 +36,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd.graph import get_gradient_edge
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from distckpt import _torch_compat as compat
 from distckpt.errors import ConfigError, GradDesyncError
@@ -246,7 +245,7 @@ class SyncState:
         rec = self._current
         closes = unit is self._owner
         try:
-            flat, spec = tree_flatten(out)
+            flat, spec = compat.tree_flatten(out)
             idx = [k for k, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
             if not idx:
                 return out
@@ -264,7 +263,7 @@ class SyncState:
                 flat[k] = _Participate.apply(self, rec, keys, flat[k], *tensors)
                 if closes:
                     rec.roots.append(weakref.ref(flat[k].grad_fn))
-            return tree_unflatten(flat, spec)
+            return compat.tree_unflatten(flat, spec)
         finally:
             if closes:
                 rec.visited = set()
