@@ -23,15 +23,24 @@ __all__ = [
     "fake_mode",
     "is_plain_backward",
     "mem_tracker",
+    "mem_tracker_merge_peak",
+    "mem_tracker_peak_snapshot",
+    "mem_tracker_restart_peak",
     "mem_tracker_states",
+    "norm_base_class",
     "op_overload_types",
+    "outside_fake_mode",
     "queue_after_backward",
-    "sdpa_flop_count_fns",
     "saved_tensors_of",
+    "sdpa_flop_count_fns",
     "stop_recomputation_error",
     "storage_id",
     "to_local",
     "torch_dispatch_mode",
+    "tree_flatten",
+    "tree_map",
+    "tree_unflatten",
+    "version",
     "will_execute",
     "writes_grad",
 ]
@@ -322,7 +331,7 @@ def stop_recomputation_error() -> type:
     """The exception non-reentrant checkpoint raises to stop a recompute early
     (``torch.utils.checkpoint._StopRecomputationError``): a recompute context exits with it when
     backward has every saved tensor, and the op-level policies learn how far it got
-    (:class:`distckpt.select.selective._Reach`). No public name for it. torch 2.13."""
+    (:class:`distckpt.runtime.selective._Reach`). No public name for it. torch 2.13."""
     from torch.utils.checkpoint import _StopRecomputationError
 
     return _StopRecomputationError
@@ -354,3 +363,38 @@ def compile_counts() -> Iterator[dict[str, Any]]:
     finally:
         out["graphs"] = counters["stats"]["unique_graphs"] - graphs
         out["breaks"] = {k: v - breaks.get(k, 0) for k, v in counters["graph_break"].items() if v > breaks.get(k, 0)}
+
+
+# torch.utils._pytree: the nested-structure walk torch itself uses (lists, tuples, dicts, namedtuples, and the
+# containers torch and libraries register, such as Hugging Face's ModelOutput). torch 2.13 has no public
+# pytree module; the profile finds a step's tensors with it, the plan makes fake inputs, and the
+# parameter-sync join rebuilds a unit's output around its zero-weight term.
+
+
+def tree_flatten(tree: Any) -> tuple[list[Any], Any]:
+    """The leaves of ``tree`` in torch's order and its structure (``torch.utils._pytree.tree_flatten``). torch 2.13."""
+    from torch.utils import _pytree
+
+    return _pytree.tree_flatten(tree)
+
+
+def tree_unflatten(leaves: list[Any], spec: Any) -> Any:
+    """The structure ``spec`` (from :func:`tree_flatten`) rebuilt around ``leaves``
+    (``torch.utils._pytree.tree_unflatten``). torch 2.13."""
+    from torch.utils import _pytree
+
+    return _pytree.tree_unflatten(leaves, spec)
+
+
+def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """``tree`` with ``fn`` applied to each leaf (``torch.utils._pytree.tree_map``). torch 2.13."""
+    from torch.utils import _pytree
+
+    return _pytree.tree_map(fn, tree)
+
+
+def norm_base_class() -> type:
+    """``torch.nn.modules.batchnorm._NormBase``: the base of every BatchNorm and InstanceNorm (lazy and
+    sync ones included), the modules with running statistics (``track_running_stats``) that a recompute
+    would update a second time (pytorch#96136). No public base class covers them all. torch 2.13."""
+    return torch.nn.modules.batchnorm._NormBase

@@ -26,7 +26,6 @@ from distckpt.train import Callback, LoopOptions, LoopResult, MetricSink, TrainS
 from distckpt.train.data import TaskBatches
 from launch.build import (
     autocast_factory,
-    budget_facts,
     build_data,
     build_model,
     build_optimizer,
@@ -34,7 +33,7 @@ from launch.build import (
     clip_fn,
     parallel_kwargs,
 )
-from launch.config import compile_kwargs, shard_size, validate
+from launch.config import budget_facts, compile_kwargs, shard_size, validate
 from launch.hf import hf_inner, save_hf
 from launch.loggers import build_writers
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from distckpt.apply.wrap import _clean_fqn
+from distckpt.runtime.swap import _clean_fqn
 
 TASKS = ("a", "b", "c")
 D_IN, D = 4, 8

@@ -7,8 +7,8 @@ FSDP2 and of distckpt's zero-weight join would be traced too. Here only what run
 
 - a checkpointed block whose checkpointing dynamo traces faithfully (full, selective, pointwise): the checkpoint
   and the forward, as one graph (the compiler sees what it recomputes);
-- a checkpointed block whose checkpointing it cannot trace (``recompute.eager_reason``: BatchNorm statistics,
-  ``reentrant=True``, offload): its forward, inside an eager checkpoint;
+- a checkpointed block whose checkpointing it cannot trace (``distckpt.runtime.recompute.eager_reason``:
+  BatchNorm statistics, ``reentrant=True``, offload): its forward, inside an eager checkpoint;
 - a block that is not checkpointed: its forward (an instance ``forward`` that calls the compiled one).
 
 The compiled functions take the block as an argument and are shared by every block (one graph per block class
@@ -27,17 +27,10 @@ import torch
 import torch.nn as nn
 
 from distckpt import _torch_compat as compat
-from distckpt.apply.recompute import run_checkpointed
-from distckpt.apply.wrap import (
-    _COMPILE,
-    _COMPILED,
-    _clean_fqn,
-    candidate_blocks,
-    is_checkpointed,
-    parallel_kind,
-    pending_plan,
-)
+from distckpt.apply.wrap import candidate_blocks, parallel_kind, pending_plan
 from distckpt.errors import ConfigError
+from distckpt.runtime.recompute import run_checkpointed
+from distckpt.runtime.swap import _COMPILE, _COMPILED, _clean_fqn, is_checkpointed
 
 __all__ = ["CompileOptions", "apply_compile", "compile_blocks", "compile_options", "compiled_blocks", "uncompiled"]
 

@@ -14,18 +14,12 @@ import torch.nn as nn
 
 from distckpt import _torch_compat as compat
 from distckpt.apply.compile import apply_compile, compile_options, compiled_blocks
-from distckpt.apply.wrap import (
-    _clean_fqn,
-    candidate_blocks,
-    is_checkpointed,
-    parallel_kind,
-    pending_plan,
-    replan_budget,
-)
+from distckpt.apply.wrap import candidate_blocks, parallel_kind, pending_plan, replan_budget
 from distckpt.errors import ConfigError
 from distckpt.options import SHARDED, accumulate_refusal, check_graph, check_strategy, reentrant_refusal
 from distckpt.parallel.mesh import mesh_group, resolve_mesh
 from distckpt.parallel.param_sync import SyncState, _Unit, param_owner
+from distckpt.runtime.swap import _clean_fqn, is_checkpointed
 from distckpt.select.blocks import conditional_reason
 
 __all__ = ["accumulate", "ddp_kwargs", "parallelize", "preflight"]

@@ -706,7 +706,7 @@ def test_hf_padded_batch_cache_off_in_training_exact(family, reentrant, monkeypa
     measured; HF's own checkpointing turns the cache off too)."""
     import sys
 
-    monkeypatch.setattr(sys.modules["distckpt.apply.recompute"], "_WARNED_CACHE", set())
+    monkeypatch.setattr(sys.modules["distckpt.runtime.recompute"], "_WARNED_CACHE", set())
     plain = _tiny_decoder(family)
     wrapped = copy.deepcopy(plain)
     distckpt.wrap(wrapped, reentrant=reentrant)

@@ -2,7 +2,7 @@
 around it (no KV cache, BatchNorm running stats kept, the RNG state, a reentrant runner that never
 drops gradients silently, offload of the saved block inputs), and of one offloaded block (the ``"offload"``
 mode: not recomputed, every tensor its forward saves kept in host memory until its backward).
-``distckpt.apply.wrap`` decides which blocks run through here."""
+``distckpt.apply.wrap`` decides which blocks run through here (the class swap: ``distckpt.runtime.swap``)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch.utils.checkpoint as tuc
 
 from distckpt import _torch_compat as compat
 from distckpt.errors import ConfigError
-from distckpt.select.selective import bind
+from distckpt.runtime.selective import bind
 
 __all__ = [
     "EAGER_RUN",
@@ -109,7 +109,7 @@ def without_cache(
 
 
 def stateful_norms(module: nn.Module) -> list[nn.Module]:
-    return [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats]
+    return [m for m in module.modules() if isinstance(m, compat.norm_base_class()) and m.track_running_stats]
 
 
 @contextlib.contextmanager
