@@ -8,7 +8,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from patterns import PATTERNS, assert_matches, build, full_grads, full_params, make_optimizer, micro_batches, reference
+from patterns import (
+    PATTERNS,
+    assert_matches,
+    build,
+    full_grads,
+    full_params,
+    make_optimizer,
+    reference,
+    train_parallel,
+)
 
 import distckpt
 from distckpt import _torch_compat as compat
@@ -33,16 +42,8 @@ def _train(rank, world_size, name, strategy, policy="full", reentrant=False, com
     distckpt.wrap(model, policy, blocks=pattern.blocks, reentrant=reentrant)
     with compat.compile_counts() as counts:
         pm = distckpt.parallelize(model, strategy, compile=compile)
-        opt = make_optimizer([p for p in pm.parameters() if p.requires_grad])
-        grads = []
-        for step in range(STEPS):
-            opt.zero_grad(set_to_none=True)
-            xs = micro_batches(pattern, step, rank, world_size)
-            pattern.schedule(pm, pattern.loss, xs, step, rank, lambda: distckpt.accumulate(pm), 1.0)
-            grads.append(full_grads(pm, strategy))
-            opt.step()
-    names = (compiled_blocks(pm), distckpt.checkpointed(pm))
-    return (grads, full_params(pm, strategy)), names, counts
+        trained = train_parallel(pm, pattern, strategy, rank, world_size, STEPS)
+    return trained, (compiled_blocks(pm), distckpt.checkpointed(pm)), counts
 
 
 def _check(dist_pool, name, strategy, **kw):
