@@ -89,7 +89,14 @@ def compile_options(spec: Any) -> CompileOptions | None:
         kw["options"] = tuple(sorted(dict(kw["options"]).items()))
     else:
         kw.pop("options", None)
-    return CompileOptions(**kw)
+    opts = CompileOptions(**kw)
+    try:
+        hash(opts)
+    except TypeError:
+        raise ConfigError(
+            f"compile= options must have hashable values (numbers, strings, booleans, tuples), got {spec['options']}."
+        ) from None
+    return opts
 
 
 def _forward(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -238,6 +245,10 @@ def apply_compile(model: nn.Module, options: CompileOptions) -> nn.Module:
             f"found no blocks to compile in {type(model).__name__}: call distckpt.wrap(model, policy, blocks=...) "
             "first (policy 'none' compiles them without checkpointing), or torch.compile the whole model."
         )
+    try:
+        _compiled(options)  # torch.compile checks its arguments here, not at the first forward
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise ConfigError(f"compile options {options.kwargs()} are not valid for torch.compile: {e}") from e
     record = _ModelCompile(options)
     model.__dict__[_COMPILE] = record
     record.apply(model)

@@ -40,9 +40,12 @@ def _train(rank, world_size, name, strategy, policy="full", reentrant=False, com
     pattern = PATTERNS[name]
     model = build(pattern)
     distckpt.wrap(model, policy, blocks=pattern.blocks, reentrant=reentrant)
-    with compat.compile_counts() as counts:
-        pm = distckpt.parallelize(model, strategy, compile=compile)
-        trained = train_parallel(pm, pattern, strategy, rank, world_size, STEPS)
+    try:
+        with compat.compile_counts() as counts:
+            pm = distckpt.parallelize(model, strategy, compile=compile)
+            trained = train_parallel(pm, pattern, strategy, rank, world_size, STEPS)
+    finally:
+        torch.compiler.reset()  # the ranks run other tests next
     return trained, (compiled_blocks(pm), distckpt.checkpointed(pm)), counts
 
 
@@ -127,15 +130,18 @@ def _train_hf(rank, world_size, family, strategy, dpo):
     torch.compiler.reset()
     model = hf.FAMILIES[family].build()
     distckpt.wrap(model)
-    with compat.compile_counts() as counts:
-        pm = distckpt.parallelize(model, strategy, compile=COMPILE)
-        opt = make_optimizer(hf._trainable(pm))
-        grads = []
-        for step in range(hf.STEPS):
-            opt.zero_grad(set_to_none=True)
-            hf._local_loss(family, pm, step, rank, dpo).backward()
-            grads.append(full_grads(pm, strategy))
-            opt.step()
+    try:
+        with compat.compile_counts() as counts:
+            pm = distckpt.parallelize(model, strategy, compile=COMPILE)
+            opt = make_optimizer(hf._trainable(pm))
+            grads = []
+            for step in range(hf.STEPS):
+                opt.zero_grad(set_to_none=True)
+                hf._local_loss(family, pm, step, rank, dpo).backward()
+                grads.append(full_grads(pm, strategy))
+                opt.step()
+    finally:
+        torch.compiler.reset()
     return (grads, full_params(pm, strategy)), counts
 
 

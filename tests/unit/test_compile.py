@@ -326,6 +326,12 @@ def test_refusals():
         compile_options({"backend": BACKEND, "model": None})
     with pytest.raises(ConfigError, match="compile= takes True, False, or a dict"):
         compile_options("inductor")
+    with pytest.raises(ConfigError, match="hashable values"):
+        compile_options({"options": {"a": [1]}})
+    with pytest.raises(ConfigError, match="not valid for torch.compile: Invalid backend: 'nope'"):
+        compile_blocks(distckpt.wrap(Net(), "full"), backend="nope")
+    with pytest.raises(ConfigError, match="Either mode or options"):
+        compile_blocks(distckpt.wrap(Net(), "full"), mode="max-autotune", options={"a": 1})
     assert compile_options(None) is None and compile_options(False) is None
     assert compile_options(True).fullgraph is True
 
