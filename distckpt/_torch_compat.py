@@ -7,16 +7,19 @@ Verified on torch 2.13.0 (CPU, gloo). Nothing here is public API of torch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
 __all__ = [
     "checkpoint_wrapper_class",
+    "compile_counts",
     "composable_checkpoint_fqns",
     "cpu_flash_attention_ops",
     "current_graph_task_id",
+    "dynamo_trace_errors",
     "fake_mode",
     "is_plain_backward",
     "mem_tracker",
@@ -332,6 +335,34 @@ def stop_recomputation_error() -> type:
     from torch.utils.checkpoint import _StopRecomputationError
 
     return _StopRecomputationError
+
+
+def dynamo_trace_errors() -> tuple[type, ...]:
+    """What ``torch.compile(fullgraph=True)`` raises when it cannot trace a function in one graph: a graph break
+    (``torch._dynamo.exc.Unsupported``), data-dependent control flow (``GuardOnDataDependentSymNode``, e.g. an expert
+    that runs only when a token chose it; ``UserError`` when that happens inside the checkpoint's higher-order op),
+    or a checkpoint body dynamo could not capture (``UncapturedHigherOrderOpError``). Per-block compile turns them
+    into a ConfigError naming the block and the fix. Measured, torch 2.13; no public names for them."""
+    from torch._dynamo.exc import UncapturedHigherOrderOpError, Unsupported, UserError
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    return Unsupported, UserError, UncapturedHigherOrderOpError, GuardOnDataDependentSymNode
+
+
+@contextlib.contextmanager
+def compile_counts() -> Iterator[dict[str, Any]]:
+    """Count what dynamo does inside the block: ``{"graphs": unique graphs compiled, "breaks": {reason: count}}``,
+    filled at exit, from the private ``torch._dynamo.utils.counters`` (``stats.unique_graphs``, ``graph_break``):
+    the tests prove a compiled model has no graph break but the deliberate ones. torch 2.13."""
+    from torch._dynamo.utils import counters
+
+    graphs, breaks = counters["stats"]["unique_graphs"], dict(counters["graph_break"])
+    out: dict[str, Any] = {}
+    try:
+        yield out
+    finally:
+        out["graphs"] = counters["stats"]["unique_graphs"] - graphs
+        out["breaks"] = {k: v - breaks.get(k, 0) for k, v in counters["graph_break"].items() if v > breaks.get(k, 0)}
 
 
 # torch.utils._pytree: the nested-structure walk torch itself uses (lists, tuples, dicts, namedtuples, and the

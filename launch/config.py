@@ -137,6 +137,26 @@ def _check_ranges(cfg: DictConfig) -> None:
             )
 
 
+def _validate_compile(strategy: DictConfig) -> None:
+    backend = strategy.get("compile")
+    if backend is None:
+        return
+    import torch
+
+    known = torch.compiler.list_backends(exclude_tags=())
+    if backend not in known:
+        raise ConfigError(
+            f"strategy.compile={backend!r} is not a torch.compile backend; use one of {', '.join(sorted(known))} "
+            "(inductor is torch.compile's default), or strategy.compile=null for no compile."
+        )
+
+
+def compile_kwargs(strategy: DictConfig) -> dict[str, Any]:
+    """``parallelize``'s ``compile=`` for ``strategy.compile`` (each block compiled with that backend), or nothing."""
+    backend = strategy.get("compile")
+    return {} if backend is None else {"compile": {"backend": backend}}
+
+
 def shard_size(strategy: DictConfig, world_size: int) -> int | None:
     """``strategy.shard_size`` under ``strategy=hsdp``, by default ``LOCAL_WORLD_SIZE`` (the ranks of one
     node; before torchrun sets it, the whole job: one node); None for the other strategies."""
@@ -259,6 +279,7 @@ def _check_combinations(cfg: DictConfig, world_size: int) -> None:
             "use precision=bf16 (autocast) instead."
         )
     _validate_shard_size(cfg.strategy, world_size)
+    _validate_compile(cfg.strategy)
     try:  # the library's own rule for these settings, so --check and parallelize agree
         check_run(s, reentrant=cfg.ac.reentrant, graph=cfg.strategy.graph, accumulate=t.grad_accum > 1)
     except ConfigError as e:

@@ -33,7 +33,7 @@ from launch.build import (
     clip_fn,
     parallel_kwargs,
 )
-from launch.config import budget_facts, shard_size, validate
+from launch.config import budget_facts, compile_kwargs, shard_size, validate
 from launch.hf import hf_inner, save_hf
 from launch.loggers import build_writers
 
@@ -187,6 +187,7 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -> Loo
     strategy = cfg.strategy.name
     shards = shard_size(cfg.strategy, world)  # hsdp only: the mesh is (world // shards, shards)
     extra = {"shard_size": shards} if shards else {}
+    extra.update(compile_kwargs(cfg.strategy))  # strategy.compile: each block compiled, before sharding
     model = distckpt.parallelize(
         model, strategy, graph=cfg.strategy.graph, **extra, **parallel_kwargs(cfg.precision, strategy)
     )

@@ -96,6 +96,9 @@ class StrategyConfig:
     name: str = "ddp"  # none | ddp | fsdp | fsdp2 | hsdp
     graph: str = "auto"  # auto | static | dynamic (distckpt.parallelize)
     shard_size: Optional[int] = None  # hsdp: ranks per shard group; None: LOCAL_WORLD_SIZE (one node's ranks)
+    # torch.compile backend for each block, after checkpointing and before sharding (parallelize's compile=), e.g.
+    # inductor or aot_eager; None: no compile
+    compile: Optional[str] = None
 
 
 @dataclass

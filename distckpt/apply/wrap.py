@@ -16,9 +16,16 @@ import torch.nn as nn
 
 from distckpt import _torch_compat as compat
 from distckpt.errors import ConfigError
-from distckpt.runtime.recompute import CheckpointOptions, cache_positions, prepare_eager_run, stateful_norms
+from distckpt.runtime.recompute import (
+    CheckpointOptions,
+    cache_positions,
+    eager_reason,
+    prepare_eager_run,
+    stateful_norms,
+)
 from distckpt.runtime.selective import OP_MODES, context_mode, mode_context_fn
 from distckpt.runtime.swap import (
+    _COMPILE,
     CHECKPOINT_MODES,
     _checkpointed_class,
     _clean_fqn,
@@ -151,6 +158,9 @@ def wrap(
         pol = dataclasses.replace(pol, selective=False)  # reentrant checkpoint takes no op-level policy
     _refuse_parallel(model)
     _foreign_checkpointing(model)
+    compiled = model.__dict__.get(_COMPILE)  # compile_blocks ran before: compile again after this choice
+    if compiled is not None:
+        compiled.remove(model)
 
     candidates = find_blocks(model, blocks)
     replaced = unwrap(model, [m for _, m in candidates])
@@ -177,6 +187,8 @@ def wrap(
     # FSDP/FSDP2 make every candidate block a unit, checkpointed or not (parallelize reads this).
     model.__dict__[_BLOCKS] = tuple(m for _, m in candidates)
     if pol is None:
+        if compiled is not None:
+            compiled.apply(model)
         return model
     opts = CheckpointOptions(reentrant, preserve_rng_state, offload, context_fn)
     if isinstance(pol, Budget):
@@ -184,7 +196,9 @@ def wrap(
         model.__dict__[_BUDGET] = _BudgetRecord(pol, candidates, opts, example_inputs)
     if example_inputs is None and isinstance(pol, Budget):
         # No sample batch: profile on the first training forward, with its inputs.
-        handle = model.register_forward_pre_hook(_plan_on_first_forward, with_kwargs=True)
+        # Disabled for dynamo: under torch.compile(model) the plan (a profile of the model) runs eagerly, a graph
+        # break before the first forward; traced, it crashed dynamo (measured, torch 2.13).
+        handle = model.register_forward_pre_hook(torch.compiler.disable(_plan_on_first_forward), with_kwargs=True)
         model._distckpt_pending_plan = handle
         return model
     _apply_plan(model, pol, candidates, opts, example_inputs)
@@ -230,6 +244,9 @@ def _world_size() -> int:
 def _apply_plan(
     model: nn.Module, pol: Policy, candidates: list[tuple[str, nn.Module]], opts: CheckpointOptions, example_inputs: Any
 ) -> None:
+    compiled = model.__dict__.get(_COMPILE)
+    if compiled is not None:
+        compiled.remove(model)  # a plan profiles the blocks uncompiled; compiled again below, in their new modes
     record: _BudgetRecord | None = model.__dict__.get(_BUDGET)
     world = _world_size()
     if record is not None and record.handed_over is not None:
@@ -250,7 +267,7 @@ def _apply_plan(
         )
         block._distckpt_norms = stateful_norms(block)  # found once, not on every forward
         block._distckpt_cache_slots = cache_positions(type(block)._distckpt_orig_class)
-        if block._distckpt_norms or mode == "offload":
+        if eager_reason(block):
             prepare_eager_run()
     counts = (
         ", ".join(f"{sum(m == k for m in modes.values())} {k}" for k in CHECKPOINT_MODES[1:] if k in modes.values())
@@ -259,6 +276,8 @@ def _apply_plan(
     logger.info(
         "distckpt.apply.wrap: policy %s checkpoints %d of %d blocks (%s)", pol, len(modes), len(candidates), counts
     )
+    if compiled is not None:
+        compiled.apply(model)
 
 
 def _mode_context_fn(mode: str, opts: CheckpointOptions, made: dict[str, Any]) -> Any:

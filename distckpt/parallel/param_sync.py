@@ -120,6 +120,7 @@ class SyncState:
         self.group = group
         self.strategy = strategy
         self.reentrant = reentrant
+        self.compiled: set[int] = set()  # indices of the params inside blocks compiled per block (set by parallelize)
         # FSDP2 accumulates a param's gradient over any number of autograd passes, so params inside
         # reentrant blocks join too (their nested backward adds the real gradient). DDP's static graph
         # counts each firing, so there they do not.
@@ -377,6 +378,8 @@ class SyncState:
                 "graph still points to them. Use strategy='ddp' for this loss."
             )
         passing = [r for r in self.live_records() if r is rec or r.in_pass()]
+        if self.compiled and torch.is_grad_enabled():
+            self._refuse_double_backward(passing)
         born, self.passes = self.passes, self.passes + 1
         if self.strategy == "fsdp" and any(r.born != born for r in passing):
             raise ConfigError(
@@ -415,6 +418,24 @@ class SyncState:
         # Queued now, this runs before DDP's finalize (queued by the last bucket); it queues the real
         # work behind it, so that resetting grads happens after the reduction wrote them.
         compat.queue_after_backward(lambda: self._end_of_backward(reduces))
+
+    def _refuse_double_backward(self, passing: list[_Record]) -> None:
+        """A create_graph=True pass through blocks compiled per block: their compiled backward cannot be
+        differentiated again, so the second backward would raise a raw torch error (torch 2.13)."""
+        through = sorted(
+            {
+                i
+                for r in passing
+                for i, nodes in r.consumers.items()
+                if i in self.compiled and any(compat.will_execute(n) for n in nodes)
+            }
+        )
+        if through:
+            raise ConfigError(
+                "a backward with create_graph=True (a gradient penalty, a Hessian-vector product) ran through blocks "
+                f"compiled per block ({self._names(through)}): torch.compile's AOT autograd cannot differentiate their "
+                "backward again (double backward). Drop compile= from parallelize for this loss."
+            )
 
     def _allreduce(self, t: torch.Tensor, op: Any = None) -> torch.Tensor:
         if not dist.is_initialized():

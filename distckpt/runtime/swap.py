@@ -16,7 +16,14 @@ import torch
 import torch.nn as nn
 
 from distckpt.errors import ConfigError
-from distckpt.runtime.recompute import EAGER_RUN, CheckpointOptions, prepare_eager_run, run_checkpointed, without_cache
+from distckpt.runtime.recompute import (
+    EAGER_RUN,
+    CheckpointOptions,
+    eager_reason,
+    prepare_eager_run,
+    run_checkpointed,
+    without_cache,
+)
 from distckpt.runtime.selective import context_mode
 
 __all__ = [
@@ -36,6 +43,10 @@ CHECKPOINT_MODES = ("none", "pointwise", "selective", "full", "offload")
 # Prefixes that wrappers insert into FQNs; checkpointed() reports names as in the user's model.
 _WRAPPER_NAMES = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
 
+# Keys of per-block compile (distckpt.apply.compile): the model's record of its options, a block's compiled state.
+_COMPILE = "_distckpt_compile"
+_COMPILED = "_distckpt_compiled"
+
 
 class _CheckpointedMixin:
     """Base inserted in front of a block's class; see the module docstring."""
@@ -47,17 +58,28 @@ class _CheckpointedMixin:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         inner = super().forward  # type: ignore[misc]
+        compiled = self.__dict__.get(_COMPILED)  # set by distckpt.apply.compile.compile_blocks
+        compiling = torch.compiler.is_compiling()  # inside a compiled model (or a compiled block: not here)
         if self._distckpt_disabled or not torch.is_grad_enabled():
             # Nothing is saved for backward without grad (eval, inference): run the block as is,
             # a KV cache included.
-            return inner(*args, **kwargs)
+            return (
+                compiled.forward(self, args, kwargs)
+                if compiled is not None and not compiling
+                else inner(*args, **kwargs)
+            )
         args, kwargs = without_cache(self, args, kwargs)
-        if (self._distckpt_norms or not self._distckpt_options.recompute) and torch.compiler.is_compiling():
-            # A compiled recompute would update BatchNorm running stats a second time (measured), and
-            # dynamo cannot trace the context that prevents it: such blocks run eagerly (a graph break).
-            # So do offloaded blocks: their saved-tensor hooks must see the eager forward's tensors.
-            return EAGER_RUN[0](self, inner, self._distckpt_options, args, kwargs)
-        return run_checkpointed(self, inner, self._distckpt_options, args, kwargs)
+        opts = self._distckpt_options
+        if compiling:
+            if eager_reason(self):
+                # Checkpointing dynamo cannot trace faithfully runs eagerly (a graph break, with one warning).
+                return EAGER_RUN[0](self, inner, opts, args, kwargs)
+            return run_checkpointed(self, inner, opts, args, kwargs)
+        if compiled is not None:
+            if eager_reason(self):
+                return run_checkpointed(self, compiled.inner(self), opts, args, kwargs)  # compiled forward only
+            return compiled.traced(self, args, kwargs)  # checkpoint and forward in one graph
+        return run_checkpointed(self, inner, opts, args, kwargs)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         # The checkpointed class is made at run time, so pickle cannot find it by name: pickle the

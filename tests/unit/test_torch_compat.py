@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import warnings
 from pathlib import Path
 
 import pytest
@@ -318,6 +319,25 @@ def test_stop_recomputation_error_is_what_checkpoint_stops_a_recompute_with():
     y.sum().backward()
     assert seen and all(t is None or issubclass(t, stop) for t in seen), seen
     assert any(t is not None for t in seen), seen  # an early stop went through the recompute context
+
+
+def test_dynamo_trace_errors_and_compile_counts():
+    def breaks(x):
+        y = x * 2
+        warnings.warn("dynamo does not trace warnings.warn: a graph break", stacklevel=1)
+        return y + 1
+
+    torch.compiler.reset()
+    try:
+        with pytest.raises(compat.dynamo_trace_errors()):
+            torch.compile(breaks, backend="eager", fullgraph=True)(torch.ones(2))
+        torch.compiler.reset()
+        with compat.compile_counts() as counts, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.compile(breaks, backend="eager")(torch.ones(2))
+    finally:
+        torch.compiler.reset()
+    assert counts["graphs"] >= 1 and sum(counts["breaks"].values()) == 1, counts
 
 
 def test_private_torch_apis_only_in_torch_compat():
