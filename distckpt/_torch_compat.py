@@ -7,28 +7,40 @@ Verified on torch 2.13.0 (CPU, gloo). Nothing here is public API of torch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
 __all__ = [
     "checkpoint_wrapper_class",
+    "compile_counts",
     "composable_checkpoint_fqns",
     "cpu_flash_attention_ops",
     "current_graph_task_id",
+    "dynamo_trace_errors",
     "fake_mode",
     "is_plain_backward",
     "mem_tracker",
+    "mem_tracker_merge_peak",
+    "mem_tracker_peak_snapshot",
+    "mem_tracker_restart_peak",
     "mem_tracker_states",
+    "norm_base_class",
     "op_overload_types",
+    "outside_fake_mode",
     "queue_after_backward",
-    "sdpa_flop_count_fns",
     "saved_tensors_of",
+    "sdpa_flop_count_fns",
     "stop_recomputation_error",
     "storage_id",
     "to_local",
     "torch_dispatch_mode",
+    "tree_flatten",
+    "tree_map",
+    "tree_unflatten",
+    "version",
     "will_execute",
     "writes_grad",
 ]
@@ -319,7 +331,70 @@ def stop_recomputation_error() -> type:
     """The exception non-reentrant checkpoint raises to stop a recompute early
     (``torch.utils.checkpoint._StopRecomputationError``): a recompute context exits with it when
     backward has every saved tensor, and the op-level policies learn how far it got
-    (:class:`distckpt.select.selective._Reach`). No public name for it. torch 2.13."""
+    (:class:`distckpt.runtime.selective._Reach`). No public name for it. torch 2.13."""
     from torch.utils.checkpoint import _StopRecomputationError
 
     return _StopRecomputationError
+
+
+def dynamo_trace_errors() -> tuple[type, ...]:
+    """What ``torch.compile(fullgraph=True)`` raises when it cannot trace a function in one graph: a graph break
+    (``torch._dynamo.exc.Unsupported``), data-dependent control flow (``GuardOnDataDependentSymNode``, e.g. an expert
+    that runs only when a token chose it; ``UserError`` when that happens inside the checkpoint's higher-order op),
+    or a checkpoint body dynamo could not capture (``UncapturedHigherOrderOpError``). Per-block compile turns them
+    into a ConfigError naming the block and the fix. Measured, torch 2.13; no public names for them."""
+    from torch._dynamo.exc import UncapturedHigherOrderOpError, Unsupported, UserError
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    return Unsupported, UserError, UncapturedHigherOrderOpError, GuardOnDataDependentSymNode
+
+
+@contextlib.contextmanager
+def compile_counts() -> Iterator[dict[str, Any]]:
+    """Count what dynamo does inside the block: ``{"graphs": unique graphs compiled, "breaks": {reason: count}}``,
+    filled at exit, from the private ``torch._dynamo.utils.counters`` (``stats.unique_graphs``, ``graph_break``):
+    the tests prove a compiled model has no graph break but the deliberate ones. torch 2.13."""
+    from torch._dynamo.utils import counters
+
+    graphs, breaks = counters["stats"]["unique_graphs"], dict(counters["graph_break"])
+    out: dict[str, Any] = {}
+    try:
+        yield out
+    finally:
+        out["graphs"] = counters["stats"]["unique_graphs"] - graphs
+        out["breaks"] = {k: v - breaks.get(k, 0) for k, v in counters["graph_break"].items() if v > breaks.get(k, 0)}
+
+
+# torch.utils._pytree: the nested-structure walk torch itself uses (lists, tuples, dicts, namedtuples, and the
+# containers torch and libraries register, such as Hugging Face's ModelOutput). torch 2.13 has no public
+# pytree module; the profile finds a step's tensors with it, the plan makes fake inputs, and the
+# parameter-sync join rebuilds a unit's output around its zero-weight term.
+
+
+def tree_flatten(tree: Any) -> tuple[list[Any], Any]:
+    """The leaves of ``tree`` in torch's order and its structure (``torch.utils._pytree.tree_flatten``). torch 2.13."""
+    from torch.utils import _pytree
+
+    return _pytree.tree_flatten(tree)
+
+
+def tree_unflatten(leaves: list[Any], spec: Any) -> Any:
+    """The structure ``spec`` (from :func:`tree_flatten`) rebuilt around ``leaves``
+    (``torch.utils._pytree.tree_unflatten``). torch 2.13."""
+    from torch.utils import _pytree
+
+    return _pytree.tree_unflatten(leaves, spec)
+
+
+def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """``tree`` with ``fn`` applied to each leaf (``torch.utils._pytree.tree_map``). torch 2.13."""
+    from torch.utils import _pytree
+
+    return _pytree.tree_map(fn, tree)
+
+
+def norm_base_class() -> type:
+    """``torch.nn.modules.batchnorm._NormBase``: the base of every BatchNorm and InstanceNorm (lazy and
+    sync ones included), the modules with running statistics (``track_running_stats``) that a recompute
+    would update a second time (pytorch#96136). No public base class covers them all. torch 2.13."""
+    return torch.nn.modules.batchnorm._NormBase

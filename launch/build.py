@@ -101,7 +101,7 @@ def build_datasets(d: DictConfig, m: DictConfig) -> tuple[Any, Any]:
 
 def task_data(node: DictConfig) -> DictConfig:
     """A task's ``data`` node of ``data=multitask``, completed with its data group's defaults."""
-    from launch.config import DataConfig, HFDataConfig, TokensDataConfig
+    from launch.schema import DataConfig, HFDataConfig, TokensDataConfig
 
     schema = {"tokens": TokensDataConfig, "hf": HFDataConfig, "custom": None}.get(node.name, DataConfig)
     return node if schema is None else OmegaConf.merge(OmegaConf.structured(schema), node)
@@ -170,22 +170,6 @@ def build_optimizer(o: DictConfig, model: nn.Module, max_steps: int) -> tuple[to
         opt = torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, WarmupDecay(o.scheduler, o.warmup_steps, max_steps, o.min_lr_ratio))
     return opt, sched
-
-
-def budget_facts(cfg: DictConfig, world_size: int) -> dict[str, Any]:
-    """What a memory plan (``ac=budget``'s Budget, ``launch/plan.py``) needs to know about the run: the
-    strategy and HSDP shard size, the optimizer's state (SGD with momentum keeps one, without none) and
-    whether gradients accumulate over micro-batches."""
-    from launch.config import shard_size
-
-    o = cfg.optim
-    optimizer = o.name if o.name != "sgd" else ("sgd_momentum" if o.momentum else "sgd")
-    return dict(
-        strategy=cfg.strategy.name,
-        optimizer=optimizer,
-        grad_accumulation=cfg.trainer.grad_accum > 1,
-        shard_size=shard_size(cfg.strategy, world_size),
-    )
 
 
 def parallel_kwargs(p: DictConfig, strategy: str) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from distckpt.errors import first_lines
-from launch.config import CONF_DIR
+from launch.schema import CONF_DIR
 from launch.torchrun import EXIT_CONFIG
 
 
@@ -69,7 +69,7 @@ def compose(overrides: list[str]) -> DictConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from launch.config import CONF_DIR, register
+    from launch.schema import CONF_DIR, register
 
     refuse_renamed(overrides)
     register()

@@ -17,61 +17,7 @@ from typing import Any
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `launch` and `distckpt` from a checkout
 
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
-
-from distckpt.errors import ConfigError, first_lines  # noqa: E402
-
-
-def _compose(overrides: list[str]) -> Any:
-    """The launcher's config for ``overrides``.
-
-    Raises:
-        ConfigError: a bad override (its first line).
-    """
-    from launch.check import compose
-
-    try:
-        return compose(list(overrides))
-    except Exception as e:  # Hydra's own errors name the bad key
-        raise ConfigError(f"bad launcher overrides {' '.join(overrides)}: {first_lines(e)}") from e
-
-
-def build_subject(overrides: tuple[str, ...], wrap: bool, nproc: int, preserve_rng_state: bool) -> tuple:
-    """The doctor's factory for a config: ``(model, loss_fn, batch_fn)`` of the launcher's job, wrapped
-    as its ``ac`` group says when ``wrap`` (fp32: precision is not applied). Runs on every rank."""
-    import distckpt
-    from distckpt.train.data import ShardedLoader
-    from launch.build import build_datasets, build_model
-
-    cfg = _compose(list(overrides))
-    torch.manual_seed(cfg.trainer.seed)
-    train_set, _ = build_datasets(cfg.data, cfg.model)
-    d = cfg.data
-    model = build_model(cfg.model, cfg.data)
-    c = cfg.ac
-    if wrap:
-        example = ShardedLoader(train_set, cfg.data.batch_size, rank=0, world_size=nproc).example()
-        distckpt.wrap(
-            model,
-            c.policy,
-            blocks=list(c.blocks) if c.blocks else None,
-            reentrant=c.reentrant,
-            preserve_rng_state=preserve_rng_state,
-            example_inputs=(example,),
-        )
-
-    def loss_fn(m: nn.Module, batch: Any) -> torch.Tensor:
-        return sum(m(batch).values())  # the launcher's loss: the sum of the task losses
-
-    def batch_fn(step: int, rank: int, world: int) -> Any:
-        # The launcher's batch of this step for this rank: the loader placed at the step's (epoch, batch).
-        loader = ShardedLoader(train_set, d.batch_size, shuffle=d.shuffle, seed=d.seed, rank=rank, world_size=world)
-        per_epoch = max(1, len(train_set) // d.batch_size)
-        loader.load_state_dict({"epoch": step // per_epoch, "batch": step % per_epoch})
-        return loader.next_batch()
-
-    return model, loss_fn, batch_fn
+from distckpt.errors import ConfigError  # noqa: E402
 
 
 def _validate(cfg: Any, args: argparse.Namespace) -> None:
@@ -109,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     from distckpt.check.doctor import doctor
     from distckpt.cli import doctor_options
+    from launch.subject import _compose, build_subject
 
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -128,6 +75,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from launch.doctor import main as _main  # by module name: the ranks unpickle launch.doctor.build_subject
-
-    sys.exit(_main())
+    sys.exit(main())

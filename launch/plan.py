@@ -2,7 +2,7 @@
 ``distckpt plan`` on the model and data of the launcher's config (its strategy unless ``--strategy``).
 
 The library's plan takes a factory; this script passes the doctor's factory of a Hydra config
-(:func:`launch.doctor.build_subject`, unwrapped), so the library never imports the launcher.
+(:func:`launch.subject.build_subject`, unwrapped), so the library never imports the launcher.
 ``distckpt plan <overrides>``, run from a checkout, delegates here. Exit 0, or 2 on a bad override.
 """
 
@@ -26,8 +26,8 @@ def main(argv: list[str] | None = None) -> int:
         The exit code: 0, or 2 on bad usage or a bad override.
     """
     from distckpt.cli import add_plan_flags, run_plan
-    from launch.build import budget_facts
-    from launch.doctor import _compose, build_subject
+    from launch.config import budget_facts
+    from launch.subject import _compose, build_subject
 
     parser = argparse.ArgumentParser(prog="python launch/plan.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("overrides", nargs="+", help="Hydra overrides of the launcher's config (key=value)")
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"distckpt plan: {e}", file=sys.stderr)
         return 2
-    # The run's own facts, as training hands them to a budget (launch.build.budget_facts), unless a flag says.
+    # The run's own facts, as training hands them to a budget (launch.config.budget_facts), unless a flag says.
     facts = budget_facts(cfg, args.world_size)
     args.strategy = args.strategy or facts["strategy"]
     args.optimizer = args.optimizer or facts["optimizer"]

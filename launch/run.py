@@ -27,7 +27,6 @@ from distckpt.train import Callback, LoopOptions, LoopResult, MetricSink, TrainS
 from distckpt.train.data import TaskBatches
 from launch.build import (
     autocast_factory,
-    budget_facts,
     build_data,
     build_model,
     build_optimizer,
@@ -35,7 +34,7 @@ from launch.build import (
     clip_fn,
     parallel_kwargs,
 )
-from launch.config import shard_size, validate
+from launch.config import budget_facts, compile_kwargs, shard_size, validate
 from launch.hf import hf_inner, save_hf
 from launch.loggers import build_writers
 
@@ -189,6 +188,7 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -> Loo
     strategy = cfg.strategy.name
     shards = shard_size(cfg.strategy, world)  # hsdp only: the mesh is (world // shards, shards)
     extra = {"shard_size": shards} if shards else {}
+    extra.update(compile_kwargs(cfg.strategy))  # strategy.compile: each block compiled, before sharding
     model = distckpt.parallelize(
         model, strategy, graph=cfg.strategy.graph, **extra, **parallel_kwargs(cfg.precision, strategy)
     )

@@ -17,7 +17,7 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from launch.check import check_overrides  # noqa: E402
-from launch.config import CONF_DIR, register  # noqa: E402
+from launch.schema import CONF_DIR, register  # noqa: E402
 from launch.torchrun import EXIT_CONFIG, EXIT_NONFINITE  # noqa: E402
 
 register()

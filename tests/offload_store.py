@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from distckpt.apply import recompute
+from distckpt.runtime import recompute
 
 
 def _dense(t: torch.Tensor) -> bool:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from distckpt.apply.wrap import _clean_fqn
+from distckpt.runtime.swap import _clean_fqn
 
 TASKS = ("a", "b", "c")
 D_IN, D = 4, 8
@@ -417,6 +417,22 @@ def micro_batches(pattern: Pattern, step: int, rank: int, world_size: int) -> li
 def make_optimizer(params) -> torch.optim.Optimizer:
     # Weight decay and momentum make a fabricated zero gradient visible in the parameters.
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def train_parallel(pm: nn.Module, pattern: Pattern, strategy: str, rank: int, world_size: int, steps: int = 3) -> tuple:
+    """Train the parallel model ``pm`` as :func:`reference` trains the plain one (this rank's shards, the
+    pattern's schedule, AdamW): per-step full grads and final full params, for :func:`assert_matches`."""
+    import distckpt
+
+    opt = make_optimizer([p for p in pm.parameters() if p.requires_grad])
+    grads = []
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        xs = micro_batches(pattern, step, rank, world_size)
+        pattern.schedule(pm, pattern.loss, xs, step, rank, lambda: distckpt.accumulate(pm), 1.0)
+        grads.append(full_grads(pm, strategy))
+        opt.step()
+    return grads, full_params(pm, strategy)
 
 
 def reference(pattern: Pattern, world_size: int, steps: int = 3) -> tuple[list[dict], dict]:

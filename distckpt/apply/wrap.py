@@ -1,150 +1,46 @@
-"""Apply activation checkpointing to a model's blocks in place, keeping every parameter name.
-
-A checkpointed block keeps its object, its class (as a base class) and its FQN: its class is
-swapped for a memoized subclass whose ``forward`` runs the original one under
-``torch.utils.checkpoint``. Module hooks (FSDP's unshard/reshard, DDP's) stay outside the
-checkpointed region, which is the order FSDP needs (pytorch#82203). The same trick is how FSDP2's
-``fully_shard`` adds its own behaviour, and the two compose.
+"""Apply activation checkpointing to a model's blocks in place, keeping every parameter name: resolve the
+policy (a ``budget`` plans on a profile), then give the chosen blocks the checkpointed class
+(:mod:`distckpt.runtime.swap`, which keeps each block's object and FQN). ``checkpointed``,
+``checkpointing_disabled``, ``unwrap``, ``is_checkpointed`` and ``checkpoint_mode`` are importable from here too.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import warnings
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 from distckpt import _torch_compat as compat
-from distckpt.apply.recompute import (
-    EAGER_RUN,
+from distckpt.errors import ConfigError
+from distckpt.runtime.recompute import (
     CheckpointOptions,
     cache_positions,
+    eager_reason,
     prepare_eager_run,
-    run_checkpointed,
     stateful_norms,
-    without_cache,
 )
-from distckpt.errors import ConfigError
+from distckpt.runtime.selective import OP_MODES, context_mode, mode_context_fn
+from distckpt.runtime.swap import (
+    _COMPILE,
+    CHECKPOINT_MODES,
+    _checkpointed_class,
+    _clean_fqn,
+    checkpoint_mode,
+    checkpointed,
+    checkpointing_disabled,
+    is_checkpointed,
+    unwrap,
+)
 from distckpt.select.blocks import BlockSpec, find_blocks
-from distckpt.select.policies import CHECKPOINT_MODES, Budget, Candidates, Policy, parse_policy, select_blocks
-from distckpt.select.selective import OP_MODES, context_mode, mode_context_fn
+from distckpt.select.policies import Budget, Candidates, Policy, parse_policy, select_blocks
 
 __all__ = ["checkpoint_mode", "checkpointed", "checkpointing_disabled", "is_checkpointed", "unwrap", "wrap"]
 
 logger = logging.getLogger("distckpt")
-
-# Prefixes that wrappers insert into FQNs; checkpointed() reports names as in the user's model.
-_WRAPPER_NAMES = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
-
-
-class _CheckpointedMixin:
-    """Base inserted in front of a block's class; see the module docstring."""
-
-    _distckpt_options: CheckpointOptions
-    _distckpt_norms: list[nn.Module]  # BatchNorm-like modules whose running stats the recompute must not touch
-    _distckpt_cache_slots: tuple[tuple[int, str], ...] = ()  # positional cache arguments of forward
-    _distckpt_disabled: int = 0
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        inner = super().forward  # type: ignore[misc]
-        if self._distckpt_disabled or not torch.is_grad_enabled():
-            # Nothing is saved for backward without grad (eval, inference): run the block as is,
-            # a KV cache included.
-            return inner(*args, **kwargs)
-        args, kwargs = without_cache(self, args, kwargs)
-        if (self._distckpt_norms or not self._distckpt_options.recompute) and torch.compiler.is_compiling():
-            # A compiled recompute would update BatchNorm running stats a second time (measured), and
-            # dynamo cannot trace the context that prevents it: such blocks run eagerly (a graph break).
-            # So do offloaded blocks: their saved-tensor hooks must see the eager forward's tensors.
-            return EAGER_RUN[0](self, inner, self._distckpt_options, args, kwargs)
-        return run_checkpointed(self, inner, self._distckpt_options, args, kwargs)
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        # The checkpointed class is made at run time, so pickle cannot find it by name: pickle the
-        # object as the user's class and swap the class again on load (torch.save(model), deepcopy).
-        cls = type(self)
-        self.__class__ = self._distckpt_orig_class
-        try:
-            rv = self.__reduce_ex__(protocol)
-        finally:
-            self.__class__ = cls
-        return (_rebuild_checkpointed, (rv[0], rv[1]), *rv[2:])
-
-
-def _rebuild_checkpointed(constructor: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-    obj = constructor(*args)
-    obj.__class__ = _checkpointed_class(type(obj))
-    prepare_eager_run()  # its state (BatchNorm list included) is set after this returns
-    return obj
-
-
-_CLASSES: dict[type, type] = {}  # memo: original class -> checkpointed subclass (FSDP2 does the same)
-
-
-def _checkpointed_class(cls: type) -> type:
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"Checkpointed{cls.__name__}", (_CheckpointedMixin, cls), {"_distckpt_orig_class": cls})
-    return _CLASSES[cls]
-
-
-def is_checkpointed(module: nn.Module) -> bool:
-    """Whether distckpt checkpoints this module's forward."""
-    return isinstance(module, _CheckpointedMixin)
-
-
-def _clean_fqn(name: str) -> str:
-    parts = [p for p in name.split(".") if p not in _WRAPPER_NAMES]
-    if parts and parts[0] == "module":  # DDP's root
-        parts = parts[1:]
-    return ".".join(parts)
-
-
-def checkpoint_mode(module: nn.Module) -> str:
-    """``"full"``, ``"selective"`` or ``"pointwise"`` (op-level; see
-    :func:`distckpt.select.selective.context_mode`), ``"offload"`` (not recomputed: its saved tensors
-    kept in host memory) or ``"none"``: how distckpt checkpoints ``module``."""
-    if not is_checkpointed(module):
-        return "none"
-    opts = module._distckpt_options
-    if not opts.recompute:
-        return "offload"
-    return context_mode(opts.context_fn) if opts.context_fn else "full"
-
-
-def checkpointed(model: nn.Module, *, modes: bool = False) -> list[str] | dict[str, str]:
-    """FQNs of the modules distckpt checkpoints, in registration order.
-
-    Names are those of the unwrapped model: DDP's ``module.`` and FSDP's
-    ``_fsdp_wrapped_module.`` prefixes are removed.
-
-    Args:
-        model: the model (possibly inside DDP/FSDP).
-        modes: return ``{fqn: "full" | "selective" | "pointwise" | "offload"}`` instead: how each block
-            is checkpointed (a ``budget`` plan mixes them; ``"offload"``: not recomputed, listed because
-            its forward runs through distckpt's wrapper too).
-    """
-    if modes:
-        return {_clean_fqn(n): checkpoint_mode(m) for n, m in model.named_modules() if is_checkpointed(m)}
-    return [_clean_fqn(n) for n, m in model.named_modules() if is_checkpointed(m)]
-
-
-@contextlib.contextmanager
-def checkpointing_disabled(model: nn.Module) -> Iterator[None]:
-    """Run checkpointed blocks of ``model`` without checkpointing inside this context."""
-    mods = [m for m in model.modules() if is_checkpointed(m)]
-    for m in mods:
-        m._distckpt_disabled = m._distckpt_disabled + 1
-    try:
-        yield
-    finally:
-        for m in mods:
-            m._distckpt_disabled -= 1
-
 
 # --- wrap ---------------------------------------------------------------------------------------
 
@@ -212,28 +108,6 @@ def _foreign_checkpointing(model: nn.Module) -> None:
         )
 
 
-def unwrap(model: nn.Module, modules: list[nn.Module] | None = None) -> int:
-    """Remove distckpt checkpointing from ``modules`` (default: every module of ``model``).
-
-    Returns:
-        How many modules were unwrapped.
-    """
-    count = 0
-    for m in model.modules() if modules is None else modules:
-        if is_checkpointed(m):
-            orig = m._distckpt_orig_class
-            if type(m) is not _CLASSES.get(orig):
-                raise ConfigError(
-                    f"cannot remove checkpointing from {type(m).__name__}: another wrapper (FSDP2?) "
-                    "was applied after distckpt.wrap. Call wrap before parallelize."
-                )
-            m.__class__ = orig
-            del m._distckpt_options, m._distckpt_norms
-            m.__dict__.pop("_distckpt_cache_slots", None)
-            count += 1
-    return count
-
-
 def wrap(
     model: nn.Module,
     policy: str | Policy | None = "full",
@@ -284,6 +158,9 @@ def wrap(
         pol = dataclasses.replace(pol, selective=False)  # reentrant checkpoint takes no op-level policy
     _refuse_parallel(model)
     _foreign_checkpointing(model)
+    compiled = model.__dict__.get(_COMPILE)  # compile_blocks ran before: compile again after this choice
+    if compiled is not None:
+        compiled.remove(model)
 
     candidates = find_blocks(model, blocks)
     replaced = unwrap(model, [m for _, m in candidates])
@@ -310,6 +187,8 @@ def wrap(
     # FSDP/FSDP2 make every candidate block a unit, checkpointed or not (parallelize reads this).
     model.__dict__[_BLOCKS] = tuple(m for _, m in candidates)
     if pol is None:
+        if compiled is not None:
+            compiled.apply(model)
         return model
     opts = CheckpointOptions(reentrant, preserve_rng_state, offload, context_fn)
     if isinstance(pol, Budget):
@@ -317,7 +196,9 @@ def wrap(
         model.__dict__[_BUDGET] = _BudgetRecord(pol, candidates, opts, example_inputs)
     if example_inputs is None and isinstance(pol, Budget):
         # No sample batch: profile on the first training forward, with its inputs.
-        handle = model.register_forward_pre_hook(_plan_on_first_forward, with_kwargs=True)
+        # Disabled for dynamo: under torch.compile(model) the plan (a profile of the model) runs eagerly, a graph
+        # break before the first forward; traced, it crashed dynamo (measured, torch 2.13).
+        handle = model.register_forward_pre_hook(torch.compiler.disable(_plan_on_first_forward), with_kwargs=True)
         model._distckpt_pending_plan = handle
         return model
     _apply_plan(model, pol, candidates, opts, example_inputs)
@@ -363,6 +244,9 @@ def _world_size() -> int:
 def _apply_plan(
     model: nn.Module, pol: Policy, candidates: list[tuple[str, nn.Module]], opts: CheckpointOptions, example_inputs: Any
 ) -> None:
+    compiled = model.__dict__.get(_COMPILE)
+    if compiled is not None:
+        compiled.remove(model)  # a plan profiles the blocks uncompiled; compiled again below, in their new modes
     record: _BudgetRecord | None = model.__dict__.get(_BUDGET)
     world = _world_size()
     if record is not None and record.handed_over is not None:
@@ -383,7 +267,7 @@ def _apply_plan(
         )
         block._distckpt_norms = stateful_norms(block)  # found once, not on every forward
         block._distckpt_cache_slots = cache_positions(type(block)._distckpt_orig_class)
-        if block._distckpt_norms or mode == "offload":
+        if eager_reason(block):
             prepare_eager_run()
     counts = (
         ", ".join(f"{sum(m == k for m in modes.values())} {k}" for k in CHECKPOINT_MODES[1:] if k in modes.values())
@@ -392,6 +276,8 @@ def _apply_plan(
     logger.info(
         "distckpt.apply.wrap: policy %s checkpoints %d of %d blocks (%s)", pol, len(modes), len(candidates), counts
     )
+    if compiled is not None:
+        compiled.apply(model)
 
 
 def _mode_context_fn(mode: str, opts: CheckpointOptions, made: dict[str, Any]) -> Any:

@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib
 import math
-import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from distckpt.errors import error_line
+from distckpt.factory import load_factory
 
 __all__ = ["DoctorOptions", "Finding", "doctor", "load_factory"]
 
@@ -64,29 +62,6 @@ class Finding:
     detail: str
     fix: str = ""
     data: Any = None
-
-
-def load_factory(spec: str) -> Callable[[], Any]:
-    """Import ``pkg.module:function``.
-
-    Raises:
-        ConfigError: the spec is malformed or the module/function cannot be found.
-    """
-    from distckpt.errors import ConfigError
-
-    module, _, name = spec.partition(":")
-    if not module or not name:
-        raise ConfigError(f"--factory {spec!r}: expected 'pkg.module:function', e.g. 'mypkg.models:make'.")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # like `python -m`: the current directory is importable
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(
-            f"--factory {spec!r}: {e}. Check the module is importable from the current "
-            "directory (or PYTHONPATH) and defines that function."
-        ) from e
-    return fn
 
 
 # --- the subject: model, loss and batches, from the factory ----------------------------------------
@@ -126,14 +101,14 @@ def _label(opts: DoctorOptions) -> str:
 
 
 def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    from distckpt.apply.wrap import _clean_fqn
+    from distckpt.runtime.swap import _clean_fqn
 
     return {_clean_fqn(n): p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _estimate(model: nn.Module, loss_fn: Callable, batch: Any) -> list[tuple[str, int, int]]:
     """(block, activation bytes freed by checkpointing it, FLOPs of its recompute) per checkpointed block."""
-    from distckpt.apply.wrap import checkpointed, checkpointing_disabled, is_checkpointed
+    from distckpt.runtime.swap import checkpointed, checkpointing_disabled, is_checkpointed
     from distckpt.select.profile import profile_blocks
 
     class _Loss(nn.Module):  # profile_blocks runs model(*inputs): let the "model" be the loss
@@ -152,8 +127,10 @@ def _estimate(model: nn.Module, loss_fn: Callable, batch: Any) -> list[tuple[str
 
 
 def _diagnose(rank: int, world: int, opts: DoctorOptions) -> list[Finding]:
-    import distckpt
-    from distckpt.apply.wrap import checkpointed, unwrap
+    from distckpt.apply.wrap import wrap
+    from distckpt.check.recompute import verify_recompute
+    from distckpt.parallel.strategies import parallelize
+    from distckpt.runtime.swap import checkpointed, unwrap
 
     findings: list[Finding] = []
     torch.manual_seed(0)
@@ -164,7 +141,7 @@ def _diagnose(rank: int, world: int, opts: DoctorOptions) -> list[Finding]:
     by_doctor = opts.blocks is not None or opts.policy is not None or not checkpointed(model)
     if by_doctor:
         unwrap(model)  # the settings tried replace the factory's own, whole
-        distckpt.wrap(
+        wrap(
             model,
             opts.policy or "full",
             blocks=opts.blocks,
@@ -203,7 +180,7 @@ def _diagnose(rank: int, world: int, opts: DoctorOptions) -> list[Finding]:
 
     # 1. recompute == forward, on this rank's first batch, before any parallel wrapper.
     batch0 = batch_fn(0, rank, world)
-    report = distckpt.verify_recompute(model, lambda m: loss_fn(m, batch0), raise_on_mismatch=False)
+    report = verify_recompute(model, lambda m: loss_fn(m, batch0), raise_on_mismatch=False)
     if report.ok:
         findings.append(
             Finding(
@@ -235,7 +212,7 @@ def _diagnose(rank: int, world: int, opts: DoctorOptions) -> list[Finding]:
 
     # 2. a few steps under the strategy and the guard, against the single-process reference.
     try:
-        pmodel = distckpt.parallelize(model, opts.strategy, graph=opts.graph)
+        pmodel = parallelize(model, opts.strategy, graph=opts.graph)
     except Exception as e:
         findings.append(Finding("parallelize", False, f"{type(e).__name__}: {e}"))
         return findings
@@ -248,8 +225,8 @@ def _train_against_reference(
 ) -> list[Finding]:
     """``opts.steps`` SGD steps of the parallel model under GradSyncGuard, each compared with the
     single-process reference on the global batch."""
-    import distckpt
     from distckpt.check.sync_guard import GradSyncGuard
+    from distckpt.errors import GradDesyncError
 
     findings: list[Finding] = []
     guard = GradSyncGuard(pmodel, params_every=1, no_grad_steps=min(2, opts.steps), on_no_grad="ignore")
@@ -262,7 +239,7 @@ def _train_against_reference(
             loss = loss_fn(pmodel, batch_fn(step, rank, world))
             loss.backward()
             rep = guard.check()
-        except distckpt.GradDesyncError as e:
+        except GradDesyncError as e:
             findings.append(
                 Finding(
                     "sync",

@@ -18,10 +18,12 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint as tuc
 
+from distckpt import _torch_compat as compat
 from distckpt._dist import local_shard as _local
 from distckpt._dist import unwrap_ddp as _inner
-from distckpt.apply.wrap import _clean_fqn, checkpoint_mode, checkpointing_disabled, is_checkpointed
+from distckpt.apply.compile import uncompiled
 from distckpt.errors import ConfigError, RecomputeMismatchError
+from distckpt.runtime.swap import _clean_fqn, checkpoint_mode, checkpointing_disabled, is_checkpointed
 
 __all__ = ["Mismatch", "RecomputeReport", "verify_recompute"]
 
@@ -120,7 +122,7 @@ _CAUSES = {
     "differently under checkpointing). Fix: leave the block out of checkpointing.",
     "nonfinite": "The recompute cannot be verified on non-finite values (nan equals nothing, not even itself). "
     "Fix the model, loss or data first (run loss_fn without checkpointing: "
-    "distckpt.apply.wrap.checkpointing_disabled), then verify again.",
+    "distckpt.checkpointing_disabled), then verify again.",
     "checkpoint_error": "Likely cause: the recompute saved tensors of other shapes or dtypes than the forward "
     "(state or data that changed between forward and backward). Fix: see the message; leave "
     "this block out of checkpointing if it must read such state.",
@@ -345,7 +347,7 @@ def _owner_kind(model: nn.Module, buffer_fqn: str) -> str:
         mod = model.get_submodule(owner) if owner else model
     except AttributeError:
         return "buffer"
-    return "batchnorm" if isinstance(mod, nn.modules.batchnorm._NormBase) else "buffer"
+    return "batchnorm" if isinstance(mod, compat.norm_base_class()) else "buffer"
 
 
 def _scalar(loss: Any) -> torch.Tensor:
@@ -408,7 +410,8 @@ def verify_recompute(
     params = [(_clean_fqn(n), p) for n, p in inner.named_parameters()]
     buffers = [(_clean_fqn(n), b) for n, b in inner.named_buffers()]
     calls: list[_Call] = []
-    with_ckpt, without, error = _run_both(model, loss_fn, blocks, params, buffers, calls)
+    with uncompiled(inner):  # blocks compiled per block: the recording below checks the checkpointing, eagerly
+        with_ckpt, without, error = _run_both(model, loss_fn, blocks, params, buffers, calls)
 
     mismatches = _op_mismatches(calls, blocks, error, rtol)
     if not _close(with_ckpt.loss, without.loss, rtol, atol):

@@ -19,8 +19,8 @@ from distckpt._dist import local_shard as _local
 from distckpt._dist import rank_world
 from distckpt._dist import shard_key as _shard_key
 from distckpt._dist import unwrap_ddp as _inner
-from distckpt.apply.wrap import _clean_fqn
 from distckpt.errors import ConfigError, GradDesyncError, NoGradientError
+from distckpt.runtime.swap import _clean_fqn
 
 __all__ = ["GradSyncGuard", "GuardReport", "NoGradientError"]
 

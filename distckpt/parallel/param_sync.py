@@ -36,7 +36,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd.graph import get_gradient_edge
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from distckpt import _torch_compat as compat
 from distckpt.errors import ConfigError, GradDesyncError
@@ -121,6 +120,7 @@ class SyncState:
         self.group = group
         self.strategy = strategy
         self.reentrant = reentrant
+        self.compiled: set[int] = set()  # indices of the params inside blocks compiled per block (set by parallelize)
         # FSDP2 accumulates a param's gradient over any number of autograd passes, so params inside
         # reentrant blocks join too (their nested backward adds the real gradient). DDP's static graph
         # counts each firing, so there they do not.
@@ -246,7 +246,7 @@ class SyncState:
         rec = self._current
         closes = unit is self._owner
         try:
-            flat, spec = tree_flatten(out)
+            flat, spec = compat.tree_flatten(out)
             idx = [k for k, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
             if not idx:
                 return out
@@ -264,13 +264,42 @@ class SyncState:
                 flat[k] = _Participate.apply(self, rec, keys, flat[k], *tensors)
                 if closes:
                     rec.roots.append(weakref.ref(flat[k].grad_fn))
-            return tree_unflatten(flat, spec)
+            return compat.tree_unflatten(flat, spec)
         finally:
             if closes:
                 rec.visited = set()
                 self._current = self._owner = None
                 if unit is self.units[-1] and self.strategy != "ddp":
                     self._check_units_ran()
+
+    def join_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The root's join on ``loss``, for a backward that runs inside the root's own forward (Lightning's
+        manual optimization: ``training_step`` is the DDP forward, ``manual_backward`` runs in it, before the
+        root's forward hook could join). Call it right before that backward, with DDP's
+        ``require_backward_grad_sync`` as it will be read by the reducer's ``prepare_for_backward``.
+
+        Args:
+            loss: the tensor about to be backwarded.
+
+        Returns:
+            ``loss`` with every parameter of the root joined (the value is unchanged).
+
+        Raises:
+            ConfigError: under FSDP/FSDP2, whose root parameters are joined in their unit's forward only.
+        """
+        ddp = self._ddp() if self._ddp is not None else None
+        if ddp is None:
+            raise ConfigError(
+                f"a backward inside the model's own forward (Lightning's manual optimization) under {self.strategy}: "
+                "FSDP joins the root's parameters in the root's forward, which has not returned yet. Use DDP, or "
+                "automatic optimization (return the loss from training_step)."
+            )
+        root, k = self.units[-1], len(self.units) - 1
+        self._pre_forward(root, k)  # a record of its own: its window is the one this backward reduces
+        # Each such backward re-arms the reducer (prepare_for_backward) unless inside no_sync: this one reduces
+        # everything accumulated so far, so no earlier forward of the window is left unsynchronized.
+        self._armed = bool(ddp.require_backward_grad_sync)
+        return self._post_forward(root, loss)
 
     def _check_units_ran(self) -> None:
         """FSDP: every block unit runs in each forward. One that some forward skips while others run
@@ -349,6 +378,8 @@ class SyncState:
                 "graph still points to them. Use strategy='ddp' for this loss."
             )
         passing = [r for r in self.live_records() if r is rec or r.in_pass()]
+        if self.compiled and torch.is_grad_enabled():
+            self._refuse_double_backward(passing)
         born, self.passes = self.passes, self.passes + 1
         if self.strategy == "fsdp" and any(r.born != born for r in passing):
             raise ConfigError(
@@ -387,6 +418,24 @@ class SyncState:
         # Queued now, this runs before DDP's finalize (queued by the last bucket); it queues the real
         # work behind it, so that resetting grads happens after the reduction wrote them.
         compat.queue_after_backward(lambda: self._end_of_backward(reduces))
+
+    def _refuse_double_backward(self, passing: list[_Record]) -> None:
+        """A create_graph=True pass through blocks compiled per block: their compiled backward cannot be
+        differentiated again, so the second backward would raise a raw torch error (torch 2.13)."""
+        through = sorted(
+            {
+                i
+                for r in passing
+                for i, nodes in r.consumers.items()
+                if i in self.compiled and any(compat.will_execute(n) for n in nodes)
+            }
+        )
+        if through:
+            raise ConfigError(
+                "a backward with create_graph=True (a gradient penalty, a Hessian-vector product) ran through blocks "
+                f"compiled per block ({self._names(through)}): torch.compile's AOT autograd cannot differentiate their "
+                "backward again (double backward). Drop compile= from parallelize for this loss."
+            )
 
     def _allreduce(self, t: torch.Tensor, op: Any = None) -> torch.Tensor:
         if not dist.is_initialized():

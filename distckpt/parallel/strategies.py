@@ -13,18 +13,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distckpt import _torch_compat as compat
-from distckpt.apply.wrap import (
-    _clean_fqn,
-    candidate_blocks,
-    is_checkpointed,
-    parallel_kind,
-    pending_plan,
-    replan_budget,
-)
+from distckpt.apply.compile import apply_compile, compile_options, compiled_blocks
+from distckpt.apply.wrap import candidate_blocks, parallel_kind, pending_plan, replan_budget
 from distckpt.errors import ConfigError
 from distckpt.options import SHARDED, accumulate_refusal, check_graph, check_strategy, reentrant_refusal
 from distckpt.parallel.mesh import mesh_group, resolve_mesh
 from distckpt.parallel.param_sync import SyncState, _Unit, param_owner
+from distckpt.runtime.swap import _clean_fqn, is_checkpointed
 from distckpt.select.blocks import conditional_reason
 
 __all__ = ["accumulate", "ddp_kwargs", "parallelize", "preflight"]
@@ -138,9 +133,10 @@ def parallelize(
     """
     check_graph(graph)
     check_strategy(strategy)
+    compiled = compile_options(kwargs.pop("compile", None))
     if strategy == "none":
         replan_budget(model, "none", 1, None)
-        return model
+        return model if compiled is None else apply_compile(model, compiled)
     shard_size = kwargs.pop("shard_size", None)
     _refuse_unready(model, strategy)
     device_mesh = resolve_mesh(strategy, device_mesh, shard_size, _device().type)
@@ -153,8 +149,11 @@ def parallelize(
     if re_idx and reentrant_refusal(strategy):
         raise ConfigError(reentrant_refusal(strategy))
 
-    # The order is fixed: checkpointing already sits inside the blocks (distckpt.wrap); then FSDP/FSDP2
-    # wrap each block (wrap's candidates, checkpointed or not) and the root last, or DDP wraps the root.
+    # The order is fixed: checkpointing already sits inside the blocks (distckpt.wrap); then (compile=) each block is
+    # compiled, checkpoint included; then FSDP/FSDP2 wrap each block (wrap's candidates, checkpointed or not) and the
+    # root last, or DDP wraps the root. Their hooks stay outside the compiled code.
+    if compiled is not None:
+        apply_compile(model, compiled)
     if strategy == "ddp":
         reentrant = bool(_reentrant_blocks(model))
         wrapped, units, group = _apply_ddp(model, names, owners, graph, reentrant, device_mesh, kwargs)
@@ -178,6 +177,9 @@ def parallelize(
         static_check=graph == "static",
         ddp=wrapped if strategy == "ddp" else None,
     )
+    if compiled is not None:
+        blocks = compiled_blocks(model)
+        state.compiled = {i for i, n in enumerate(names) if any(n.startswith(b + ".") for b in blocks)}
     for unit, prepend in units:
         state.attach(unit, prepend)
     if re_idx and strategy == "ddp":

@@ -57,18 +57,18 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from distckpt.errors import ConfigError
+from distckpt.runtime import recompute
+from distckpt.runtime.selective import OP_MODES
+from distckpt.runtime.swap import CHECKPOINT_MODES
+from distckpt.select.candidates import Candidates
+from distckpt.select.fake_profile import estimate_profile
 from distckpt.select.memory_terms import OPTIMIZER_STATES, _mode_bounds, _tail, static_bytes
-from distckpt.select.policies import CHECKPOINT_MODES
 from distckpt.select.profile import RECOMPUTE_MODES, ModelProfile, _as_args, _tensors, step_device
-from distckpt.select.selective import OP_MODES
-
-if TYPE_CHECKING:
-    from distckpt.select.policies import Candidates
 
 __all__ = [
     "BudgetPlan",
@@ -508,15 +508,13 @@ def offload_offered(device_type: str, offload_flops_per_byte: float | str | None
     it; ``None``, the default until offload has been measured on a GPU, and ``math.inf``: not offered,
     no offload sample step, no pinned host memory for it), on CUDA; elsewhere host memory is the step's
     own, so only with a given ratio and a host store outside the step's allocator (a test's:
-    :func:`distckpt.apply.recompute.host_store`)."""
+    :func:`distckpt.runtime.recompute.host_store`)."""
     if offload_flops_per_byte is None or (offload_flops_per_byte != "auto" and math.isinf(offload_flops_per_byte)):
         return False
     if device_type == "cuda":
         return True
     if offload_flops_per_byte == "auto":
         return False  # measured on CUDA only
-    from distckpt.apply import recompute
-
     return bool(getattr(recompute.host_store(), "escapes_allocator", False))
 
 
@@ -534,7 +532,7 @@ def budget_profile(
     ``budget:SIZE`` plans on a real sample step (:meth:`Candidates.model_profile`: exact on this
     step). ``budget:auto`` (``budget_bytes=None``) is for CUDA: the budget is the device's free memory plus
     what this process already holds there (:func:`auto_budget`), and the profile is the estimator of
-    ``distckpt plan`` (:func:`distckpt.select.estimate.estimate_profile`, fake tensors): a real step of a
+    ``distckpt plan`` (:func:`distckpt.select.fake_profile.estimate_profile`, fake tensors): a real step of a
     model near the device's size could run out of the very memory being planned. ``estimate=True``
     takes that path with an explicit budget (on any device). The real step measures only the recompute
     modes the plan can choose: full, and the op-level ones only with ``selective`` (two sample steps
@@ -549,8 +547,6 @@ def budget_profile(
     if not estimate:
         modes = (*(RECOMPUTE_MODES if selective else ("full",)), *(("offload",) if offload else ()))
         return candidates.model_profile(modes), budget_bytes
-    from distckpt.select.estimate import estimate_profile  # estimate imports this module
-
     if candidates.example_inputs is None:
         candidates.model_profile()  # raises: the policy needs a sample batch
     return estimate_profile(candidates.model, candidates.blocks, candidates.example_inputs), budget_bytes

@@ -6,19 +6,15 @@ rest of the library only sees objects. "Off" is ``None``, as in torchtitan.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
-
-import torch.nn as nn
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 from distckpt.errors import ConfigError
-
-if TYPE_CHECKING:
-    from distckpt.select.profile import BlockProfile, ModelProfile
+from distckpt.runtime.swap import CHECKPOINT_MODES
+from distckpt.select.candidates import Candidates
 
 __all__ = [
     "Budget",
@@ -35,55 +31,10 @@ __all__ = [
     "parse_size",
 ]
 
-# How a block can be checkpointed, in order of decreasing memory (a budget plan chooses one per block);
-# "offload" (appended, so the earlier codes stay): not recomputed, every tensor its forward saves kept in
-# host memory until its backward (on CUDA; on the CPU host memory is the step's own).
-CHECKPOINT_MODES = ("none", "pointwise", "selective", "full", "offload")
-
 SPEC_FORMS = (
     '"none", "full", "every:N" (N >= 1), "first:N" (N >= 0), "fraction:F" (0 <= F <= 1), '
     '"budget:SIZE" (e.g. "budget:2GiB", "budget:512MiB", "budget:auto"), "selective"'
 )
-
-
-@dataclass
-class Candidates:
-    """What a policy sees when it chooses: the candidate blocks in forward order.
-
-    ``profile()`` measures activation bytes and recompute cost per block on ``example_inputs``
-    (only the budget policy needs it; it runs at most once per ``wrap`` call). ``preserve_rng_state``:
-    whether the checkpoints will save the RNG state (``wrap``'s option); without it the profile
-    counts none held per checkpointed block.
-    """
-
-    model: nn.Module
-    blocks: list[tuple[str, nn.Module]]
-    example_inputs: Any = None
-    world_size: int = 1
-    preserve_rng_state: bool = True
-    _profile: ModelProfile | None = field(default=None, repr=False)
-    _profile_modes: frozenset[str] = field(default=frozenset(), repr=False)
-
-    def profile(self) -> list[BlockProfile]:
-        return list(self.model_profile().blocks)
-
-    def model_profile(self, modes: Any = None) -> ModelProfile:
-        """The whole-step profile (blocks plus parameters, head, temporaries); see distckpt.select.profile.
-        ``modes``: the recompute modes to measure (default: every one, ``RECOMPUTE_MODES``)."""
-        from distckpt.select.profile import RECOMPUTE_MODES, profile_model
-
-        wanted = frozenset(RECOMPUTE_MODES if modes is None else modes)
-        if self._profile is None or not wanted <= self._profile_modes:
-            if self.example_inputs is None:
-                raise ConfigError(
-                    "this policy needs a sample batch to measure activation memory; pass "
-                    "example_inputs=(args...) or {kwargs} to distckpt.wrap."
-                )
-            self._profile = profile_model(self.model, self.blocks, self.example_inputs, modes=wanted)
-            self._profile_modes = wanted
-        if not self.preserve_rng_state:  # a checkpoint keeps no RNG state from its forward to its backward
-            return dataclasses.replace(self._profile, rng_state_bytes=0)
-        return self._profile
 
 
 @runtime_checkable
@@ -247,7 +198,7 @@ class Selective:
         return list(range(len(candidates.blocks)))
 
     def context_fn(self) -> Callable[[], tuple[Any, Any]]:
-        from distckpt.select.selective import selective_context_fn
+        from distckpt.runtime.selective import selective_context_fn
 
         return selective_context_fn(self.save_ops, self.every_other_matmul)
 

@@ -12,9 +12,10 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten
 
+from distckpt import _torch_compat as compat
 from distckpt.errors import ConfigError
+from distckpt.runtime.selective import OP_MODES
 from distckpt.select.recompute_passes import _recompute_profile
 from distckpt.select.recorder import (
     _attribute,
@@ -33,7 +34,6 @@ from distckpt.select.sample_step import (  # memory_tracker, scalar_loss, _tenso
     memory_tracker,
     scalar_loss,
 )
-from distckpt.select.selective import OP_MODES
 
 __all__ = [
     "PROFILE_MODES",
@@ -310,14 +310,14 @@ def _as_args(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
 
 
 def _signature(value: Any) -> Any:
-    leaves, spec = tree_flatten(value)
+    leaves, spec = compat.tree_flatten(value)
     return str(spec), tuple(
         (tuple(t.shape), t.dtype, str(t.device)) if isinstance(t, torch.Tensor) else repr(t) for t in leaves
     )
 
 
 # The recompute modes a profile can measure, each in sample steps of its own ("full": plain recompute;
-# the op-level ones: distckpt.select.selective.OP_MODES). The default set: "offload" (no recompute) is
+# the op-level ones: distckpt.runtime.selective.OP_MODES). The default set: "offload" (no recompute) is
 # measured only when asked (a budget that may offer it: on CUDA), so a CPU profile costs nothing more.
 RECOMPUTE_MODES = ("full", *OP_MODES)
 PROFILE_MODES = (*RECOMPUTE_MODES, "offload")

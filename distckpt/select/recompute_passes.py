@@ -14,6 +14,10 @@ import torch
 import torch.nn as nn
 
 from distckpt import _torch_compat as compat
+from distckpt.runtime import recompute
+from distckpt.runtime.recompute import CheckpointOptions, cache_positions, stateful_norms
+from distckpt.runtime.selective import OP_MODES, bind, mode_context_fn
+from distckpt.runtime.swap import _checkpointed_class, unwrap
 from distckpt.select.flops import flop_counter
 from distckpt.select.recorder import _AfterOps, _Attribution, _BackwardWindows, _StepRecorder
 from distckpt.select.sample_step import (
@@ -25,7 +29,6 @@ from distckpt.select.sample_step import (
     memory_tracker,
     scalar_loss,
 )
-from distckpt.select.selective import OP_MODES, bind, mode_context_fn
 
 logger = logging.getLogger("distckpt")
 
@@ -41,9 +44,6 @@ def _all_checkpointed(
     checkpoint of forward missed HF's cache handling: a cache written twice, measured on Llama),
     block i under ``context_fns[i]`` (``None``: full recompute), or with ``stores`` offloaded into
     ``stores[i]`` (the ``"offload"`` mode); gradients dropped on the way out."""
-    from distckpt.apply.recompute import CheckpointOptions, cache_positions, stateful_norms
-    from distckpt.apply.wrap import _checkpointed_class, unwrap
-
     mods = [m for _, m in blocks]
     try:
         for i, (m, fn) in enumerate(zip(mods, context_fns)):
@@ -469,8 +469,6 @@ def _offload_profile(
     block offloaded into the host store in use (``recompute.host_store()``, counted per block): what each
     forward leaves on the device beyond full checkpointing's (its output), the bytes it moves, and its
     backward peak (the saved tensors back) over the prediction's prefix there. Empty when the step fails."""
-    from distckpt.apply import recompute
-
     args, kwargs, batch = step
     stores = [_CountingStore(recompute.host_store()) for _ in rec.blocks]
     with _preserved_state(model, device):

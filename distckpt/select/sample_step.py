@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten
 
 from distckpt import _torch_compat as compat
 
@@ -32,9 +31,9 @@ def scalar_loss(out: Any) -> torch.Tensor:
         loss = out.get("loss")
     if isinstance(loss, torch.Tensor) and loss.requires_grad:
         return loss
-    leaves, _ = tree_flatten(out)
+    leaves, _ = compat.tree_flatten(out)
     if not leaves and hasattr(out, "to_tuple"):  # Hugging Face ModelOutput
-        leaves, _ = tree_flatten(out.to_tuple())
+        leaves, _ = compat.tree_flatten(out.to_tuple())
     parts = [t.float().sum() for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
     if not parts:
         raise ValueError(
@@ -55,7 +54,7 @@ def _storage_bytes(t: torch.Tensor) -> int:
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
-    leaves, _ = tree_flatten(value)
+    leaves, _ = compat.tree_flatten(value)
     return [t for t in leaves if isinstance(t, torch.Tensor)]
 
 
@@ -96,7 +95,7 @@ def memory_tracker(*external: Any) -> Any:
     Returns:
         A ``torch.distributed._tools.mem_tracker.MemTracker``, not yet entered.
     """
-    leaves, _ = tree_flatten(external)
+    leaves, _ = compat.tree_flatten(external)
     frozen = [p for m in leaves if isinstance(m, nn.Module) for p in m.parameters() if not p.requires_grad]
     tracker = compat.mem_tracker(frozen)
     tracker.track_external(*external)

@@ -27,8 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
-from torch.utils.data._utils.collate import default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate
 
 from distckpt._dist import rank_world
 from distckpt.errors import ConfigError, ResumeError

@@ -27,8 +27,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import IterableDataset, get_worker_info
-from torch.utils.data._utils.collate import default_collate
+from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
 __all__ = ["RankShard", "StreamReaders", "can_shard", "open_reader", "reader_collate"]
 

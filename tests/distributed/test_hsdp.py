@@ -16,11 +16,11 @@ from patterns import (
     PATTERNS,
     assert_matches,
     build,
-    full_grads,
     full_params,
     make_optimizer,
     micro_batches,
     reference,
+    train_parallel,
 )
 
 import distckpt
@@ -65,16 +65,7 @@ def _train(rank, world_size, name, how, reentrant=False):
     model = build(pattern)
     distckpt.wrap(model, "full", blocks=pattern.blocks, reentrant=reentrant)
     pm = _parallel(model, how)
-    strategy = "ddp" if how.startswith("ddp") else "fsdp2"
-    opt = make_optimizer([p for p in pm.parameters() if p.requires_grad])
-    grads = []
-    for step in range(STEPS):
-        opt.zero_grad(set_to_none=True)
-        xs = micro_batches(pattern, step, rank, world_size)
-        pattern.schedule(pm, pattern.loss, xs, step, rank, lambda: distckpt.accumulate(pm), 1.0)
-        grads.append(full_grads(pm, strategy))
-        opt.step()
-    return grads, full_params(pm, strategy)
+    return train_parallel(pm, pattern, "ddp" if how.startswith("ddp") else "fsdp2", rank, world_size, STEPS)
 
 
 def _several(rank, world_size, runs):

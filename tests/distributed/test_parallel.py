@@ -24,7 +24,7 @@ from patterns import (
 )
 
 import distckpt
-from distckpt.apply.wrap import _clean_fqn
+from distckpt.runtime.swap import _clean_fqn
 
 STEPS = 3
 _PATTERN_BLOCKS = object()  # _train's default: the pattern's own blocks=

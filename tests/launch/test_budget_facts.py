@@ -53,7 +53,7 @@ def test_sgd_plans_less_optimizer_state_than_adamw():
 
 
 def test_launcher_plan_counts_the_configs_optimizer(capsys):
-    """`launch/plan.py` (`distckpt plan <overrides>`) plans the run's own optimizer (launch.build.budget_facts),
+    """`launch/plan.py` (`distckpt plan <overrides>`) plans the run's own optimizer (launch.config.budget_facts),
     not the flag's default AdamW, unless --optimizer says."""
     from launch.plan import main as launch_plan
 

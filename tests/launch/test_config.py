@@ -213,7 +213,8 @@ def test_every_numeric_field_has_a_range():
     import dataclasses
     import typing
 
-    from launch.config import RANGES, SCHEMAS
+    from launch.config import RANGES
+    from launch.schema import SCHEMAS
 
     def numeric_fields(prefix: str, schema: type):
         for name, hint in typing.get_type_hints(schema).items():

@@ -63,19 +63,19 @@ def test_estimator_path_plans_as_the_measured_profile(kind):
 def test_estimate_is_traced_once_per_model_blocks_and_input_shapes(monkeypatch):
     # budget:auto plans at wrap and again at parallelize: the fake-tensor trace (seconds) runs once per
     # (model, blocks, input shapes), as profile_model's measure does; other shapes trace again.
-    from distckpt.select import estimate
+    from distckpt.select import fake_profile
 
     cfg = GPTConfig(vocab=16, seq=8, dim=8, heads=1, layers=2)  # what is cached does not depend on the size
     torch.manual_seed(0)
     model = GPT(cfg)
     blocks = [(f"h.{i}", b) for i, b in enumerate(model.h)]
     traced = []
-    real_trace = estimate._trace
-    monkeypatch.setattr(estimate, "_trace", lambda *a, **k: traced.append(1) or real_trace(*a, **k))
-    first = estimate.estimate_profile(model, blocks, batch(cfg, 4))
-    assert estimate.estimate_profile(model, blocks, batch(cfg, 4)) is first and len(traced) == 1
-    monkeypatch.setattr(estimate, "_trace", lambda *a, **k: traced.append(1) or (first, [0, 1]))  # no 2nd trace
-    assert estimate.estimate_profile(model, blocks, batch(cfg, 2)) is first and len(traced) == 2  # a miss
+    real_trace = fake_profile._trace
+    monkeypatch.setattr(fake_profile, "_trace", lambda *a, **k: traced.append(1) or real_trace(*a, **k))
+    first = fake_profile.estimate_profile(model, blocks, batch(cfg, 4))
+    assert fake_profile.estimate_profile(model, blocks, batch(cfg, 4)) is first and len(traced) == 1
+    monkeypatch.setattr(fake_profile, "_trace", lambda *a, **k: traced.append(1) or (first, [0, 1]))  # no 2nd trace
+    assert fake_profile.estimate_profile(model, blocks, batch(cfg, 2)) is first and len(traced) == 2  # a miss
 
 
 def test_budget_auto_goes_through_the_estimator_not_a_real_step(monkeypatch):

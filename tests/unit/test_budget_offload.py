@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, f
 import distckpt  # noqa: E402
 from benchmarks.models import GPT, GPTConfig, batch  # noqa: E402
 from distckpt import Budget, ConfigError  # noqa: E402
-from distckpt.apply import recompute  # noqa: E402
 from distckpt.apply.wrap import checkpoint_mode, is_checkpointed  # noqa: E402
+from distckpt.runtime import recompute  # noqa: E402
 from distckpt.select.blocks import find_blocks  # noqa: E402
 from distckpt.select.budget import offload_offered, plan_budget, predicted_peak  # noqa: E402
 from distckpt.select.policies import Placement  # noqa: E402

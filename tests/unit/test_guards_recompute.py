@@ -114,7 +114,7 @@ def test_flag_changed_before_backward_is_caught():
 def test_batchnorm_double_update_is_caught(monkeypatch):
     model = distckpt.wrap(Net(bn=True), "full")
     assert verify_recompute(model, loss_fn).ok  # distckpt's fix in place
-    runtime = _sys.modules["distckpt.apply.recompute"]
+    runtime = _sys.modules["distckpt.runtime.recompute"]
     monkeypatch.setattr(runtime, "_keep_running_stats", lambda norms: contextlib.nullcontext())
     with pytest.raises(distckpt.RecomputeMismatchError) as e:
         verify_recompute(model, loss_fn)
@@ -151,7 +151,7 @@ def test_offloaded_blocks_are_not_reported_as_recomputed_but_their_gradients_are
     report = verify_recompute(model, loss_fn)
     assert report.ok and report.blocks == ["blocks.1"], report  # the one block that recomputes
     # The gradient comparison covers the offloaded blocks: break one's saved-tensor round trip and it fails.
-    import distckpt.apply.recompute as recompute
+    import distckpt.runtime.recompute as recompute
 
     class Corrupting(recompute.PinnedHostStore):
         def to_host(self, t):

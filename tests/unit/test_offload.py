@@ -17,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, f
 import distckpt  # noqa: E402
 from benchmarks.models import GPT, GPTConfig, batch  # noqa: E402
 from distckpt import Budget  # noqa: E402
-from distckpt.apply import recompute  # noqa: E402
 from distckpt.apply.wrap import is_checkpointed  # noqa: E402
+from distckpt.runtime import recompute  # noqa: E402
 from tests.offload_store import use_numpy_store  # noqa: E402
 
 CFG = GPTConfig(vocab=64, seq=16, dim=16, heads=2, layers=4, dropout=0.1)

@@ -63,14 +63,14 @@ def test_llama_70b_shaped_on_64_ranks_fsdp2():
 
 
 def test_hsdp_shards_over_the_shard_group_only(monkeypatch):
-    from distckpt.select import estimate
+    from distckpt.select import fake_profile
 
     f = gpt_factory(2)
     hsdp = plan_at_scale(f, strategy="hsdp", world_size=8, shard_size=2)
     fsdp = plan_at_scale(f, strategy="fsdp2", world_size=2)
     assert hsdp.param_bytes == fsdp.param_bytes and hsdp.policies == fsdp.policies
     # Bad arguments are refused before the model is traced (seconds).
-    monkeypatch.setattr(estimate, "_trace", lambda *a, **k: pytest.fail("traced before checking the arguments"))
+    monkeypatch.setattr(fake_profile, "_trace", lambda *a, **k: pytest.fail("traced before checking the arguments"))
     with pytest.raises(ConfigError, match="shard_size"):
         plan_at_scale(f, strategy="hsdp", world_size=8)
     with pytest.raises(ConfigError, match="optimizer"):

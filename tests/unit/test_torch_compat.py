@@ -1,9 +1,13 @@
 """Each private torch API behind distckpt._torch_compat, called once: a torch upgrade that moves one
-fails here, by name, before it fails dozens of other tests."""
+fails here, by name, before it fails dozens of other tests. And no module of distckpt/ but that one
+reaches a private torch name (``torch.*._name``) itself: :func:`private_torch_uses` scans them."""
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +15,55 @@ import torch.nn as nn
 from torch.autograd.graph import get_gradient_edge
 
 from distckpt import _torch_compat as compat
+
+LIBRARY = Path(__file__).resolve().parents[2] / "distckpt"
+
+
+def _private(parts: list[str]) -> bool:
+    return any(p.startswith("_") and not (p.startswith("__") and p.endswith("__")) for p in parts)
+
+
+def _dotted(node: ast.AST) -> list[str] | None:
+    """``["a", "b", "c"]`` for the expression ``a.b.c``; None for anything else."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return [node.id, *reversed(parts)] if isinstance(node, ast.Name) else None
+
+
+def private_torch_uses(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, dotted name) of every private torch name in ``tree``: an import of one (``import torch._dynamo``,
+    ``from torch.utils._pytree import tree_map``, ``from torch import _C``), or an attribute reached from a name
+    bound to torch or to a part of it (``torch._C._x``, ``nn.modules.batchnorm._NormBase`` after ``import
+    torch.nn as nn``, ``aten._op`` after ``aten = torch.ops.aten``, ``getattr(torch, "_x")``). Attributes of
+    objects (``module._buffers``, ``t._version``) have no static type here and are not seen."""
+    bound: dict[str, list[str]] = {}  # local name -> the torch path it stands for
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "torch":
+                    found += [(node.lineno, alias.name)] if _private(alias.name.split(".")) else []
+                    bound[alias.asname or "torch"] = alias.name.split(".") if alias.asname else ["torch"]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "torch":
+            for alias in node.names:
+                path = [*node.module.split("."), alias.name]
+                found += [(node.lineno, ".".join(path))] if _private(path) else []
+                bound[alias.asname or alias.name] = path
+    for node in ast.walk(tree):  # a name assigned from a torch path stands for it too (aten = torch.ops.aten)
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            parts = _dotted(node.value)
+            if parts and parts[0] in bound:
+                bound.setdefault(node.targets[0].id, [*bound[parts[0]], *parts[1:]])
+    for node in ast.walk(tree):
+        parts = _dotted(node) if isinstance(node, ast.Attribute) else None
+        if isinstance(node, ast.Call) and _dotted(node.func) == ["getattr"] and len(node.args) >= 2:
+            name = node.args[1]
+            parts = (_dotted(node.args[0]) or []) + [name.value] if isinstance(name, ast.Constant) else None
+        if parts and parts[0] in bound and _private(parts[1:]):
+            found.append((node.lineno, ".".join([*bound[parts[0]], *parts[1:]])))
+    return sorted(set(found))
 
 
 def _in_backward(fn, *, inputs=None, grad=False):
@@ -266,3 +319,74 @@ def test_stop_recomputation_error_is_what_checkpoint_stops_a_recompute_with():
     y.sum().backward()
     assert seen and all(t is None or issubclass(t, stop) for t in seen), seen
     assert any(t is not None for t in seen), seen  # an early stop went through the recompute context
+
+
+def test_dynamo_trace_errors_and_compile_counts():
+    def breaks(x):
+        y = x * 2
+        warnings.warn("dynamo does not trace warnings.warn: a graph break", stacklevel=1)
+        return y + 1
+
+    torch.compiler.reset()
+    try:
+        with pytest.raises(compat.dynamo_trace_errors()):
+            torch.compile(breaks, backend="eager", fullgraph=True)(torch.ones(2))
+        torch.compiler.reset()
+        with compat.compile_counts() as counts, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.compile(breaks, backend="eager")(torch.ones(2))
+    finally:
+        torch.compiler.reset()
+    assert counts["graphs"] >= 1 and sum(counts["breaks"].values()) == 1, counts
+
+
+def test_private_torch_apis_only_in_torch_compat():
+    files = [p for p in sorted(LIBRARY.rglob("*.py")) if p.name != "_torch_compat.py"]
+    assert LIBRARY / "parallel" / "param_sync.py" in files, LIBRARY  # the scan found the tree
+    bad = [
+        f"{path.relative_to(LIBRARY.parent)}:{line} uses {name}"
+        for path in files
+        for line, name in private_torch_uses(ast.parse(path.read_text(), filename=str(path)))
+    ]
+    assert not bad, "private torch APIs belong in distckpt/_torch_compat.py (with why and the version):\n" + "\n".join(
+        bad
+    )
+    # The compat module itself uses them: the scan sees them there.
+    assert private_torch_uses(ast.parse((LIBRARY / "_torch_compat.py").read_text()))
+
+
+def test_private_scan_sees_a_planted_violation():
+    planted = ast.parse(
+        "import torch\nimport torch.nn as nn\nimport torch.utils.checkpoint as tuc\n"
+        "from torch.utils._pytree import tree_map\nfrom torch import _C\nimport torch._dynamo\n"
+        "from torch.utils.data import default_collate\n"
+        "aten = torch.ops.aten\n"
+        "def f(m, t):\n"
+        "    from torch.distributed._tools.mem_tracker import MemTracker\n"
+        "    isinstance(m, nn.modules.batchnorm._NormBase)\n"
+        "    torch._C._will_engine_execute_node(t)\n"
+        "    aten._scaled_dot_product_flash_attention_for_cpu\n"
+        "    getattr(tuc, '_StopRecomputationError')\n"
+        "    t._version, m._buffers, torch.__version__, torch.nn.functional.relu, aten.mm\n"
+    )
+    assert private_torch_uses(planted) == [
+        (4, "torch.utils._pytree.tree_map"),
+        (5, "torch._C"),
+        (6, "torch._dynamo"),
+        (10, "torch.distributed._tools.mem_tracker.MemTracker"),
+        (11, "torch.nn.modules.batchnorm._NormBase"),
+        (12, "torch._C"),
+        (12, "torch._C._will_engine_execute_node"),
+        (13, "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu"),
+        (14, "torch.utils.checkpoint._StopRecomputationError"),
+    ]
+
+
+def test_pytree_and_norm_base():
+    leaves, spec = compat.tree_flatten({"a": (torch.ones(1), 2), "b": [3]})
+    assert leaves[1:] == [2, 3] and compat.tree_unflatten([0, 2, 3], spec) == {"a": (0, 2), "b": [3]}
+    assert compat.tree_map(lambda x: x * 2, {"a": (1, 2)}) == {"a": (2, 4)}
+    norm = compat.norm_base_class()
+    for m in (nn.BatchNorm1d(2), nn.SyncBatchNorm(2), nn.InstanceNorm1d(2), nn.LazyBatchNorm1d()):
+        assert isinstance(m, norm)
+    assert not isinstance(nn.LayerNorm(2), norm)

@@ -2,7 +2,7 @@
 around it (no KV cache, BatchNorm running stats kept, the RNG state, a reentrant runner that never
 drops gradients silently, offload of the saved block inputs), and of one offloaded block (the ``"offload"``
 mode: not recomputed, every tensor its forward saves kept in host memory until its backward).
-``distckpt.apply.wrap`` decides which blocks run through here."""
+``distckpt.apply.wrap`` decides which blocks run through here (the class swap: ``distckpt.runtime.swap``)."""
 
 from __future__ import annotations
 
@@ -22,13 +22,14 @@ import torch.utils.checkpoint as tuc
 
 from distckpt import _torch_compat as compat
 from distckpt.errors import ConfigError
-from distckpt.select.selective import bind
+from distckpt.runtime.selective import bind
 
 __all__ = [
     "EAGER_RUN",
     "CheckpointOptions",
     "PinnedHostStore",
     "cache_positions",
+    "eager_reason",
     "host_store",
     "prepare_eager_run",
     "run_checkpointed",
@@ -108,7 +109,7 @@ def without_cache(
 
 
 def stateful_norms(module: nn.Module) -> list[nn.Module]:
-    return [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats]
+    return [m for m in module.modules() if isinstance(m, compat.norm_base_class()) and m.track_running_stats]
 
 
 @contextlib.contextmanager
@@ -379,12 +380,53 @@ def run_checkpointed(
         return tuc.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=opts.preserve_rng_state, **kwargs)
 
 
-# torch.compiler.disable(run_checkpointed), made eagerly by wrap (or unpickling) when a block holds
-# BatchNorm statistics: not at import, since it imports torch._dynamo (a second), and not while
-# dynamo traces, which would trace its creation.
+def eager_reason(module: nn.Module) -> str | None:
+    """Why torch.compile cannot trace the checkpointing of this checkpointed block faithfully (``None``: it can).
+
+    Measured on torch 2.13: a compiled recompute updates BatchNorm running statistics a second time and dynamo
+    cannot trace the context that prevents it; dynamo traces a reentrant checkpoint as a non-reentrant one (no
+    nested backward: the gradient timing ``reentrant=True`` asks for, and DDP's settings for it, are gone);
+    offload's saved-tensor hooks break the graph on every storage lookup. Such a block's checkpoint runs
+    eagerly: under a whole-model ``torch.compile`` with its forward (a graph break, :data:`EAGER_RUN`), under
+    ``distckpt.apply.compile.compile_blocks`` around its compiled forward.
+    """
+    opts = module._distckpt_options
+    if not opts.recompute:
+        return "the offload mode: its saved-tensor hooks must see the eager forward's tensors"
+    if module._distckpt_norms:
+        return "BatchNorm running statistics: a compiled recompute would update them a second time"
+    if opts.reentrant:
+        return "reentrant=True: dynamo would trace it as a non-reentrant checkpoint"
+    if opts.offload:
+        return "offload='cpu': its saved-tensor hooks break the graph"
+    return None
+
+
+_WARNED_EAGER: set[tuple[type, str | None]] = set()
+
+
+def _eager_run(
+    module: nn.Module, inner: Callable[..., Any], opts: CheckpointOptions, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """:func:`run_checkpointed`, run eagerly inside a compiled model, with one warning per block class."""
+    reason = eager_reason(module)
+    if (type(module), reason) not in _WARNED_EAGER:
+        _WARNED_EAGER.add((type(module), reason))
+        warnings.warn(
+            f"distckpt: torch.compile runs the checkpointed {module._distckpt_orig_class.__name__} blocks eagerly "
+            f"(a graph break each; {reason}). To compile their forward too, compile per block: "
+            "distckpt.apply.compile.compile_blocks(model), or parallelize(..., compile=True).",
+            stacklevel=2,
+        )
+    return run_checkpointed(module, inner, opts, args, kwargs)
+
+
+# torch.compiler.disable(_eager_run), made eagerly by wrap (or unpickling) when a block's checkpointing cannot
+# be traced (eager_reason): not at import, since it imports torch._dynamo (a second), and not while dynamo
+# traces, which would trace its creation.
 EAGER_RUN: list[Callable[..., Any]] = []
 
 
 def prepare_eager_run() -> None:
     if not EAGER_RUN:
-        EAGER_RUN.append(torch.compiler.disable(run_checkpointed))
+        EAGER_RUN.append(torch.compiler.disable(_eager_run))

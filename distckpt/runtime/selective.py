@@ -201,6 +201,11 @@ def bind(context_fn: Callable[[], tuple[Any, Any]] | None, block: Any) -> Callab
         return noop_context_fn
     if not (isinstance(context_fn, functools.partial) and context_fn.func is _contexts):
         return context_fn
+    if torch.compiler.is_compiling():
+        # Under torch.compile the partitioner saves only what backward reads, so the reach has no job there;
+        # and dynamo takes a context_fn only as a constant: a _Reach in it broke the graph and ran the whole
+        # checkpoint eagerly (measured, torch 2.13).
+        return functools.partial(_contexts, *context_fn.args[:2])
     save, every_other = context_fn.args[:2]
     key = (tuple(sorted(str(p) for p in save)), every_other)
     reach = block.__dict__.setdefault(_REACH, {}).setdefault(key, _Reach())

@@ -1,0 +1,1 @@
+"""Framework integrations (Hugging Face, Accelerate, Lightning): optional extras, each imported only when used."""
