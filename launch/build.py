@@ -73,12 +73,17 @@ def build_datasets(d: DictConfig, m: DictConfig) -> tuple[Any, Any]:
             d, "data", (Dataset, IterableDataset), what, **eval_over
         ) if eval_over else None
     if d.name == "tokens":
-        vocab = m.get("vocab_size")
+        vocab = m.get("vocab_size")  # with model.pretrained: the pretrained vocabulary (conf/model/hf.yaml)
+        fixed = f"model.pretrained={m.pretrained}" if m.get("pretrained") else None
 
         def windows(path: str) -> TokenWindows:
-            return TokenWindows(path, m.seq_len, d.dtype, vocab_size=vocab)
+            return TokenWindows(path, m.seq_len, d.dtype, vocab_size=vocab, vocab_of=fixed)
 
         return windows(d.path), windows(d.eval_path) if d.eval_path else None
+    if d.name == "hf":
+        from launch.hf_data import build_hf_data  # datasets/transformers: the "hf" extra
+
+        return build_hf_data(d, m)
     if d.name == "digits":
         return digits("train", d.n_eval), digits("eval", d.n_eval) if d.n_eval else None
     if m.name == "mlp":
@@ -96,14 +101,17 @@ def build_datasets(d: DictConfig, m: DictConfig) -> tuple[Any, Any]:
 
 def task_data(node: DictConfig) -> DictConfig:
     """A task's ``data`` node of ``data=multitask``, completed with its data group's defaults."""
-    from launch.schema import DataConfig, TokensDataConfig
+    from launch.schema import DataConfig, HFDataConfig, TokensDataConfig
 
-    schema = {"tokens": TokensDataConfig, "custom": None}.get(node.name, DataConfig)
+    schema = {"tokens": TokensDataConfig, "hf": HFDataConfig, "custom": None}.get(node.name, DataConfig)
     return node if schema is None else OmegaConf.merge(OmegaConf.structured(schema), node)
 
 
-def build_data(d: DictConfig, m: DictConfig, device: torch.device | None = None) -> ShardedLoader | TaskMixLoader:
-    """This rank's loader for ``data=...``: sharded over the ranks, shuffled per epoch, resumable."""
+def build_data(
+    d: DictConfig, m: DictConfig, device: torch.device | None = None, *, allow_reshuffle: bool = False
+) -> ShardedLoader | TaskMixLoader:
+    """This rank's loader for ``data=...``: sharded over the ranks, shuffled per epoch, resumable
+    (``allow_reshuffle``: ``trainer.allow_reshuffle``, see :class:`~distckpt.train.data.ShardedLoader`)."""
     pin = bool(d.pin_memory) and device is not None and device.type == "cuda"
     if d.name == "multitask":
         datasets = {t: build_datasets(task_data(task.data), m) for t, task in d.tasks.items()}
@@ -116,6 +124,7 @@ def build_data(d: DictConfig, m: DictConfig, device: torch.device | None = None)
             num_workers=d.num_workers,
             pin_memory=pin,
             drop_last=d.drop_last,
+            allow_reshuffle=allow_reshuffle,
         )
     train_set, eval_set = build_datasets(d, m)
     return ShardedLoader(
@@ -127,6 +136,7 @@ def build_data(d: DictConfig, m: DictConfig, device: torch.device | None = None)
         pin_memory=pin,
         drop_last=d.drop_last,
         eval_dataset=eval_set,
+        allow_reshuffle=allow_reshuffle,
     )
 
 

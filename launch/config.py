@@ -22,7 +22,7 @@ from distckpt.options import GRAPHS, OPTIMIZERS, SHARDED, STRATEGIES, check_run,
 CHOICES = {
     "strategy.name": STRATEGIES,
     "strategy.graph": GRAPHS,
-    "data.name": ("synthetic", "digits", "custom", "tokens", "multitask"),
+    "data.name": ("synthetic", "digits", "custom", "tokens", "hf", "multitask"),
     "precision.dtype": ("fp32", "bf16", "fp16"),
     "optim.name": OPTIMIZERS,
     "optim.scheduler": ("constant", "cosine", "linear"),
@@ -85,6 +85,7 @@ RANGES: dict[str, Range] = {
     "data.n": SIZE,
     "data.n_eval": Range(0, why="0: no eval split"),
     "data.noise": PROBABILITY,
+    "data.shuffle_block": Range(1, why="windows shuffled together; 1: no shuffle"),
     "strategy.shard_size": Range(1, why="ranks per shard group; null: the ranks of one node"),
     "ac.n": SIZE,
     "ac.offload_flops_per_byte": Range(0, lo_open=True),
@@ -242,9 +243,11 @@ def _check_combinations(cfg: DictConfig, world_size: int) -> None:
             f"trainer.grad_accum={t.grad_accum}; change data.batch_size or trainer.grad_accum."
         )
     if m.name == "hf" and m.pretrained:
-        from launch.hf import check_pretrained
+        from launch.hf import check_pretrained, check_pretrained_sizes
 
         check_pretrained(m.pretrained)
+        if _importable("transformers"):  # else check_extras names the extra
+            check_pretrained_sizes(m)
     if d.name == "multitask":
         total = sum(task.weight for task in d.tasks.values())
         for name, task in d.tasks.items():
@@ -265,6 +268,21 @@ def _check_combinations(cfg: DictConfig, world_size: int) -> None:
             raise ConfigError(
                 f"data=tokens cuts the file into model.seq_len windows: model={m.name} has no "
                 "seq_len (add +model.seq_len=N)."
+            )
+    if d.name == "hf":
+        from launch.hf_data import check_source
+
+        for key in ("path", "eval_path"):
+            if d[key] is not None:
+                check_source(d[key])
+        if "seq_len" not in m:
+            raise ConfigError(
+                f"data=hf packs text into model.seq_len windows: model={m.name} has no seq_len (add +model.seq_len=N)."
+            )
+        if not d.tokenizer and not (m.name == "hf" and m.get("pretrained")):
+            raise ConfigError(
+                "data=hf needs a tokenizer: data.tokenizer=DIR (a directory written by save_pretrained), or "
+                "model=hf model.pretrained=DIR, whose tokenizer is the default."
             )
     if d.name == "digits" and m.name not in ("mlp", "custom"):
         raise ConfigError(f"data=digits is image features: it needs model=mlp (got model={m.name}).")
@@ -299,6 +317,8 @@ def _check_combinations(cfg: DictConfig, world_size: int) -> None:
 # Optional packages: (the override that needs it, when, the module, the pyproject extra that installs it).
 EXTRAS: list[tuple[str, Callable[[DictConfig], bool], str, str]] = [
     ("model=hf", lambda c: c.model.name == "hf", "transformers", "hf"),
+    ("data=hf", lambda c: c.data.name == "hf", "datasets", "hf"),
+    ("data=hf", lambda c: c.data.name == "hf", "transformers", "hf"),
     ("data=digits", lambda c: c.data.name == "digits", "sklearn", "launch"),
     ("logger.tensorboard=true", lambda c: bool(c.logger.tensorboard), "tensorboard", "launch"),
     ("logger.wandb=online/offline", lambda c: c.logger.wandb in ("online", "offline"), "wandb", "launch"),

@@ -5,6 +5,8 @@ transformers and peft are the ``hf`` extra; they are imported here only when ``m
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,26 +28,117 @@ def check_pretrained(path: str) -> None:
         )
 
 
+# The longest default window taken from a pretrained context length: long-context models (Llama 3: 131072
+# positions) would otherwise default to windows no first run can hold; model.seq_len=N sets any length.
+MAX_DEFAULT_SEQ_LEN = 2048
+
+
+@dataclass(frozen=True)
+class PretrainedFacts:
+    """What a run needs to know about a saved model before building it: read from its ``config.json`` (and
+    its tokenizer, when the directory holds one), never from the launcher's defaults."""
+
+    vocab_size: int  # rows of the input embedding: every token id must be below it
+    context: int | None  # positions the model was built for (n_positions / max_position_embeddings)
+    eos_token_id: int | None  # the tokenizer's (else the config's) end-of-text id: separates packed documents
+    bos_token_id: int | None
+    tokenizer: bool  # the directory holds a tokenizer (the default one of data=hf)
+
+    @property
+    def seq_len(self) -> int | None:
+        """The default ``model.seq_len``: the context length, at most :data:`MAX_DEFAULT_SEQ_LEN`."""
+        return min(self.context, MAX_DEFAULT_SEQ_LEN) if self.context else None
+
+
+@functools.lru_cache(maxsize=8)
+def pretrained_facts(path: str) -> PretrainedFacts:
+    """The vocabulary size, context length and special tokens of the model saved in ``path``.
+
+    Raises:
+        ConfigError: ``path`` has no ``config.json`` (see :func:`check_pretrained`).
+    """
+    from transformers import AutoConfig  # optional dependency (extra "hf")
+
+    check_pretrained(path)
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    context = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+    eos, bos = getattr(text, "eos_token_id", None), getattr(text, "bos_token_id", None)
+    has_tokenizer = any((Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json"))
+    if has_tokenizer:
+        tok = load_tokenizer(path)
+        eos = tok.eos_token_id if tok.eos_token_id is not None else eos
+        bos = tok.bos_token_id if tok.bos_token_id is not None else bos
+    first = lambda v: v[0] if isinstance(v, (list, tuple)) else v  # some configs list several eos ids
+    return PretrainedFacts(int(text.vocab_size), context, first(eos), first(bos), has_tokenizer)
+
+
+def load_tokenizer(path: str) -> Any:
+    """``AutoTokenizer.from_pretrained(path, local_files_only=True)``: a tokenizer saved in a local directory.
+
+    Raises:
+        ConfigError: ``path`` holds no tokenizer that transformers can load.
+    """
+    from transformers import AutoTokenizer  # optional dependency (extra "hf")
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, TypeError) as e:
+        raise ConfigError(
+            f"{path} holds no tokenizer transformers can load ({first_lines(e)}); give a directory written by "
+            "tokenizer.save_pretrained (nothing is downloaded)."
+        ) from None
+
+
+def pretrained_default(path: str | None, key: str, default: int) -> int:
+    """``model.vocab_size`` / ``model.seq_len`` of ``model=hf``: the pretrained model's own with
+    ``model.pretrained=DIR``, else ``default`` (the ``hf_pretrained`` resolver of ``conf/model/hf.yaml``).
+
+    Never raises: an unreadable ``DIR`` gives ``default`` here and its own error from :func:`check_pretrained`."""
+    if not path:
+        return default
+    try:
+        value = getattr(pretrained_facts(str(path)), key)
+    except Exception:  # no config.json, transformers missing: check_pretrained and check_extras say it
+        return default
+    return int(value) if value is not None else default
+
+
+def check_pretrained_sizes(m: DictConfig) -> None:
+    """An explicit ``model.vocab_size`` / ``model.seq_len`` must fit the pretrained model.
+
+    Raises:
+        ConfigError: a vocabulary above the pretrained one, or windows longer than its context.
+    """
+    facts = pretrained_facts(m.pretrained)
+    if m.vocab_size > facts.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={m.vocab_size} exceeds the vocabulary ({facts.vocab_size}) of model.pretrained="
+            f"{m.pretrained}; leave model.vocab_size unset (it defaults to the pretrained vocabulary) or lower it."
+        )
+    if facts.context and m.seq_len > facts.context:
+        raise ConfigError(
+            f"model.seq_len={m.seq_len} is longer than the {facts.context} positions of model.pretrained="
+            f"{m.pretrained}; set model.seq_len={facts.context} or less."
+        )
+
+
 def build_hf(m: DictConfig) -> MultiTaskHF:
     """The causal LM of ``model=hf`` with its classification head: from ``model.pretrained`` (a local
     directory, never a download) or randomly initialised from ``model.config_name``; with LoRA adapters
     when ``model.lora.r > 0`` (the base frozen, the adapters and the task head trainable).
 
     Raises:
-        ConfigError: a missing directory, a ``model.vocab_size`` above the pretrained vocabulary, or LoRA
+        ConfigError: a missing directory, a ``model.vocab_size`` or ``model.seq_len`` above the pretrained
+            model's (:func:`check_pretrained_sizes`), or LoRA
             target modules that the model does not have.
     """
     if m.pretrained:
         from transformers import AutoModelForCausalLM  # optional dependency (extra "hf")
 
-        check_pretrained(m.pretrained)
+        check_pretrained_sizes(m)
         lm = AutoModelForCausalLM.from_pretrained(m.pretrained, local_files_only=True)
         lm.config.use_cache = False  # checkpointed layers must not write a cache (docs: DESIGN.md)
-        if m.vocab_size > lm.config.vocab_size:
-            raise ConfigError(
-                f"model.vocab_size={m.vocab_size} exceeds the pretrained vocabulary "
-                f"({lm.config.vocab_size}) of {m.pretrained}; lower model.vocab_size."
-            )
         model = MultiTaskHF(lm, m.n_classes)
     else:
         model = build_hf_causal_lm(

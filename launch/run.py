@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import random
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -171,7 +172,7 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -> Loo
         Path(path).mkdir(parents=True, exist_ok=True)
 
     torch.manual_seed(t.seed)  # the same initial parameters on every rank
-    data = build_data(cfg.data, cfg.model, device)
+    data = build_data(cfg.data, cfg.model, device, allow_reshuffle=t.allow_reshuffle)
     model = build_model(cfg.model, cfg.data)
     example = data.example(t.grad_accum)
     if isinstance(example, TaskBatches):  # data=multitask: the model sees one task's batch per forward
@@ -195,6 +196,9 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -> Loo
     state = TrainState(model, optimizer, scheduler, build_scaler(cfg.precision, strategy, device), data=data)
     guard = _optional_guard(model, t.guard_every)
     torch.manual_seed(t.seed + 1 + rank)  # dropout: one stream per rank, restored on resume
+    # Python's own RNG too (user code may draw from it; it is saved in checkpoints): unseeded, every launch
+    # would start from fresh OS entropy and no two runs, resumed or not, would hold the same RNG state.
+    random.seed(t.seed + 1 + rank)
 
     writers = build_writers(cfg.logger, path, OmegaConf.to_container(cfg, resolve=True), enabled=rank == 0)
     sink = MetricSink(path, writers=writers, enabled=rank == 0)

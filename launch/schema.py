@@ -90,6 +90,18 @@ class TokensDataConfig(DataConfig):
     dtype: str = "uint16"  # uint16 | uint32
 
 
+@dataclass
+class HFDataConfig(DataConfig):
+    name: str = "hf"
+    path: str = MISSING  # a datasets directory (save_to_disk) or local .jsonl/.json/.parquet/.txt files (a glob)
+    eval_path: Optional[str] = None  # the eval split, the same kinds of path; None: no eval split
+    text_field: str = "text"  # the column holding each document's text
+    tokenizer: Optional[str] = None  # a directory written by save_pretrained; None: model.pretrained's
+    streaming: bool = False  # false: tokenize once into a token cache (map-style); true: datasets' streaming
+    shuffle_block: int = 256  # streaming with shuffle: windows shuffled together (the state re-reads one block)
+    cache_dir: Optional[str] = None  # the token cache (streaming=false); None: $DISTCKPT_CACHE or ~/.cache/distckpt
+
+
 # --- strategy, activation checkpointing (the `ac` group), precision --------------------------------------------------
 @dataclass
 class StrategyConfig:
@@ -159,6 +171,9 @@ class TrainerConfig:
     on_nonfinite: str = "skip"  # skip | stop
     max_consecutive_skips: int = 10  # skip: stop the run after this many skipped steps in a row (0: no limit)
     task_weights: dict[str, float] = field(default_factory=dict)  # loss = sum of weight * task loss (default 1)
+    # Resume a streamed data set saved on another layout (ranks x data workers) at its global position, although
+    # its order cannot be kept there (samples may repeat or be skipped); false: such a resume is refused.
+    allow_reshuffle: bool = False
     guard_every: int = 0  # distckpt.GradSyncGuard every N steps; 0 = off
     verify_recompute: bool = False  # distckpt.verify_recompute once at start
     progress: bool = True
@@ -196,6 +211,7 @@ SCHEMAS: list[tuple[str, str, type]] = [
     ("model", "hf_schema", HFModelConfig),
     ("data", "data_schema", DataConfig),
     ("data", "tokens_schema", TokensDataConfig),
+    ("data", "hf_data_schema", HFDataConfig),
     ("strategy", "strategy_schema", StrategyConfig),
     ("ac", "ac_schema", ACConfig),
     ("precision", "precision_schema", PrecisionConfig),
@@ -213,3 +229,12 @@ def register() -> None:
         cs.store(group=group, name=name, node=node)
     if not OmegaConf.has_resolver("run_id"):
         OmegaConf.register_new_resolver("run_id", _run_id, use_cache=True)
+    if not OmegaConf.has_resolver("hf_pretrained"):
+        OmegaConf.register_new_resolver("hf_pretrained", _hf_pretrained, use_cache=True)
+
+
+def _hf_pretrained(path: str | None, key: str, default: int) -> int:
+    """``${hf_pretrained:${.pretrained},vocab_size,64}``: the pretrained model's own size, else the default."""
+    from launch.hf import pretrained_default  # transformers only when a pretrained directory is named
+
+    return pretrained_default(path, key, default)

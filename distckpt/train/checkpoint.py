@@ -73,7 +73,9 @@ class TrainState(Stateful):
     FSDP and FSDP2 models all save sharded-aware, FQN-keyed state. The RNG state is per rank, under
     a per-rank key (a resume on another world size keeps the fresh RNG of the missing ranks); so is
     the data loader's position (``data``: any object with ``state_dict``/``load_state_dict``, such as
-    ``distckpt.train.data.ShardedLoader``, whose position counts global batches).
+    ``distckpt.train.data.ShardedLoader``, whose position counts global batches). A rank that the saved
+    run did not have loads rank 0's position; the loader decides whether that is exact (map-style data) or
+    refused (a stream whose order belongs to the saved layout).
     """
 
     def __init__(
@@ -118,7 +120,7 @@ class TrainState(Stateful):
             _load_schedule_position(self.scheduler, sd["scheduler"])
         if self.scaler is not None and "scaler" in sd:
             self.scaler.load_state_dict(sd["scaler"])
-        position = sd.get("data", {}).get(f"rank{_rank()}")
+        position = sd.get("data", {}).get(f"rank{_rank()}")  # on a rank the saved run lacked: rank 0's (_LoadView)
         if self.data is not None and position:
             self.data.load_state_dict(position)
         mine = sd["rng"].get(f"rank{_rank()}")
@@ -134,11 +136,16 @@ def _load_schedule_position(scheduler: Any, saved: dict[str, Any]) -> None:
     scheduler.load_state_dict(sched)
     if hasattr(scheduler, "last_epoch") and hasattr(scheduler, "step"):
         # Recompute the lr of this position from the configured base lrs (exact for closed-form schedules
-        # such as the launcher's LambdaLR): one step back, then the scheduler's own step.
+        # such as the launcher's LambdaLR): one step back, then the scheduler's own step. That step also
+        # counts itself in the scheduler's bookkeeping (`_step_count` one above the uninterrupted run's,
+        # found by comparing a resumed checkpoint with an uninterrupted one entry by entry): put the saved
+        # counters back, so the lr is the only thing this recomputation changes.
+        counters = {k: v for k, v in sched.items() if k in ("_step_count", "_is_initial", "_get_lr_called_within_step")}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "lr_scheduler.step() before optimizer.step()"
             scheduler.last_epoch -= 1
             scheduler.step()
+        scheduler.__dict__.update(counters)
 
 
 def latest_checkpoint(ckpt_dir: str | os.PathLike[str]) -> Path | None:
@@ -196,10 +203,35 @@ def load_checkpoint(state: TrainState, path: str | os.PathLike[str]) -> None:
             :func:`check_compatible`); nothing is loaded then.
     """
     check_compatible(state, path)
-    # Partial load: a checkpoint from another world size lacks some ranks' RNG entries; everything
+    # Partial load: a checkpoint from another world size lacks some ranks' RNG and data entries; everything
     # else was checked to be there above.
     with _single_process_quiet():
-        dcp.load({"train": state}, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))
+        view = _LoadView(state, FileSystemReader(str(path)).read_metadata().state_dict_metadata.keys())
+        dcp.load({"train": view}, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))
+
+
+class _LoadView(Stateful):
+    """``state`` as DCP loads it, reading this rank's data position from rank 0's entry when the saved run had
+    no such rank (a resume on more ranks). DCP loads only the keys of the state dict it is given, so the
+    position's slot is renamed to the entry to read, and back.
+
+    A map-style loader's position is global, so rank 0's is exact; a stream's loader refuses another layout
+    unless told (:meth:`distckpt.train.data.ShardedLoader.load_state_dict`).
+    """
+
+    def __init__(self, state: TrainState, saved_keys: Any) -> None:
+        self.state, self.own = state, f"rank{_rank()}"
+        mine = any(k.startswith(f"train.data.{self.own}.") for k in saved_keys)
+        self.source = self.own if mine else "rank0"
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = self.state.state_dict()
+        sd["data"] = {self.source: sd["data"][self.own]}
+        return sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        sd["data"] = {self.own: sd["data"][self.source]}
+        self.state.load_state_dict(sd)
 
 
 # Entries that must match between the checkpoint and the run: weights and optimizer state. The RNG entries

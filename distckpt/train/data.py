@@ -20,15 +20,18 @@ with no replay of the consumed batches.
 from __future__ import annotations
 
 import itertools
+import pickle
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate, get_worker_info
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate
 
 from distckpt._dist import rank_world
-from distckpt.errors import ConfigError
+from distckpt.errors import ConfigError, ResumeError
+from distckpt.train.streams import RankShard, StreamReaders, can_shard, open_reader, reader_collate
 
 __all__ = [
     "DictDataset",
@@ -134,34 +137,29 @@ class GlobalBatchSampler(Sampler[list[int]]):
             yield order[k * self.batch_size + self.rank * b : k * self.batch_size + (self.rank + 1) * b].tolist()
 
 
-class _RankShard(IterableDataset):
-    """An iterable stream's items for this rank and DataLoader worker: complete global batches only.
-
-    Every rank and worker reads the whole stream (a stream cannot seek); of global batch ``k`` (items
-    ``[k*B, (k+1)*B)``) rank ``r`` keeps its slice, and worker ``k % num_workers`` yields it, which is the
-    order in which the DataLoader takes batches from its workers.
-    """
-
-    def __init__(self, source: IterableDataset, batch_size: int, rank: int, world_size: int, skip: int) -> None:
-        self.source, self.batch_size, self.rank, self.world_size, self.skip = source, batch_size, rank, world_size, skip
-
-    def __iter__(self) -> Iterator[Batch]:
-        info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        b = self.batch_size // self.world_size
-        stream = iter(self.source)
-        for _ in range(self.skip * self.batch_size):  # the batches a resumed run has consumed already
-            next(stream, None)
-        for k in itertools.count():
-            items = list(itertools.islice(stream, self.batch_size))
-            if len(items) < self.batch_size:
-                return
-            if k % workers == worker:
-                yield from items[self.rank * b : (self.rank + 1) * b]
+# What a data set without a shard hook costs, said once at start (docs/launcher.md, "Real data").
+REPLAY_COST = (
+    "data: {name} is an IterableDataset without state_dict()/load_state_dict() and a shard hook, so every rank "
+    "and DataLoader worker reads all of it ({readers} reads of each sample per epoch) and a resume replays the "
+    "epoch up to its position (time grows with the position). Give it state_dict(), load_state_dict() and "
+    "shard(rank, world_size, worker, num_workers), or use a datasets.IterableDataset (docs/launcher.md, Real data)."
+)
 
 
 class ShardedLoader:
     """One rank's endless loader over a data set: epochs one after another, resumable at ``(epoch, batch)``.
+
+    Three kinds of data set (``self.kind``):
+
+    - ``"map"``: a map-style data set, read through :class:`GlobalBatchSampler`. Its position is global (the
+      same on every rank), so it resumes exactly on any number of ranks.
+    - ``"shards"``: a shardable stream (:func:`distckpt.train.streams.can_shard`): each rank and worker reads
+      its own part and resumes from its saved state.
+    - ``"replay"``: any other ``IterableDataset``, read whole by every rank and worker and replayed on resume
+      (one warning at start names the cost).
+
+    A stream's order depends on the readers' layout (ranks x workers): resuming one on another layout raises
+    a :class:`ResumeError` unless ``allow_reshuffle``.
 
     Args:
         dataset: a map-style data set of dicts of tensors, or an ``IterableDataset`` (if it has
@@ -173,6 +171,8 @@ class ShardedLoader:
         drop_last: drop an incomplete last global batch (iterable streams always do).
         eval_dataset: the eval split, read in order, sharded the same way; ``None``: no evaluation.
         rank, world_size: default: this process's rank and the group's size.
+        allow_reshuffle: resume a stream saved on another layout anyway, at its global position (samples may
+            repeat or be skipped).
 
     Raises:
         ConfigError: the batch does not split over the ranks, or an epoch has no complete batch.
@@ -191,6 +191,7 @@ class ShardedLoader:
         eval_dataset: Dataset | None = None,
         rank: int | None = None,
         world_size: int | None = None,
+        allow_reshuffle: bool = False,
     ) -> None:
         r, w = rank_world()
         self.rank, self.world_size = r if rank is None else rank, w if world_size is None else world_size
@@ -198,20 +199,34 @@ class ShardedLoader:
             raise ConfigError(f"data.batch_size={batch_size} must be a multiple of the {self.world_size} ranks.")
         self.dataset, self.eval_dataset, self.batch_size = dataset, eval_dataset, batch_size
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
-        self.num_workers, self.pin_memory = num_workers, pin_memory
+        self.num_workers, self.pin_memory, self.allow_reshuffle = num_workers, pin_memory, allow_reshuffle
         self.epoch, self.batch = 0, 0  # the position: global batches consumed in this epoch
-        self._it: Iterator[Batch] | None = None
+        self._it: Iterator[Any] | None = None
+        if not isinstance(dataset, IterableDataset):
+            self.kind = "map"
+        else:
+            self.kind = "shards" if can_shard(dataset) else "replay"
+        self._readers = StreamReaders(max(num_workers, 1)) if self.kind == "shards" else None
+        if self.kind == "replay" and self.rank == 0:
+            readers = self.world_size * max(num_workers, 1)
+            warnings.warn(REPLAY_COST.format(name=type(dataset).__name__, readers=readers), stacklevel=2)
 
-    def _loader(self, dataset: Dataset, *, epoch: int, start: int, shuffle: bool, drop_last: bool) -> DataLoader:
+    def _common(self, epoch: int) -> dict[str, Any]:
         # A generator of our own: without one, each new iterator draws its workers' base seed from the
         # global torch RNG, so a resumed run's dropout stream would differ from an uninterrupted one.
         gen = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) * 1009 + self.rank)
-        common = dict(num_workers=self.num_workers, pin_memory=self.pin_memory, generator=gen)
+        return dict(num_workers=self.num_workers, pin_memory=self.pin_memory, generator=gen)
+
+    def _loader(self, dataset: Dataset, *, epoch: int, start: int, shuffle: bool, drop_last: bool) -> DataLoader:
         if isinstance(dataset, IterableDataset):
             if hasattr(dataset, "set_epoch"):
                 dataset.set_epoch(epoch)
-            shard = _RankShard(dataset, self.batch_size, self.rank, self.world_size, skip=start)
-            return DataLoader(shard, batch_size=self.batch_size // self.world_size, **common)
+            if dataset is self.dataset and self._readers is not None:
+                per_rank = self.batch_size // self.world_size
+                readers = self._readers.dataset(dataset, per_rank, self.rank, self.world_size)
+                return DataLoader(readers, batch_size=None, collate_fn=reader_collate, **self._common(epoch))
+            shard = RankShard(dataset, self.batch_size, self.rank, self.world_size, skip=start)
+            return DataLoader(shard, batch_size=self.batch_size // self.world_size, **self._common(epoch))
         sampler = GlobalBatchSampler(
             len(dataset),
             self.batch_size,
@@ -223,7 +238,7 @@ class ShardedLoader:
             epoch=epoch,
             start=start,
         )
-        return DataLoader(dataset, batch_sampler=sampler, **common)
+        return DataLoader(dataset, batch_sampler=sampler, **self._common(epoch))
 
     def next_batch(self) -> Batch:
         """This rank's part of the next global batch (a new epoch starts when one ends)."""
@@ -234,11 +249,13 @@ class ShardedLoader:
                         self.dataset, epoch=self.epoch, start=self.batch, shuffle=self.shuffle, drop_last=self.drop_last
                     )
                 )
-            batch = next(self._it, None)
+            batch = self._readers.take(self._it) if self._readers is not None else next(self._it, None)
             if batch is not None:
                 self.batch += 1
                 return batch
             self.epoch, self.batch, self._it = self.epoch + 1, 0, None
+            if self._readers is not None:
+                self._readers.reset()
         raise ConfigError(
             f"the data set has no complete global batch of data.batch_size={self.batch_size}; "
             "lower data.batch_size or give more samples."
@@ -253,15 +270,61 @@ class ShardedLoader:
     def example(self, n_micro: int = 1) -> Batch:
         """One micro-batch of this rank's size from the data set's first samples, without moving the position."""
         size = self.batch_size // self.world_size // n_micro
+        if self.kind == "shards":  # the whole stream as one reader's part
+            return default_collate(list(itertools.islice(iter(open_reader(self.dataset, 0, 1, 0, 1)), size)))
         if isinstance(self.dataset, IterableDataset):
             return default_collate(list(itertools.islice(iter(self.dataset), size)))
         return default_collate([self.dataset[i] for i in range(size)])
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "batch": self.batch}
+        """The position: ``epoch``, ``batch`` (global batches taken in the epoch) and ``world_size``; a shardable
+        stream adds its readers' states (``readers``: pickled bytes, one opaque checkpoint entry)."""
+        sd: dict[str, Any] = {"epoch": self.epoch, "batch": self.batch, "world_size": self.world_size}
+        if self._readers is not None:
+            sd["readers"] = pickle.dumps(self._readers.state_dict())
+        return sd
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Continue at a saved position (this rank's own, or, on another world size, any rank's).
+
+        Raises:
+            ResumeError: a stream saved on another layout (ranks x workers), without ``allow_reshuffle``.
+        """
         self.epoch, self.batch, self._it = int(sd["epoch"]), int(sd["batch"]), None
+        if self.kind == "map":
+            return  # a global position: the same samples follow on any number of ranks
+        saved_world = int(sd.get("world_size", self.world_size))
+        saved = pickle.loads(sd["readers"]) if self._readers is not None and sd.get("readers") else None
+        saved_workers = saved["workers"] if saved is not None else max(self.num_workers, 1)
+        moved = saved_world != self.world_size or (self._readers is not None and saved_workers != self._readers.n)
+        if moved:
+            self._refuse_or_warn(saved_world, saved_workers)
+        if self._readers is not None:
+            if moved or saved is None:
+                self._readers.skip_consumed(self.batch)
+            else:
+                self._readers.load_state_dict(saved)
+
+    def _refuse_or_warn(self, saved_world: int, saved_workers: int) -> None:
+        name = type(self.dataset).__name__
+        layout = f"{saved_world} ranks x {saved_workers} workers"
+        now = f"{self.world_size} ranks x {max(self.num_workers, 1)} workers"
+        why = (
+            "its readers' saved states belong to that layout"
+            if self.kind == "shards"
+            else "an IterableDataset without state and a shard hook may yield other items on another world size"
+        )
+        if not self.allow_reshuffle:
+            raise ResumeError(
+                f"cannot resume the {name} stream saved on {layout} on {now} in the same order ({why}); resume on "
+                f"{layout} (data.num_workers={saved_workers}), or set trainer.allow_reshuffle=true to continue anyway."
+            )
+        if self.rank == 0:
+            warnings.warn(
+                f"trainer.allow_reshuffle: the {name} stream saved on {layout} continues on {now} by replaying "
+                f"{self.batch} batches of epoch {self.epoch}; samples may repeat or be skipped.",
+                stacklevel=3,
+            )
 
 
 class TaskMixLoader:
@@ -339,12 +402,22 @@ class TokenWindows(Dataset):
         seq_len: tokens per window (the model's ``seq_len``); a last partial window is dropped.
         dtype: ``"uint16"`` (nanoGPT's default, vocabularies up to 65536) or ``"uint32"``.
         vocab_size: if given, every id must be below it (checked once, with one pass over the file).
+        vocab_of: what ``vocab_size`` is the vocabulary of, when it is fixed (``"model.pretrained=DIR"``):
+            the error then asks for another file, not a larger ``model.vocab_size``.
 
     Raises:
         ConfigError: a missing or ill-sized file, a bad dtype, no complete window, or an id out of range.
     """
 
-    def __init__(self, path: str, seq_len: int, dtype: str = "uint16", vocab_size: int | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        seq_len: int,
+        dtype: str = "uint16",
+        vocab_size: int | None = None,
+        *,
+        vocab_of: str | None = None,
+    ) -> None:
         import numpy as np  # torch's optional numpy; needed for memory-mapped token files only
 
         if dtype not in TOKEN_DTYPES:
@@ -365,6 +438,11 @@ class TokenWindows(Dataset):
             )
         self._ids: Any = None
         if vocab_size is not None and (top := int(self._memmap().max())) >= vocab_size:
+            if vocab_of is not None:  # a pretrained vocabulary cannot grow: the file is the one to change
+                raise ConfigError(
+                    f"token file {path} has token id {top} >= {vocab_size}, the vocabulary of {vocab_of}; "
+                    f"write the file with that model's tokenizer (scripts/make_tokens.py --tokenizer DIR)."
+                )
             raise ConfigError(
                 f"token file {path} has token id {top} >= model.vocab_size={vocab_size}; "
                 f"set model.vocab_size={top + 1} or more (or check data.dtype)."

@@ -9,6 +9,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -184,6 +185,76 @@ def write_tiny_gpt2(path: Path) -> Path:
     return path
 
 
+def write_tiny_llama(path: Path, *, vocab_size: int = 256, context: int = 32) -> Path:
+    """A tiny Llama of ``vocab_size`` tokens and ``context`` positions, saved with ``save_pretrained`` from a
+    config (no download). Llama has no dropout, so 2 ranks can match one process."""
+    import transformers
+
+    torch.manual_seed(321)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=context,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "seven",
+    "small",
+    "birds",
+    "sing",
+    "in",
+    "tall",
+    "green",
+    "trees",
+]
+
+
+def write_jsonl(path: Path, n: int, *, field: str = "text", seed: int = 0) -> Path:
+    """``n`` documents of a few words each, one JSON object a line: ``{"text": ..., "doc": i}``."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for i in range(n):
+            words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12)))
+            f.write(json.dumps({field: f"doc {i % 10} {words}", "doc": i}) + "\n")
+    return path
+
+
+def write_tokenizer(path: Path) -> Path:
+    """A word-level tokenizer of :data:`WORDS` (and the digits), with ``<eos>``, saved with ``save_pretrained``
+    (built, not downloaded)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    corpus = [" ".join(WORDS), "doc " + " ".join(map(str, range(10)))]
+    raw.train_from_iterator(corpus, trainers.WordLevelTrainer(special_tokens=["[UNK]", "<eos>"]))
+    PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]", eos_token="<eos>").save_pretrained(path)
+    return path
+
+
 def assert_saved_adapter(run_dir: Path, pretrained: str | Path, trained: dict[str, torch.Tensor]) -> None:
     """``run_dir/hf/`` of a LoRA run from ``pretrained``: the adapter loads with peft onto the pretrained base and
     is the trained one (``trained``: the run's final parameters), the base stayed the pretrained one, and the
@@ -205,3 +276,38 @@ def assert_saved_adapter(run_dir: Path, pretrained: str | Path, trained: dict[st
         assert torch.equal(v, original[k]), k
     head = torch.load(out / "task_head.pt")
     assert torch.equal(head["weight"], trained["cls_head.weight"])
+
+
+def checkpoint_entries(path: Path) -> dict[str, object]:
+    """Every entry of the DCP checkpoint at ``path``, flattened to dotted keys (model, optimizer, scheduler,
+    step, each rank's data position and RNG state), read in this process."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(str(path), f"{tmp}/all.pt")
+        return _leaves(torch.load(f"{tmp}/all.pt", weights_only=False), "")
+
+
+def _leaves(value: object, prefix: str) -> dict[str, object]:
+    if isinstance(value, dict):
+        return {k: v for key, item in value.items() for k, v in _leaves(item, f"{prefix}{key}.").items()}
+    if isinstance(value, list):
+        return {k: v for i, item in enumerate(value) for k, v in _leaves(item, f"{prefix}{i}.").items()}
+    return {prefix[:-1]: value}
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def assert_checkpoints_equal(a: Path, b: Path) -> None:
+    """The two checkpoints hold the same entries with equal values (tensors bitwise), not only equal weights."""
+    x, y = checkpoint_entries(a), checkpoint_entries(b)
+    assert x.keys() == y.keys(), f"entries differ: {sorted(x.keys() ^ y.keys())[:6]}"
+    differ = [k for k in x if not (torch.equal(x[k], y[k]) if isinstance(x[k], torch.Tensor) else bool(x[k] == y[k]))]
+    assert not differ, f"{len(differ)} of {len(x)} entries differ between {a} and {b}: " + ", ".join(
+        f"{k} ({_short(x[k])} vs {_short(y[k])})" if not isinstance(x[k], torch.Tensor) else k for k in differ[:6]
+    )
+    groups = {k.split(".")[1] for k in x}
+    assert {"model", "optim", "scheduler", "step", "data", "rng"} <= groups, groups  # all of it was compared

@@ -31,7 +31,8 @@ NEEDS = {
     ("model", "custom"): CUSTOM,
     ("data", "custom"): CUSTOM,
     ("data", "tokens"): [f"data.path={ROOT / 'pyproject.toml'}"],
-}  # any existing file: composition only
+    ("data", "hf"): [f"data.path={ROOT / 'tests' / 'durations.txt'}", f"data.tokenizer={ROOT}"],
+}  # any existing file: composition and validation only
 if not torch.cuda.is_available():  # budget:auto is the free CUDA memory
     NEEDS[("ac", "budget")] = ["ac.size=1GiB"]
 

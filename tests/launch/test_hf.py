@@ -5,10 +5,12 @@ from __future__ import annotations
 import importlib.util
 import sys
 
+import numpy as np
 import pytest
 import torch
-from launchkit import check_in_process, compose, final_params, write_tiny_gpt2
+from launchkit import check_in_process, compose, final_params, write_tiny_gpt2, write_tiny_llama
 
+from distckpt.errors import ConfigError
 from launch.config import validate
 from launch.run import train
 
@@ -65,6 +67,55 @@ def test_without_lora_the_whole_model_trains_and_is_saved(pretrained, tmp_path):
 def test_check_refuses_a_missing_pretrained_directory(tmp_path, monkeypatch, capsys):
     code, err = check_in_process(["--check", "model=hf", f"model.pretrained={tmp_path / 'none'}"], monkeypatch, capsys)
     assert code == 2 and "is not a local directory with a config.json" in err, err
+
+
+# --- a pretrained model's own vocabulary and context (issue 24) ---------------------------------------------
+@pytest.fixture(scope="module")
+def llama256(tmp_path_factory):
+    """A saved tiny Llama of vocabulary 256 and 32 positions, and token files of ids below and above it."""
+    root = tmp_path_factory.mktemp("llama256")
+    ids = np.random.default_rng(0).integers(0, 256, size=2048).astype("uint16")
+    ids[100] = 255  # the largest id the vocabulary holds
+    ids.tofile(root / "fits.bin")
+    ids[200] = 300
+    ids.tofile(root / "exceeds.bin")
+    return write_tiny_llama(root / "llama"), root
+
+
+def test_pretrained_vocabulary_and_context_are_the_model_own(llama256, tmp_path):
+    model, root = llama256
+    over = ["model=hf", f"model.pretrained={model}", "data=tokens", f"data.path={root / 'fits.bin'}"]
+    cfg = compose(over)
+    assert (cfg.model.vocab_size, cfg.model.seq_len) == (256, 32)  # not the config's defaults 64 and 32
+    assert compose([*over, "model.seq_len=16"]).model.seq_len == 16  # an explicit value wins
+    res = train(
+        compose([*over, "strategy=none", "trainer=debug", "trainer.max_steps=2", "data.batch_size=4"]), tmp_path
+    )
+    assert res.step == 2 and np.isfinite(res.losses["lm"])
+
+
+def test_a_token_file_beyond_the_pretrained_vocabulary_is_refused_in_one_line(llama256, tmp_path):
+    model, root = llama256
+    over = ["model=hf", f"model.pretrained={model}", "data=tokens", f"data.path={root / 'exceeds.bin'}"]
+    with pytest.raises(ConfigError) as e:
+        train(compose([*over, "strategy=none", "trainer=debug", "trainer.max_steps=2"]), tmp_path)
+    assert str(e.value) == (
+        f"token file {root / 'exceeds.bin'} has token id 300 >= 256, the vocabulary of model.pretrained={model}; "
+        "write the file with that model's tokenizer (scripts/make_tokens.py --tokenizer DIR)."
+    )
+
+
+@pytest.mark.parametrize(
+    "override,expect",
+    [
+        ("model.vocab_size=300", "model.vocab_size=300 exceeds the vocabulary (256) of model.pretrained="),
+        ("model.seq_len=64", "model.seq_len=64 is longer than the 32 positions of model.pretrained="),
+    ],
+)
+def test_check_refuses_sizes_beyond_the_pretrained_model(llama256, override, expect, monkeypatch, capsys):
+    model, _ = llama256
+    code, err = check_in_process(["--check", "model=hf", f"model.pretrained={model}", override], monkeypatch, capsys)
+    assert code == 2 and expect in err and len(err.strip().splitlines()) == 1, err
 
 
 # --- model=hf sizes beyond d_model/n_head: the MLP width and grouped-query attention (issue 14) ---------------

@@ -11,7 +11,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from launchkit import TINY, assert_params_equal, compose, final_params
+from launchkit import TINY, assert_checkpoints_equal, assert_params_equal, compose, final_params
 
 from distckpt.errors import ConfigError, ResumeError
 from launch.run import train
@@ -81,6 +81,16 @@ def test_resume_false_starts_the_changed_model_over(run):
     res = _run(run, ["model.n_layer=3", "trainer.resume=false"])
     assert res.resumed_from is None and res.start_step == 0 and res.step == 6
     assert "n_layer: 3" in (run / "config.yaml").read_text()
+
+
+def test_resumed_checkpoint_equals_the_uninterrupted_one_entry_by_entry(run):
+    # Resumed from step_3, the run writes step_6 again: every saved entry (model, optimizer, scheduler with
+    # its _step_count, step, data position, RNG) must equal the uninterrupted run's step_6.
+    shutil.copytree(run / "checkpoints" / "step_6", run / "uninterrupted_step_6")
+    shutil.rmtree(run / "checkpoints" / "step_6")
+    res = _run(run, [])
+    assert res.start_step == 3 and res.step == 6
+    assert_checkpoints_equal(run / "checkpoints" / "step_6", run / "uninterrupted_step_6")
 
 
 def _lrs(run: Path) -> dict[int, list[float]]:

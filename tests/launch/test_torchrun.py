@@ -15,6 +15,7 @@ import pytest
 from launchkit import (
     ROOT,
     TINY,
+    assert_checkpoints_equal,
     assert_params_equal,
     compose,
     final_params,
@@ -105,6 +106,12 @@ def test_kill_9_and_torchrun_restart_resume_bitwise(kill, workers, uninterrupted
     steps = [r["step"] for r in _metrics(run)]
     assert steps.count(kill - 1) == 2 and steps[-1] == LONG_STEPS  # two steps ran twice: before the kill and after
     assert_params_equal(final_params(run, LONG), final_params(uninterrupted[0], LONG), exact=True)
+    # Not only the weights: every entry of each checkpoint written after the resume (optimizer, scheduler
+    # with its _step_count, step, both ranks' data positions and RNG states) equals the uninterrupted run's.
+    for step in range((kill // 4 + 1) * 4, LONG_STEPS + 1, 4):
+        assert_checkpoints_equal(
+            run / "checkpoints" / f"step_{step}", uninterrupted[0] / "checkpoints" / f"step_{step}"
+        )
 
 
 def _worker_pids(agent: subprocess.Popen) -> list[int]:
@@ -137,6 +144,8 @@ def test_sigterm_saves_on_every_rank_at_the_same_step_then_resumes_bitwise(unint
         pytest.skip("SIGTERM arrived only after the last step (a very slow machine); nothing to resume")
     torchrun([*LONG, "strategy=ddp"], run)  # the same command resumes from the SIGTERM save
     assert_params_equal(final_params(run, LONG), final_params(uninterrupted[0], LONG), exact=True)
+    last = f"step_{LONG_STEPS}"
+    assert_checkpoints_equal(run / "checkpoints" / last, uninterrupted[0] / "checkpoints" / last)
 
 
 # Slow only: tests/launch/test_hsdp_nodes.py runs two agents at a c10d rendezvous as two nodes in the

@@ -45,6 +45,19 @@ def test_resume_keeps_the_configured_lr_weight_decay_betas_and_schedule(tmp_path
         assert torch.equal(old.optimizer.state[p_old]["exp_avg"], new.optimizer.state[p_new]["exp_avg"])
 
 
+def test_resumed_scheduler_state_equals_the_uninterrupted_one(tmp_path):
+    # Every entry, not only the lr: the lr recomputation on load once left _step_count one step ahead.
+    full = _state(1e-3, 0.1, (0.8, 0.9))
+    _train(full, 2)
+    path = save_checkpoint(full, tmp_path)
+    _train(full, 3)
+    resumed = _state(1e-3, 0.1, (0.8, 0.9))
+    load_checkpoint(resumed, path)
+    _train(resumed, 3)
+    assert resumed.scheduler.state_dict() == full.scheduler.state_dict()
+    assert resumed.scheduler.state_dict()["_step_count"] == 6  # 1 at construction + 5 steps
+
+
 def test_checkpoint_of_another_model_is_refused_and_nothing_loaded(tmp_path):
     old = _state(1e-3, 0.1, (0.8, 0.9))
     _train(old, 1)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils.data import IterableDataset
 
-from distckpt.errors import ConfigError
+from distckpt.errors import ConfigError, ResumeError
 from distckpt.train.data import DictDataset, ShardedLoader, micro_batches
 
 
@@ -142,3 +142,139 @@ def test_task_mix_shares_the_batch_by_weight_and_resumes_each_task():
     assert [p["a"]["i"].shape[0] for p in parts] == [2, 2] and [p["b"]["i"].shape[0] for p in parts] == [1, 1]
     with pytest.raises(ConfigError, match="data.tasks.a.weight=1.0 gives 1.5 of data.batch_size=3"):
         TaskMixLoader({"a": (_ids(12), None), "b": (_ids(12), None)}, {"a": 1.0, "b": 1.0}, 3)
+
+
+# --- resume on another world size (issue 24) -----------------------------------------------------------
+def _global(loaders: list[ShardedLoader], steps: int) -> list[list[int]]:
+    """Each global batch: the ranks' rows in rank order."""
+    per_rank = [_take(ld, steps) for ld in loaders]
+    return [sum((rows[s] for rows in per_rank), []) for s in range(steps)]
+
+
+@pytest.mark.parametrize(("before", "after"), [(4, 2), (2, 4)])
+def test_map_style_position_resumes_exactly_on_another_world_size(before, after):
+    single = _take(ShardedLoader(_ids(40), 8, seed=2, rank=0, world_size=1), 12)
+    first = [ShardedLoader(_ids(40), 8, seed=2, rank=r, world_size=before) for r in range(before)]
+    assert _global(first, 7) == single[:7]  # mid-epoch 2 (5 batches per epoch)
+    resumed = [ShardedLoader(_ids(40), 8, seed=2, rank=r, world_size=after) for r in range(after)]
+    for ld in resumed:  # a rank the first run lacked gets rank 0's position (TrainState's _LoadView)
+        ld.load_state_dict(first[min(ld.rank, before - 1)].state_dict())
+    assert _global(resumed, 5) == single[7:]
+
+
+def test_a_stream_without_state_refuses_another_world_size_unless_reshuffle_is_allowed():
+    with pytest.warns(UserWarning, match="every rank and DataLoader worker reads all of it"):
+        first = ShardedLoader(_Stream(20), 4, rank=0, world_size=2)
+    _take(first, 2)
+    other = ShardedLoader(_Stream(20), 4, rank=0, world_size=4)
+    with pytest.raises(ResumeError) as e:
+        other.load_state_dict(first.state_dict())
+    msg = str(e.value)
+    assert len(msg.splitlines()) == 1 and "saved on 2 ranks x 1 workers on 4 ranks x 1 workers" in msg
+    assert "trainer.allow_reshuffle=true" in msg
+    allowed = ShardedLoader(_Stream(20), 4, rank=3, world_size=4, allow_reshuffle=True)
+    allowed.load_state_dict(first.state_dict())
+    assert _take(allowed, 1) == [[11]]  # global batch 2 continues (items 8..11; rank 3 of 4 has one)
+
+
+class _Parts(IterableDataset):
+    """A stream of ``n`` ids with the shard hook: reader ``k`` of ``K`` (``k = rank * workers + worker``) reads
+    ids ``k, k + K, ...``. Every id a reader reads is appended to ``log/reads.<k>`` (counted across worker
+    processes)."""
+
+    def __init__(self, n: int, log) -> None:
+        self.n, self.log, self.epoch = n, log, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):  # the whole stream: one reader of one
+        return iter(self.shard(0, 1, 0, 1))
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, sd) -> None:
+        pass
+
+    def shard(self, rank: int, world_size: int, worker: int, num_workers: int) -> _Part:
+        return _Part(self, rank * num_workers + worker, world_size * num_workers)
+
+
+class _Part:
+    def __init__(self, stream: _Parts, index: int, readers: int) -> None:
+        self.stream, self.index, self.readers, self.pos = stream, index, readers, 0
+
+    def __iter__(self):
+        ids = range(self.index, self.stream.n, self.readers)
+        with open(self.stream.log / f"reads.{self.index}", "a") as log:
+            for i in ids[self.pos :]:  # from the saved position on: nothing before it is read again
+                log.write(f"{100 * self.stream.epoch + i}\n")
+                log.flush()
+                self.pos += 1
+                yield {"i": torch.tensor(100 * self.stream.epoch + i)}
+
+    def state_dict(self):
+        return {"pos": self.pos}
+
+    def load_state_dict(self, sd) -> None:
+        self.pos = sd["pos"]
+
+
+def _reads(log) -> dict[int, list[int]]:
+    return {int(p.suffix[1:]): [int(x) for x in p.read_text().split()] for p in log.glob("reads.*")}
+
+
+def test_a_shardable_stream_is_read_in_part_by_each_rank_and_worker(tmp_path):
+    n = 96  # 2 ranks x 2 workers: 24 ids per reader, 6 batches of 4 per reader, 12 steps per epoch
+    loaders = [ShardedLoader(_Parts(n, tmp_path), 8, rank=r, world_size=2, num_workers=2) for r in range(2)]
+    epoch = _global(loaders, 12)
+    assert sorted(sum(epoch, [])) == list(range(n))  # every sample once: none repeated, none skipped
+    reads = _reads(tmp_path)
+    assert sorted(reads) == [0, 1, 2, 3] and all(len(r) == n // 4 for r in reads.values())  # N/4 per reader
+    assert _global(loaders, 1)[0][0] >= 100  # then epoch 1 (set_epoch)
+    assert epoch[0] == [0, 4, 8, 12, 2, 6, 10, 14]  # rank 0: reader 0 (worker 0), rank 1: reader 2
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_shardable_stream_resumes_from_its_readers_states_without_rereading(tmp_path, workers):
+    (tmp_path / "ref").mkdir()
+    (tmp_path / "run").mkdir()
+    ref = _take(ShardedLoader(_Parts(96, tmp_path / "ref"), 8, rank=1, world_size=2, num_workers=workers), 16)
+    first = ShardedLoader(_Parts(96, tmp_path / "run"), 8, rank=1, world_size=2, num_workers=workers)
+    assert _take(first, 5) == ref[:5]
+    saved = first.state_dict()
+    for p in (tmp_path / "run").glob("reads.*"):
+        p.unlink()  # count what the resumed run reads
+    resumed = ShardedLoader(_Parts(96, tmp_path / "run"), 8, rank=1, world_size=2, num_workers=workers)
+    resumed.load_state_dict(saved)
+    assert _take(resumed, 11) == ref[5:]  # the rest of epoch 0 (12 steps) and 4 steps of epoch 1
+    reread = [i for r in _reads(tmp_path / "run").values() for i in r if i < 100]
+    # Each reader opened at its saved state: epoch 0's samples consumed before the save are not read again.
+    assert sorted(reread) == sorted({i for batch in ref[5:12] for i in batch})
+
+
+def test_a_shardable_stream_refuses_another_layout_unless_reshuffle_is_allowed(tmp_path):
+    first = ShardedLoader(_Parts(96, tmp_path), 8, rank=0, world_size=2, num_workers=2)
+    _take(first, 3)
+    with pytest.raises(ResumeError, match="saved on 2 ranks x 2 workers on 2 ranks x 1 workers in the same order"):
+        ShardedLoader(_Parts(96, tmp_path), 8, rank=0, world_size=2).load_state_dict(first.state_dict())
+    allowed = ShardedLoader(_Parts(96, tmp_path), 8, rank=0, world_size=4, allow_reshuffle=True)
+    with pytest.warns(UserWarning, match="samples may repeat or be skipped"):
+        allowed.load_state_dict(first.state_dict())
+    assert len(_take(allowed, 2)) == 2
+
+
+def test_a_hugging_face_iterable_is_split_over_ranks_and_workers_and_resumes(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_dict({"i": list(range(64))}).to_iterable_dataset(num_shards=4).with_format("torch")
+    loaders = [ShardedLoader(ds, 8, rank=r, world_size=2, num_workers=2) for r in range(2)]
+    assert all(ld.kind == "shards" for ld in loaders)
+    epoch = _global(loaders, 8)
+    assert sorted(sum(epoch, [])) == list(range(64))
+    ref = _take(ShardedLoader(ds, 8, rank=1, world_size=2, num_workers=2), 8)
+    first = ShardedLoader(ds, 8, rank=1, world_size=2, num_workers=2)
+    _take(first, 3)
+    resumed = ShardedLoader(ds, 8, rank=1, world_size=2, num_workers=2)
+    resumed.load_state_dict(first.state_dict())
+    assert _take(resumed, 5) == ref[3:]
