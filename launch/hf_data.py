@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import math
 import os
 import random
 from array import array
@@ -66,8 +67,11 @@ def check_source(path: str) -> None:
         )
 
 
-def load_text(path: str, *, streaming: bool) -> Any:
+def load_text(path: str, *, streaming: bool, field: str | None = None, readers: int = 1) -> Any:
     """``data.path`` as a ``datasets.Dataset`` (``streaming=False``) or ``datasets.IterableDataset``.
+
+    A stream of local ``.jsonl``/``.txt`` files with ``field`` given is read in byte ranges (:func:`line_ranges`,
+    a multiple of ``readers`` of them); other streams through ``datasets``' own builders, one shard per file.
 
     Raises:
         ConfigError: see :func:`check_source`; a ``DatasetDict`` without a ``train`` split.
@@ -75,6 +79,18 @@ def load_text(path: str, *, streaming: bool) -> Any:
     import datasets  # optional dependency (extra "hf")
 
     check_source(path)
+    files = text_files(path)
+    if streaming and field is not None and files and Path(files[0]).suffix in _LINE_FORMATS:
+        # Why not datasets' json/text builders: a file is one shard there, and a resume re-reads the shard up to
+        # its position (datasets 5.2: ExamplesIterable skips shard_example_idx items), so resuming deep in one big
+        # file costs O(position) and a single file cannot be split over the readers. Byte ranges of at most
+        # _RANGE_BYTES make a resume re-read at most one range, and give every reader its own ranges.
+        ranges = line_ranges(files, readers)
+        return datasets.IterableDataset.from_generator(
+            _range_rows,
+            gen_kwargs={"shards": ranges, "field": field, "source": path},
+            features=datasets.Features({field: datasets.Value("string")}),
+        )
     if Path(path).is_dir():
         ds = datasets.load_from_disk(path)
         if isinstance(ds, datasets.DatasetDict):
@@ -83,9 +99,71 @@ def load_text(path: str, *, streaming: bool) -> Any:
             ds = ds["train"]
         # One shard per 1024 rows (at least one): enough parts for the ranks x workers that read it.
         return ds.to_iterable_dataset(num_shards=max(1, min(len(ds) // 1024, 256))) if streaming else ds
-    files = text_files(path)
     builder = BUILDERS[Path(files[0]).suffix]
     return datasets.load_dataset(builder, data_files=files, split="train", streaming=streaming, **READ_CHUNK[builder])
+
+
+_LINE_FORMATS = {".jsonl", ".txt"}  # one document per line: a stream of them splits at line starts
+_RANGE_BYTES = 1 << 20  # the most a resumed reader re-reads: one byte range of the files
+_SHARD_UNIT = 1680  # 2^4 * 3 * 5 * 7: a shard count that most reader counts divide
+
+
+def line_ranges(files: list[str], readers: int) -> list[list[tuple[str, int, int]]]:
+    """The files' bytes cut into ``n`` nearly equal shards, ``n`` the least multiple of ``lcm(1680, readers)`` that
+    keeps each shard within ``_RANGE_BYTES``: ``split_dataset_by_node`` then gives whole shards to each of ``readers``
+    readers, and of any layout of 1-8, 10, 12, 14, 15, 16, 20, 24 ... readers that a test or a resume builds. A
+    shard is a list of ``(file, start, end)`` segments; a line belongs to the segment in which its first byte lies."""
+    sizes = [os.path.getsize(f) for f in files]
+    total, unit = sum(sizes), math.lcm(_SHARD_UNIT, max(1, readers))
+    n = unit * max(1, -(-total // (unit * _RANGE_BYTES)))
+    bounds = [round(i * total / n) for i in range(n + 1)]
+    shards: list[list[tuple[str, int, int]]] = []
+    for a, b in zip(bounds, bounds[1:]):
+        segments, offset = [], 0
+        for f, size in zip(files, sizes):
+            lo, hi = max(a, offset), min(b, offset + size)
+            if lo < hi:
+                segments.append((f, lo - offset, hi - offset))
+            offset += size
+        shards.append(segments)
+    return shards
+
+
+def _lines(file: str, start: int, end: int) -> Iterator[bytes]:
+    """The lines of ``file`` whose first byte lies in ``[start, end)``."""
+    with open(file, "rb") as f:
+        if start > 0:
+            f.seek(start - 1)
+            f.readline()  # the rest of the line that began before start (nothing if byte start-1 ends a line)
+        while f.tell() < end:
+            line = f.readline()
+            if not line:
+                return
+            yield line
+
+
+def _range_rows(shards: list[list[tuple[str, int, int]]], field: str, source: str) -> Iterator[dict[str, str]]:
+    """``datasets.IterableDataset.from_generator``'s generator: the documents of ``shards`` (datasets passes each
+    shard's slice of the list), as the json and text builders read them: a JSON object per non-blank line, or
+    each line of text (``str.splitlines``, as the text builder splits, blank lines included)."""
+    for segments in shards:
+        for file, start, end in segments:
+            text = file.endswith(".txt")
+            for raw in _lines(file, start, end):
+                line = raw.decode("utf-8")
+                if text:
+                    yield from ({field: part} for part in (line.splitlines() or [""]))
+                    continue
+                if not line.strip():
+                    continue
+                row = json.loads(line)
+                if not isinstance(row, dict) or field not in row:
+                    keys = sorted(row) if isinstance(row, dict) else type(row).__name__
+                    raise ConfigError(
+                        f"data.path={source} has the columns {keys}, no {field!r}; set data.text_field=... "
+                        f"(a line of {file} after byte {start})"
+                    )
+                yield {field: row[field]}
 
 
 def _encoder(tokenizer: Any, eos: int | None) -> Any:
@@ -243,6 +321,13 @@ def _local_first(fn: Any) -> Any:
     return result
 
 
+def _readers(d: DictConfig) -> int:
+    """How many readers this run's stream has: ranks x DataLoader workers (at least one each)."""
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+    world = world or int(os.environ.get("WORLD_SIZE", "1"))
+    return world * max(1, int(d.num_workers))
+
+
 def build_hf_data(d: DictConfig, m: DictConfig) -> tuple[Any, Any]:
     """The train and eval data sets of ``data=hf`` (eval ``None`` without ``data.eval_path``).
 
@@ -268,7 +353,7 @@ def build_hf_data(d: DictConfig, m: DictConfig) -> tuple[Any, Any]:
 
     def make(path: str) -> Any:
         if d.streaming:
-            docs = load_text(path, streaming=True)
+            docs = load_text(path, streaming=True, field=d.text_field, readers=_readers(d))
             block = d.shuffle_block if d.shuffle else 1
             return PackedText(
                 docs,

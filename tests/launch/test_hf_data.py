@@ -109,7 +109,8 @@ def test_the_stream_is_read_in_part_from_several_files_and_resumes_from_its_stat
     root, model = files
     d, m = _cfg(root, model, "data.streaming=true", "data.shuffle_block=4", f"data.path={root / 'parts' / '*.jsonl'}")
     stream, _ = build_datasets(d, m)
-    assert stream.docs.num_shards == 4 and stream.shard(1, 2, 0, 2).part.num_shards == 1  # a file per reader
+    shards = stream.docs.num_shards  # byte ranges of the 4 files: a multiple of the 4 readers, each its own
+    assert shards % 4 == 0 and stream.shard(1, 2, 0, 2).part.num_shards == shards // 4
 
     def take(ld, n):
         return [ld.next_batch()["tokens"].tolist() for _ in range(n)]
@@ -176,3 +177,37 @@ def test_token_ids_fit_the_cache_dtype(files):
     cfg = compose(_over(root, model))
     train_set, _ = build_datasets(cfg.data, cfg.model)
     assert train_set.dtype == "uint16" and np.fromfile(train_set.path, dtype="uint16").size == train_set.n_tokens
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".txt"])
+def test_byte_ranges_hold_every_document_once_as_the_datasets_builder_reads_them(suffix, tmp_path, monkeypatch):
+    """A stream of .jsonl/.txt files is read in byte ranges (resumed by re-reading at most one): cut every few
+    bytes, mid-line, across two files, blank lines and a last line without a newline, the ranges hold the rows
+    datasets' own json / text builder reads, in order, each once."""
+    import datasets
+
+    import launch.hf_data as hd
+
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "delta é", "x"]
+    docs = [" ".join(rng.choice(words, size=int(rng.integers(1, 6)))) for _ in range(40)]
+    if suffix == ".jsonl":
+        lines = [json.dumps({"text": t, "n": k}) for k, t in enumerate(docs)]
+        lines.insert(7, "")  # blank: datasets' json reader skips it
+    else:
+        lines = docs[:]
+        lines.insert(7, "")  # blank: the text builder keeps it as an empty document
+    a, b = tmp_path / f"a{suffix}", tmp_path / f"b{suffix}"
+    a.write_text("\n".join(lines[:20]) + "\n")
+    b.write_text("\n".join(lines[20:]))  # no newline at the end
+    files = [str(a), str(b)]
+    builder = hd.BUILDERS[suffix]
+    want = [r["text"] for r in datasets.load_dataset(builder, data_files=files, split="train", streaming=True)]
+    assert len(want) == 40 + (suffix == ".txt")
+    monkeypatch.setattr(hd, "_RANGE_BYTES", 5)  # most ranges start mid-line
+    stream = hd.load_text(str(tmp_path / f"*{suffix}"), streaming=True, field="text", readers=4)
+    assert stream.num_shards % 4 == 0 and stream.num_shards >= (a.stat().st_size + b.stat().st_size) // 5
+    assert [r["text"] for r in stream] == want
+    parts = [datasets.distributed.split_dataset_by_node(stream, rank=k, world_size=4) for k in range(4)]
+    got = [r["text"] for p in parts for r in p]
+    assert sorted(got) == sorted(want) and all(p.num_shards == stream.num_shards // 4 for p in parts)
