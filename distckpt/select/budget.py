@@ -10,7 +10,7 @@ The memory model (all terms measured by :mod:`distckpt.select.profile` or counte
                what it could not move to the host): one of five choices per block, a checkpointed
                one plus the RNG state it saves (rng_state_bytes: on the CPU); every one plus the
                Python numbers its autograd nodes saved (scalar_saved_bytes: on the CPU)
-    P_i      = held_0 + ... + held_i                      (what the blocks keep, in forward order)
+    P_i      = held_0 + ... + held_i                      (what the blocks keep, in the order they run)
     peak     = max( static + pre + P_{i-1} + footprint_i + overhead_i   for every block i,
                     static + pre + P_{n-1} + post + head_overhead,
                     static + the embeddings' backward (after every block's),
@@ -37,6 +37,10 @@ a kept block, the larger of its forward and backward ones for a checkpointed blo
 recomputes its forward there; a selective block's is measured in a step with every block selective),
 and the head's peak (its forward and backward, between the last
 block's forward and its backward). On the sample step with no block checkpointed the model is exact.
+
+Every term takes the blocks in the order their forwards ran in the sample step
+(:attr:`~distckpt.select.profile.ModelProfile.run_order`), which need not be the order they were
+registered and are given in: HF CLIP registers its text tower first and runs its vision tower first.
 
 The block being run (or recomputed) holds its footprint whatever the choice, so each block puts an
 upper bound on the prefix ``P_{i-1}`` (one for each choice of that block); the program keeps, block

@@ -49,7 +49,7 @@ RESULTS: dict[str, dict[str, Any]] = {n: {} for n in NAMES}
 
 # The memory checks (MemTracker passes, the budget's profile) of these run by default; those of the
 # other families are marked slow (tens of seconds each on a 2-core CPU). Run all: -m "slow or not slow".
-FAST_MEMORY = ("gpt2", "llama", "llama_lora", "bert", "t5", "mixtral", "bart")
+FAST_MEMORY = ("gpt2", "llama", "llama_lora", "bert", "t5", "mixtral", "bart", "clip")
 
 
 def _params(check: str, memory: bool = False) -> list[Any]:
