@@ -1,8 +1,9 @@
-"""distckpt on tiny Hugging Face models of 23 families (tests/zoo.py), dropout on, padded batches:
+"""distckpt on tiny Hugging Face models of 24 families (tests/zoo.py), dropout on, padded batches:
 blocks=None picks the layers, gradients bitwise equal to no checkpointing, state_dict keys kept,
 peak memory equal to Hugging Face's own checkpointing on the same layers (MemTracker; T5: HF's
-extra position-bias gradient accounted for), ``selective`` and ``budget`` exact (the budget
-respected, LoRA included), and the budget's memory model never below the measured peak.
+extra position-bias gradient accounted for), ``selective`` and ``budget`` exact (the budget never
+exceeded at 25%, 50% and 75% between the two peaks, LoRA included), and the budget's memory model
+never below the measured peak.
 
 The memory checks of most families are marked ``slow`` and skipped unless ``-m`` names slow
 (``-m "slow or not slow"`` runs everything). Set ``ZOO_REPORT=FILE.json`` to record what each
