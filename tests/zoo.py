@@ -4,7 +4,8 @@ download), with a sample training batch and a loss: shared by the unit zoo test 
 Sizes (chosen so the whole zoo trains on a 2-core CPU in seconds): 4 layers (2 per stack for
 encoder-decoders, so both stacks together have 4), hidden 64, 4 heads (2 KV heads where the family
 has grouped-query attention), MLP 128, vocab 128, sequence 16, batch 2; MoE families 4 experts,
-top-2; Whisper 8 mel bins and 16 input frames; ViT 32x32 images in 8x8 patches. Dropout is 0.1
+top-2; Whisper 8 mel bins and 16 input frames; ViT (and CLIP's vision tower, 2 layers beside a
+text tower of 2) 32x32 images in 8x8 patches. Dropout is 0.1
 wherever the config has it, and every batch of a model that takes an ``attention_mask`` is padded:
 the second row ends with 4 masked positions. Decoders use ``labels = input_ids`` with -100 at the
 padding.
@@ -87,8 +88,22 @@ def image_batch(seed: int) -> dict[str, Any]:
     }
 
 
+def clip_batch(seed: int) -> dict[str, Any]:
+    """A padded caption batch, one 32x32 image per caption (the contrastive loss pairs row i with image i):
+    the captions end with the highest token (CLIP's text tower pools at ``argmax(input_ids)``: config
+    ``eos_token_id=2``, its original convention) before the padding."""
+    ids, mask = _ids(seed), _mask()
+    ids[0, -1] = ids[1, -PAD - 1] = VOCAB - 1
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "pixel_values": image_batch(seed)["pixel_values"],
+        "return_loss": True,
+    }
+
+
 def default_loss(model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
-    """The model's own loss (every zoo batch carries labels)."""
+    """The model's own loss (every zoo batch carries labels, or CLIP's ``return_loss``)."""
     return model(**batch).loss
 
 
@@ -101,7 +116,7 @@ class Family:
         make: builds the model (unseeded; :meth:`build` seeds it).
         make_batch: ``seed -> kwargs`` of one training forward.
         blocks: class names of the layers ``blocks=None`` should pick, one per stack.
-        kind: ``"decoder"``, ``"encoder"``, ``"seq2seq"``, ``"vision"`` or ``"moe"``.
+        kind: ``"decoder"``, ``"encoder"``, ``"seq2seq"``, ``"vision"``, ``"multimodal"`` or ``"moe"``.
         notes: what is special about the family (shown in docs/models.md).
     """
 
@@ -151,6 +166,36 @@ _LLAMA = dict(
     eos_token_id=2,
 )
 _MOE = dict(num_local_experts=4, num_experts_per_tok=2)
+# ViT's and CLIP's image tower: 32x32 images in 8x8 patches.
+_IMAGE = dict(
+    hidden_size=HIDDEN,
+    num_attention_heads=HEADS,
+    intermediate_size=FFN,
+    image_size=32,
+    patch_size=8,
+    attention_dropout=DROP,
+)
+
+
+def _clip() -> nn.Module:
+    import transformers
+
+    # Two towers of 2 layers each (4 in all, as the encoder-decoders): the text tower registered first,
+    # the vision tower run first.
+    text = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_hidden_layers=LAYERS // 2,
+        num_attention_heads=HEADS,
+        max_position_embeddings=64,
+        attention_dropout=DROP,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    vision = {**_IMAGE, "num_hidden_layers": LAYERS // 2}
+    return transformers.CLIPModel(transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=32))
 
 
 def _families() -> dict[str, Family]:
@@ -443,12 +488,8 @@ def _families() -> dict[str, Family]:
             _hf(
                 "ViTForImageClassification",
                 "ViTConfig",
-                hidden_size=HIDDEN,
+                **{k: v for k, v in _IMAGE.items() if k != "attention_dropout"},
                 num_hidden_layers=LAYERS,
-                num_attention_heads=HEADS,
-                intermediate_size=FFN,
-                image_size=32,
-                patch_size=8,
                 num_labels=4,
                 hidden_dropout_prob=DROP,
                 attention_probs_dropout_prob=DROP,
@@ -457,6 +498,14 @@ def _families() -> dict[str, Family]:
             blocks=("ViTLayer",),
             kind="vision",
             notes="no attention mask",
+        ),
+        Family(
+            "clip",
+            _clip,
+            make_batch=clip_batch,
+            blocks=("CLIPEncoderLayer",),
+            kind="multimodal",
+            notes="two towers (text, vision), contrastive loss; the vision tower runs first, registered second",
         ),
     ]
     out = {f.name: f for f in fams}

@@ -152,7 +152,8 @@ def _matcher(spec: type | str | Callable[[nn.Module], bool]) -> Callable[[str, n
 
 
 def find_blocks(model: nn.Module, blocks: BlockSpec = None) -> list[tuple[str, nn.Module]]:
-    """The candidate blocks of ``model`` in registration (forward) order, outermost matches only.
+    """The candidate blocks of ``model`` in registration order, outermost matches only (usually the order
+    they run, not always: HF CLIP runs its second-registered tower first; the budget's profile finds out).
 
     Args:
         model: the model, before data parallelism.

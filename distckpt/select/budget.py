@@ -10,7 +10,7 @@ The memory model (all terms measured by :mod:`distckpt.select.profile` or counte
                what it could not move to the host): one of five choices per block, a checkpointed
                one plus the RNG state it saves (rng_state_bytes: on the CPU); every one plus the
                Python numbers its autograd nodes saved (scalar_saved_bytes: on the CPU)
-    P_i      = held_0 + ... + held_i                      (what the blocks keep, in forward order)
+    P_i      = held_0 + ... + held_i                      (what the blocks keep, in the order they run)
     peak     = max( static + pre + P_{i-1} + footprint_i + overhead_i   for every block i,
                     static + pre + P_{n-1} + post + head_overhead,
                     static + the embeddings' backward (after every block's),
@@ -38,6 +38,10 @@ recomputes its forward there; a selective block's is measured in a step with eve
 and the head's peak (its forward and backward, between the last
 block's forward and its backward). On the sample step with no block checkpointed the model is exact.
 
+Every term takes the blocks in the order their forwards ran in the sample step
+(:attr:`~distckpt.select.profile.ModelProfile.run_order`), which need not be the order they were
+registered and are given in: HF CLIP registers its text tower first and runs its vision tower first.
+
 The block being run (or recomputed) holds its footprint whatever the choice, so each block puts an
 upper bound on the prefix ``P_{i-1}`` (one for each choice of that block); the program keeps, block
 after block, every non-dominated (bytes held, recompute FLOPs) pair that meets those bounds. The
@@ -52,6 +56,7 @@ the bytes it moves to the host and back times ``offload_flops_per_byte`` (:func:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -276,17 +281,28 @@ def predicted_peak(
         The predicted peak in bytes.
     """
     kw = dict(strategy=strategy, world_size=world_size, shard_size=shard_size)
+    given = _codes(mp, selected)
+    mp, order = _run_ordered(mp)
     static, step = static_bytes(mp, optimizer=optimizer, **kw)
     options, end = _choices(mp, static, grad_accumulation=grad_accumulation, **kw)
     step = _tail(mp, static, step, grad_accumulation=grad_accumulation, **kw)
     prefix, peak, holds = 0, step, False
-    for opts, code, shared in zip(options, _codes(mp, selected), _shared(mp)):
+    for opts, code, shared in zip(options, [given[j] for j in order], _shared(mp)):
         held, bound, _, _, floor = next(o for o in opts if o[3] == code)
         d = shared if holds else 0  # an earlier checkpointed block holds these inputs already
         peak = max(peak, prefix + max(bound - d, floor))
         prefix += held - (d if code in _KEEPS_INPUTS else 0)
         holds = holds or code in _KEEPS_INPUTS
     return max(peak, prefix + end)
+
+
+def _run_ordered(mp: ModelProfile) -> tuple[ModelProfile, tuple[int, ...]]:
+    """``mp`` with its blocks in the order they ran (:attr:`ModelProfile.run_order`), the order every
+    term of the memory model follows, and that order: block ``k`` of the result is block ``order[k]`` of
+    ``mp``, whose order a choice per block is given and returned in."""
+    if not mp.run_order:
+        return mp, tuple(range(len(mp.blocks)))
+    return dataclasses.replace(mp, blocks=tuple(mp.blocks[j] for j in mp.run_order), run_order=()), mp.run_order
 
 
 def _shared(mp: ModelProfile) -> list[int]:
@@ -441,6 +457,7 @@ def plan_budget(
         ConfigError: when no choice fits, naming the smallest budget that does.
     """
     where = dict(strategy=strategy, world_size=world_size, shard_size=shard_size)
+    given, (mp, order) = mp, _run_ordered(mp)  # the program runs over the blocks in run order
     static, step = static_bytes(mp, optimizer=optimizer, **where)
     if offload_flops_per_byte is not None and not offload_flops_per_byte > 0:
         raise ConfigError(
@@ -469,20 +486,23 @@ def plan_budget(
             f"under {strategy} with world size {world_size} take {_gib(static)}). Use budget:{min_budget} or "
             "more, shard with FSDP, or use a smaller batch."
         )
-    codes = _cheapest_codes(options, end, budget, shared)
+    ran = _cheapest_codes(options, end, budget, shared)
+    codes = [0] * len(ran)
+    for k, j in enumerate(order):
+        codes[j] = ran[k]
     modes = tuple(MODES[c] for c in codes)
-    peak = predicted_peak(mp, modes, optimizer=optimizer, grad_accumulation=grad_accumulation, **where)
+    peak = predicted_peak(given, modes, optimizer=optimizer, grad_accumulation=grad_accumulation, **where)
     assert peak <= budget, (peak, budget)
-    costs = [next(o[2] for o in opts if o[3] == c) for opts, c in zip(options, codes)]
-    moved = 2 * sum(b.offload_bytes for b, c in zip(mp.blocks, codes) if c == _OFFLOAD)
+    costs = [next(o[2] for o in opts if o[3] == c) for opts, c in zip(options, ran)]
+    moved = 2 * sum(b.offload_bytes for b, c in zip(mp.blocks, ran) if c == _OFFLOAD)
     return BudgetPlan(
         tuple(i for i, c in enumerate(codes) if c),
         peak,
-        sum(f for f, c in zip(costs, codes) if c != _OFFLOAD),
+        sum(f for f, c in zip(costs, ran) if c != _OFFLOAD),
         min_budget,
         modes,
         moved_bytes=moved,
-        transfer_flops=sum(f for f, c in zip(costs, codes) if c == _OFFLOAD),
+        transfer_flops=sum(f for f, c in zip(costs, ran) if c == _OFFLOAD),
         offload_flops_per_byte=offload_flops_per_byte,
     )
 

@@ -19,7 +19,8 @@ __all__ = ["Candidates"]
 
 @dataclass
 class Candidates:
-    """What a policy sees when it chooses: the candidate blocks in forward order.
+    """What a policy sees when it chooses: the candidate blocks in registration order (the budget's profile
+    measures and plans them in the order they run: ``ModelProfile.run_order``).
 
     ``profile()`` measures activation bytes and recompute cost per block on ``example_inputs``
     (only the budget policy needs it; it runs at most once per ``wrap`` call). ``preserve_rng_state``:

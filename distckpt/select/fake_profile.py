@@ -107,6 +107,11 @@ def _stretch(
                 pointwise_recompute_grads_bytes=shift(b.pointwise_recompute_grads_bytes),
             )
         )
+    if mp.run_order:
+        raise ConfigError(
+            "distckpt plan and budget:auto trace the blocks of one container in the order they are listed; these run "
+            f"in another ({[blocks[kept[k]][0] for k in mp.run_order]}): use budget:SIZE (it measures a real step)."
+        )
     lost = sum(size) - sum(size[k] for k in kept)
     tail = mp.tail_grads_bytes + lost if mp.tail_grads_bytes >= 0 else -1
     return dataclasses.replace(mp, blocks=tuple(out), tail_grads_bytes=tail, **whole)

@@ -5,6 +5,7 @@ Used by the ``budget`` policy (and the benchmarks) to predict peak memory for an
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
 from dataclasses import dataclass, fields
@@ -228,7 +229,7 @@ class ModelProfile:
     """The per-block profiles plus what the rest of the model holds in a training step.
 
     Attributes:
-        blocks: one :class:`BlockProfile` per candidate block, in forward order.
+        blocks: one :class:`BlockProfile` per candidate block, in the order given (see ``run_order``).
         param_bytes: all parameters (distinct storages).
         trainable_bytes: parameters that require grad (their gradients have this size).
         trainable_tensors: how many parameters require grad (Adam keeps a 4-byte ``step`` per each).
@@ -261,6 +262,9 @@ class ModelProfile:
         scalar_saved_bytes: like :attr:`BlockProfile.scalar_saved_bytes`, for the autograd nodes made
             outside the blocks (embeddings, head, loss): alive from the forward to the end of backward.
         device: the device type the sample step ran on.
+        run_order: the indices of :attr:`blocks` in the order their forward ran in the sample step,
+            when that differs from the order they were given in (``()``: the same). ``blocks`` stay in the
+            given order (a choice per block is indexed by it); the memory model takes them in this one.
     """
 
     blocks: tuple[BlockProfile, ...]
@@ -284,6 +288,7 @@ class ModelProfile:
     rng_state_bytes: int = 0
     scalar_saved_bytes: int = 0
     device: str = "cpu"
+    run_order: tuple[int, ...] = ()
 
     @property
     def activation_bytes(self) -> int:
@@ -366,6 +371,16 @@ def _measure(
 
     rec = _StepRecorder(model, blocks)
     cuda_peak = rec.run(model, args, kwargs, batch, device)
+    order = rec.run_order()
+    if order:
+        # Every term of the memory model follows the blocks in the order they run (what each holds
+        # before the next, the head after the last, backward in reverse): measured in that order,
+        # reported in the given one (run_order says how they ran). HF CLIP registers its text tower
+        # first and runs its vision tower first: measured in registration order, its head window opened
+        # after the last text block, in the middle of the forward, and a budget went over by 0.3-0.9%.
+        mp = _measure(model, [blocks[j] for j in order], example_inputs, modes)
+        ran = dict(zip(order, mp.blocks))
+        return dataclasses.replace(mp, blocks=tuple(ran[i] for i in range(len(blocks))), run_order=order)
     att = _attribute(rec, batch_keys)
     ov = _block_overheads(rec, att, dev)
     head = _head_and_tail(rec, model, att, ov["measured_blocks"], dev)
@@ -435,7 +450,7 @@ def _agree(profile: ModelProfile) -> ModelProfile:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return profile
     block_fields = [f.name for f in fields(BlockProfile) if f.name != "fqn"]
-    model_fields = [f.name for f in fields(ModelProfile) if f.name not in ("blocks", "device")]
+    model_fields = [f.name for f in fields(ModelProfile) if f.name not in ("blocks", "device", "run_order")]
     values = [getattr(b, f) for b in profile.blocks for f in block_fields]
     values += [getattr(profile, f) for f in model_fields]
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
@@ -448,7 +463,7 @@ def _agree(profile: ModelProfile) -> ModelProfile:
         for i, b in enumerate(profile.blocks)
     )
     rest = dict(zip(model_fields, agreed[len(blocks) * k :]))
-    return ModelProfile(blocks=blocks, device=profile.device, **rest)
+    return ModelProfile(blocks=blocks, device=profile.device, run_order=profile.run_order, **rest)
 
 
 # Per model: {(blocks, input shapes, training, world size): (the modes measured, the profile)}.
@@ -498,7 +513,8 @@ def profile_model(
 
     Args:
         model: the model, with none of ``blocks`` checkpointed.
-        blocks: the candidate blocks ``[(fqn, module), ...]`` in forward order.
+        blocks: the candidate blocks ``[(fqn, module), ...]``, in forward order or not (the profile
+            is measured in the order they run, and kept in this one: ``ModelProfile.run_order``).
         example_inputs: a tuple of positional arguments, a dict of keyword arguments, one tensor, or
             a :class:`Call` holding both.
         modes: the modes to measure, among :data:`PROFILE_MODES` (``"offload"`` only when asked; ``"full"`` is measured
@@ -539,6 +555,6 @@ def profile_blocks(
     """Per-block part of :func:`profile_model` (same arguments, same cache).
 
     Returns:
-        One :class:`BlockProfile` per block, in forward order.
+        One :class:`BlockProfile` per block, in the order of ``blocks``.
     """
     return list(profile_model(model, blocks, example_inputs, modes=modes).blocks)

@@ -115,6 +115,7 @@ class _StepRecorder:
         self.static_keys = {_storage_key(t) for t in [*model.parameters(), *model.buffers()]}
         self.index = {id(m): i for i, (_, m) in enumerate(blocks)}
         self.active: list[int] = []  # stack of candidate blocks running their forward
+        self.order: list[int] = []  # the blocks in the order their forward first ran (the run order)
         self.done = 0  # blocks whose forward has finished; == n means "after the last block"
         self.first_saver: dict[tuple[str, int], tuple[int, int]] = {}  # storage -> (owner, bytes); -1 pre, n post
         self.input_keys: list[dict[tuple[str, int], int]] = [{} for _ in range(n)]
@@ -146,6 +147,8 @@ class _StepRecorder:
     def pre_hook(self, module: nn.Module, a: Any, kw: Any) -> None:
         i = self.index[id(module)]
         self.active.append(i)
+        if i not in self.order:
+            self.order.append(i)
         for t in _tensors((a, kw)):
             key = _storage_key(t)
             if key not in self.static_keys:
@@ -207,6 +210,13 @@ class _StepRecorder:
 
         for t in outs:
             t.register_hook(on_grad)
+
+    def run_order(self) -> tuple[int, ...]:
+        """The blocks' indices in the order their forward ran in the step, ``()`` when that is their
+        given order, or when some block did not run (nothing to reorder by)."""
+        if len(self.order) != self.n or self.order == sorted(self.order):
+            return ()
+        return tuple(self.order)
 
     def run(
         self,

@@ -127,3 +127,25 @@ def test_budget_auto_on_cuda_plans_on_fake_tensors_and_fits():
         assert abs(predicted_peak(est, sel) / predicted_peak(measured, sel) - 1) < 0.05, sel
     wrapped = distckpt.wrap(copy.deepcopy(model), "budget:auto", example_inputs=inputs)
     assert distckpt.checkpointed(wrapped) == [blocks[i][0] for i in plan_budget(est, auto).selected]
+
+
+def test_estimator_refuses_blocks_that_run_out_of_order():
+    # The estimator cuts one container to a few blocks and stretches the profile back in container order;
+    # blocks that run in another order (here reversed) are refused, naming budget:SIZE (which measures them).
+    from distckpt.select import fake_profile
+
+    class Reversed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in reversed(self.layers):
+                x = torch.relu(layer(x))
+            return x.sum()
+
+    model = Reversed()
+    blocks = [(f"layers.{i}", m) for i, m in enumerate(model.layers)]
+    assert profile_model(model, blocks, (torch.randn(4, 8),)).run_order == (2, 1, 0)
+    with pytest.raises(ConfigError, match="budget:SIZE"):
+        fake_profile.estimate_profile(model, blocks, (torch.randn(4, 8),))

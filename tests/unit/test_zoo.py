@@ -1,8 +1,9 @@
-"""distckpt on tiny Hugging Face models of 23 families (tests/zoo.py), dropout on, padded batches:
+"""distckpt on tiny Hugging Face models of 24 families (tests/zoo.py), dropout on, padded batches:
 blocks=None picks the layers, gradients bitwise equal to no checkpointing, state_dict keys kept,
 peak memory equal to Hugging Face's own checkpointing on the same layers (MemTracker; T5: HF's
-extra position-bias gradient accounted for), ``selective`` and ``budget`` exact (the budget
-respected, LoRA included), and the budget's memory model never below the measured peak.
+extra position-bias gradient accounted for), ``selective`` and ``budget`` exact (the budget never
+exceeded at 25%, 50% and 75% between the two peaks, LoRA included), and the budget's memory model
+never below the measured peak.
 
 The memory checks of most families are marked ``slow`` and skipped unless ``-m`` names slow
 (``-m "slow or not slow"`` runs everything). Set ``ZOO_REPORT=FILE.json`` to record what each
@@ -12,6 +13,7 @@ check measured; ``tests/zoo_table.py`` turns that file into docs/models.md.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import itertools
 import json
@@ -35,7 +37,8 @@ import distckpt  # noqa: E402
 from benchmarks.models import hf_checkpointing_enable  # noqa: E402
 from distckpt import Budget, ConfigError  # noqa: E402
 from distckpt.apply.wrap import is_checkpointed  # noqa: E402
-from distckpt.select.budget import predicted_peak  # noqa: E402
+from distckpt.select.budget import plan_budget, predicted_peak  # noqa: E402
+from distckpt.select.policies import Placement  # noqa: E402
 from distckpt.select.profile import memory_tracker, profile_model  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -47,7 +50,7 @@ RESULTS: dict[str, dict[str, Any]] = {n: {} for n in NAMES}
 
 # The memory checks (MemTracker passes, the budget's profile) of these run by default; those of the
 # other families are marked slow (tens of seconds each on a 2-core CPU). Run all: -m "slow or not slow".
-FAST_MEMORY = ("gpt2", "llama", "llama_lora", "bert", "t5", "mixtral", "bart")
+FAST_MEMORY = ("gpt2", "llama", "llama_lora", "bert", "t5", "mixtral", "bart", "clip")
 
 
 def _params(check: str, memory: bool = False) -> list[Any]:
@@ -247,20 +250,48 @@ def test_selective_exact(name):
     RESULTS[name]["selective"] = True
 
 
+# Where between the two measured peaks (no checkpointing, every block full) the budgets lie.
+BUDGET_POINTS = (0.25, 0.5, 0.75)
+
+
 @pytest.mark.parametrize("name", _params("budget", memory=True))
-def test_budget_respected_and_exact(name):
+def test_budget_never_exceeded_and_exact(name):
+    """At 25%, 50% and 75% of the way from full's measured peak to no checkpointing's, the plan's measured
+    peak is at or below the budget (issue 26: HF CLIP went 0.74% over at the midpoint), and the midpoint's
+    gradients are exact. One profile for the three plans (:func:`_profile`), each placed as ``budget``
+    places it (:class:`~distckpt.select.policies.Placement` of the plan's modes); the midpoint through
+    ``budget:SIZE`` itself (``wrap`` plans on the same, cached, profile)."""
     fam = zoo.FAMILIES[name]
     plain, batch, ref = _reference(name)
     p_full, p_none = _cached_peak(name, "full"), _cached_peak(name, "none")
-    budget = (p_full + p_none) // 2
     # The layers the budget leaves unchecked would keep their KV cache, which moves T5's gradients by
     # 1 ulp against the reference (run without it): train without the cache, as users do.
     batch = _train_batch(fam, batch)
-    # Forward/backward only (no optimizer step), as _peak measures.
-    model = _wrapped_copy(fam, plain, Budget(budget, strategy="none", optimizer="none"), example_inputs=batch)
-    p_budget = _peak(fam, model, batch)
-    RESULTS[name].update(budget=budget, peak_budget=p_budget, budget_blocks=len(distckpt.checkpointed(model)))
-    assert p_budget <= budget, (p_budget, budget)
+    probe, fqns, mp = _profile(name)
+    # MemTracker, which measures the peak here, does not see the CPU RNG state a checkpoint keeps (5056 B:
+    # ModelProfile.rng_state_bytes; the allocator does): planned without it, as measured.
+    seen = dataclasses.replace(mp, rng_state_bytes=0)
+    rows = []
+    for frac in BUDGET_POINTS:
+        budget = p_full + round(frac * (p_none - p_full))
+        # Forward/backward only (no optimizer step), as _peak measures.
+        plan = plan_budget(seen, budget, strategy="none", optimizer="none")
+        # A copy of the profiled model: its blocks keep what the profile's op-level recomputes read
+        # (selective._Reach), as a budget's own blocks do from the first step; a fresh model learns it in
+        # its first backward, keeping more in that first forward (CLIP: 8688 B more, one pointwise block).
+        model = copy.deepcopy(probe)
+        distckpt.wrap(model, Placement(plan.modes), blocks=fqns)
+        rows.append(dict(frac=frac, budget=budget, peak=_peak(fam, model, batch), blocks=len(plan.selected)))
+    RESULTS[name]["budget_points"] = rows
+    mid = rows[BUDGET_POINTS.index(0.5)]
+    RESULTS[name].update(budget=mid["budget"], peak_budget=mid["peak"], budget_blocks=mid["blocks"])
+    over = [r for r in rows if r["peak"] > r["budget"]]
+    assert not over, over
+    # The midpoint as a user asks for it: budget:SIZE on the profiled model (its profile is cached).
+    model = distckpt.wrap(
+        probe, Budget(mid["budget"], strategy="none", optimizer="none"), blocks=fqns, example_inputs=batch
+    )
+    assert _peak(fam, model, batch) <= mid["budget"]
     _assert_exact(ref, _step(fam, model, batch))
     RESULTS[name]["budget_exact"] = True
 
@@ -268,6 +299,23 @@ def test_budget_respected_and_exact(name):
 def _train_batch(fam: zoo.Family, batch: dict[str, Any]) -> dict[str, Any]:
     # Training without the KV cache (what a checkpointed layer does anyway), as the budget plans it.
     return {**batch, "use_cache": False} if fam.kind in ("decoder", "moe", "seq2seq") else batch
+
+
+_PROFILES: dict[str, tuple[torch.nn.Module, list[str], Any]] = {}
+
+
+def _profile(name: str) -> tuple[torch.nn.Module, list[str], Any]:
+    """A copy of the family's plain model, the fqns of the layers ``blocks=None`` picks, and the
+    budget's profile of that copy on the training batch: measured once per family (the budget and the
+    prediction checks share it; the copy stays unwrapped until a test wraps it last)."""
+    if name not in _PROFILES:
+        fam = zoo.FAMILIES[name]
+        plain, batch, _ = _reference(name)
+        fqns = distckpt.checkpointed(_wrapped_copy(fam, plain))
+        probe = copy.deepcopy(plain)
+        mp = profile_model(probe, [(f, probe.get_submodule(f)) for f in fqns], _train_batch(fam, batch))
+        _PROFILES[name] = (probe, fqns, mp)
+    return _PROFILES[name]
 
 
 def _prediction_vs_measure(name: str, choices: list[tuple[int, ...]]) -> None:
@@ -278,10 +326,7 @@ def _prediction_vs_measure(name: str, choices: list[tuple[int, ...]]) -> None:
     fam = zoo.FAMILIES[name]
     plain, batch, _ = _reference(name)
     batch = _train_batch(fam, batch)
-    full = _wrapped_copy(fam, plain)
-    fqns = distckpt.checkpointed(full)
-    probe = copy.deepcopy(plain)
-    mp = profile_model(probe, [(f, probe.get_submodule(f)) for f in fqns], batch)
+    _, fqns, mp = _profile(name)
     slack = {}
     for sel in choices:
         model = copy.deepcopy(plain)
