@@ -185,6 +185,7 @@ def test_byte_ranges_hold_every_document_once_as_the_datasets_builder_reads_them
     bytes, mid-line, across two files, blank lines and a last line without a newline, the ranges hold the rows
     datasets' own json / text builder reads, in order, each once."""
     import datasets
+    from datasets.distributed import split_dataset_by_node
 
     import launch.hf_data as hd
 
@@ -208,6 +209,6 @@ def test_byte_ranges_hold_every_document_once_as_the_datasets_builder_reads_them
     stream = hd.load_text(str(tmp_path / f"*{suffix}"), streaming=True, field="text", readers=4)
     assert stream.num_shards % 4 == 0 and stream.num_shards >= (a.stat().st_size + b.stat().st_size) // 5
     assert [r["text"] for r in stream] == want
-    parts = [datasets.distributed.split_dataset_by_node(stream, rank=k, world_size=4) for k in range(4)]
+    parts = [split_dataset_by_node(stream, rank=k, world_size=4) for k in range(4)]
     got = [r["text"] for p in parts for r in p]
     assert sorted(got) == sorted(want) and all(p.num_shards == stream.num_shards // 4 for p in parts)
