@@ -107,6 +107,30 @@ def torchrun(
     return proc
 
 
+def train_on_ranks(rank: int, world_size: int, overrides: list[str], run_dir: str) -> str:
+    """A job for the ``dist_pool`` ranks: what each torchrun worker of ``launch/train.py OVERRIDES`` runs
+    (``train(cfg)`` on the job's process group, here the pool's: 2 gloo ranks with torchrun's environment), in
+    ranks that are already started; this rank's stdout (rank 0's holds the run summary).
+
+    A torchrun launch costs an agent and two fresh Pythons importing torch, Hydra and the launcher (seconds of
+    CPU each); the launches themselves (torchrun, launch/train.py's entry, restarts, exit codes) are tested in
+    test_torchrun.py, test_hsdp_nodes.py and test_config.py.
+    """
+    import io
+    import logging
+
+    from launch.run import train
+
+    out, log = io.StringIO(), logging.getLogger("distckpt")
+    level = log.level  # train() quiets ranks other than 0: not for the pool's next job
+    try:
+        with contextlib.redirect_stdout(out), warnings.catch_warnings():
+            train(compose(overrides), run_dir=run_dir)
+    finally:
+        log.setLevel(level)
+    return out.getvalue()
+
+
 def popen(cmd: list[str]) -> subprocess.Popen:
     """Start ``cmd`` in its own process group, so that :func:`kill_group` also reaches torchrun's workers."""
     return subprocess.Popen(

@@ -20,7 +20,7 @@ from launchkit import (
     example_commands,
     final_params,
     launcher_overrides,
-    torchrun,
+    train_on_ranks,
 )
 
 from distckpt.errors import ConfigError
@@ -71,11 +71,14 @@ def setup(tmp_path_factory):
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_two_task_lora_on_2_ranks_matches_a_single_process(strategy, setup, tmp_path):
+def test_two_task_lora_on_2_ranks_matches_a_single_process(strategy, setup, dist_pool, tmp_path):
     over, ref_dir, ref, pretrained = setup
-    proc = torchrun([*over, f"strategy={strategy}", "trainer.guard_every=1"], tmp_path / strategy)
-    assert "grad sync: 8 steps compared across 2 ranks, all in sync" in proc.stdout
-    assert "hf weights" in proc.stdout
+    # On the pool's 2 ranks as torchrun's workers run it (launchkit.train_on_ranks; torchrun: test_torchrun.py).
+    out = dist_pool.run(
+        train_on_ranks, [*over, f"strategy={strategy}", "trainer.guard_every=1"], str(tmp_path / strategy)
+    )
+    assert "grad sync: 8 steps compared across 2 ranks, all in sync" in out[0]
+    assert "hf weights" in out[0]
     records = [json.loads(line) for line in (tmp_path / strategy / "metrics.jsonl").read_text().splitlines()]
     for r in records:  # both tasks' losses logged; the loss is their weighted sum
         assert r["loss"] == pytest.approx(r["lm"] + 0.5 * r["cls"], rel=1e-5)

@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 import pytest
-from launchkit import ROOT, assert_params_equal, check_in_process, compose, env, final_params, torchrun
+from launchkit import ROOT, assert_params_equal, check_in_process, compose, env, final_params, train_on_ranks
 
 from launch.run import train
 
@@ -64,7 +64,8 @@ def test_a_tokenizer_saved_in_a_local_directory(tmp_path):
     assert f"model.vocab_size={raw.get_vocab_size()}" in proc.stdout
 
 
-def test_token_file_on_2_ranks_matches_a_single_process(byte_files, tmp_path):
+def test_token_file_on_2_ranks_matches_a_single_process(byte_files, dist_pool, tmp_path):
+    """On the pool's 2 ranks as torchrun's workers run it (launchkit.train_on_ranks; torchrun: test_torchrun.py)."""
     out, _ = byte_files
     over = [
         "data=tokens",
@@ -81,7 +82,7 @@ def test_token_file_on_2_ranks_matches_a_single_process(byte_files, tmp_path):
         "trainer.save_every=0",
         "trainer.eval_every=8",
     ]  # 1452 train bytes / 16 = 90 windows: 11 batches per epoch, 16 steps cross one
-    torchrun([*over, "strategy=ddp"], tmp_path / "ddp")
+    dist_pool.run(train_on_ranks, [*over, "strategy=ddp"], str(tmp_path / "ddp"))
     ref = train(compose([*over, "strategy=none", "ac=none"]), run_dir=tmp_path / "ref")
     assert set(ref.losses) == {"loss", "lm"} and ref.eval_loss is not None
     assert_params_equal(final_params(tmp_path / "ddp", over), final_params(tmp_path / "ref", over), exact=False)
