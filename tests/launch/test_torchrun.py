@@ -23,6 +23,7 @@ from launchkit import (
     popen,
     torchrun,
     torchrun_cmd,
+    train_on_ranks,
 )
 from torch.distributed.checkpoint import FileSystemReader
 
@@ -119,7 +120,7 @@ def _worker_pids(agent: subprocess.Popen) -> list[int]:
     return [int(p) for p in out.split()]
 
 
-def test_sigterm_saves_on_every_rank_at_the_same_step_then_resumes_bitwise(uninterrupted, tmp_path):
+def test_sigterm_saves_on_every_rank_at_the_same_step_then_resumes_bitwise(uninterrupted, dist_pool, tmp_path):
     run = tmp_path / "term"
     agent = popen(torchrun_cmd([*LONG, "strategy=ddp"], run))
     try:
@@ -142,7 +143,9 @@ def test_sigterm_saves_on_every_rank_at_the_same_step_then_resumes_bitwise(unint
     assert {"train.rng.rank0.torch", "train.rng.rank1.torch"} <= meta.state_dict_metadata.keys()
     if stop == LONG_STEPS:
         pytest.skip("SIGTERM arrived only after the last step (a very slow machine); nothing to resume")
-    torchrun([*LONG, "strategy=ddp"], run)  # the same command resumes from the SIGTERM save
+    # The same command resumes from the SIGTERM save: its workers' train(cfg), on the pool's 2 ranks (a resume
+    # under torchrun, after its restart: test_kill_9_and_torchrun_restart_resume_bitwise).
+    dist_pool.run(train_on_ranks, [*LONG, "strategy=ddp"], str(run))
     assert_params_equal(final_params(run, LONG), final_params(uninterrupted[0], LONG), exact=True)
     last = f"step_{LONG_STEPS}"
     assert_checkpoints_equal(run / "checkpoints" / last, uninterrupted[0] / "checkpoints" / last)
