@@ -1,0 +1,155 @@
+"""A training loop written as an Accelerate user writes it, on the ranks of the test pool (tests/harness.py): each
+pattern of tests/patterns.py through ``Accelerator.prepare``, its per-step gradients, final parameters and gradient
+reductions per micro-batch, for tests/integrations/test_accelerate.py.
+
+The pool's ranks already hold a gloo group and torchrun's variables, so ``Accelerator()`` runs in them as under
+torchrun (``MULTI_CPU``), and every pattern runs in one pool call.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+from accelerate.utils import DistributedType
+from patterns import PATTERNS, Block, HeadBlock, LoraBlock, MoELayer, full_grads, full_params, make_optimizer
+from patterns import build as build_net
+from patterns import micro_batches, sequential
+
+import distckpt
+from distckpt.integrations import accelerate as dc_accelerate
+
+STEPS = 3
+
+
+class Counter:
+    """Gradient reductions (DDP bucket all-reduces) per micro-batch, through DDP's public comm-hook API (the same
+    arithmetic as the default hook: divide by the world size, then sum)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.per_micro_batch: list[int] = []
+
+    def register(self, ddp: torch.nn.Module) -> None:
+        world = dist.get_world_size()
+
+        def hook(state, bucket):  # unannotated: DDP checks a hook's annotations (strings here)
+            self.count += 1
+            fut = dist.all_reduce(bucket.buffer().div_(world), async_op=True).get_future()
+            return fut.then(lambda f: f.value()[0])
+
+        ddp.register_comm_hook(None, hook)
+
+    def close_micro_batch(self) -> None:
+        self.per_micro_batch.append(self.count)
+        self.count = 0
+
+
+def fresh_accelerator(**kwargs: Any) -> Accelerator:
+    """A new Accelerator on this rank (Accelerate keeps its state per process; each fit starts clean)."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    acc = Accelerator(cpu=True, **kwargs)
+    assert acc.distributed_type == DistributedType.MULTI_CPU and acc.num_processes == dist.get_world_size()
+    return acc
+
+
+# Without distckpt (docs/integrations.md's table): Accelerate's DDP with its default flags, around blocks wrapped by
+# PyTorch's own checkpoint_wrapper (what HF's gradient_checkpointing_enable applies per layer), non-reentrant or
+# reentrant.
+OWN = ("torch", "torch_reentrant")
+
+
+def _own_checkpointing(model: torch.nn.Module, own: str) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    impl = CheckpointImpl.REENTRANT if own == "torch_reentrant" else CheckpointImpl.NO_REENTRANT
+    apply_activation_checkpointing(
+        model,
+        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=impl),
+        check_fn=lambda m: isinstance(m, (Block, LoraBlock, HeadBlock, MoELayer)),
+    )
+
+
+def fit(
+    rank: int,
+    world: int,
+    name: str,
+    *,
+    reentrant: bool = False,
+    graph: str = "auto",
+    guard_every: int = 1,
+    perturb: tuple[int, str] | None = None,
+    own: str | None = None,
+) -> tuple[list[dict], dict, list[int]]:
+    """Train pattern ``name`` (AdamW, STEPS optimizer steps): (per-step grads, final params, reductions per
+    micro-batch). The usual loop runs micro-batches through ``accelerator.accumulate`` with
+    ``gradient_accumulation_steps``; the interleaved schedules use ``accelerator.no_sync`` as their accumulate
+    context. ``perturb=(rank, param)``: that rank adds 1e-3 to that gradient before each optimizer step.
+    ``own``: Accelerate without distckpt (one of OWN)."""
+    pattern = PATTERNS[name]
+    usual = pattern.schedule is sequential
+    acc = fresh_accelerator(gradient_accumulation_steps=pattern.micro_batches if usual else 1)
+    model = build_net(pattern)
+    opt = make_optimizer([p for p in model.parameters() if p.requires_grad])
+    if own is None:
+        ddp = dc_accelerate.prepare(
+            acc, model, blocks=pattern.blocks, reentrant=reentrant, graph=graph, guard_every=guard_every
+        )
+        opt = acc.prepare(opt)
+    else:
+        _own_checkpointing(model, own)
+        ddp, opt = acc.prepare(model, opt)
+    counter = Counter()
+    counter.register(ddp)
+    grads: list[dict] = []
+
+    def record() -> None:
+        grads.append(full_grads(ddp, "ddp"))
+        if perturb is not None and rank == perturb[0]:
+            dict(ddp.module.named_parameters())[perturb[1]].grad.add_(1e-3)
+
+    for step in range(STEPS):
+        xs = micro_batches(pattern, step, rank, world)
+        if usual:
+            for m, x in enumerate(xs):
+                with acc.accumulate(ddp):
+                    acc.backward(pattern.loss(ddp, x, step * len(xs) + m, rank))
+                    counter.close_micro_batch()
+                    if acc.sync_gradients:
+                        record()
+                    opt.step()
+                    opt.zero_grad()
+        else:
+            pattern.schedule(ddp, pattern.loss, xs, step, rank, lambda: acc.no_sync(ddp), 1.0)
+            counter.close_micro_batch()
+            record()
+            opt.step()
+            opt.zero_grad()
+    return grads, full_params(ddp, "ddp"), counter.per_micro_batch
+
+
+def outcome(rank: int, world: int, name: str, **kwargs: Any) -> tuple:
+    """("ok", fit's result), ("refused", error type, message) for distckpt's errors, or ("error", type, first line)
+    for anything else when ``own`` is given (what Accelerate alone raises is the measurement)."""
+    try:
+        return ("ok", fit(rank, world, name, **kwargs))
+    except (distckpt.ConfigError, distckpt.GradDesyncError) as e:
+        return ("refused", type(e).__name__, str(e))
+    except Exception as e:
+        if kwargs.get("own") is None:
+            raise
+        # A rank that raised alone leaves its peer in a collective: close the group (the pool regroups after).
+        return ("error", type(e).__name__, (str(e).strip().splitlines() or [""])[0])
+
+
+def sweep(rank: int, world: int, names: list[str], **kwargs: Any) -> dict[str, tuple]:
+    """Every pattern of ``names`` in one call: {name: outcome}."""
+    return {name: outcome(rank, world, name, **kwargs) for name in names}
