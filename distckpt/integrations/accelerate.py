@@ -148,9 +148,7 @@ def prepare(
     Raises:
         ConfigError: what :func:`install` refuses.
     """
-    install(
-        accelerator, model, policy=policy, blocks=blocks, reentrant=reentrant, graph=graph, guard_every=guard_every
-    )
+    install(accelerator, model, policy=policy, blocks=blocks, reentrant=reentrant, graph=graph, guard_every=guard_every)
     return accelerator.prepare(model)
 
 
@@ -208,7 +206,8 @@ def _checkpoint(model: nn.Module, policy: Any, blocks: Any, reentrant: bool) -> 
     if done:
         raise ConfigError(
             f"{type(model).__name__} already checkpoints {done[0]} with distckpt.wrap, and install was given "
-            f"policy={policy!r} too. Pass policy=None to keep the model's own choice, or remove that distckpt.wrap call."
+            f"policy={policy!r} too. Pass policy=None to keep the model's own choice, or remove that distckpt.wrap "
+            "call."
         )
     distckpt.wrap(model, policy, blocks=blocks, reentrant=reentrant)
 

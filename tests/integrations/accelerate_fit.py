@@ -16,9 +16,19 @@ import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedType
-from patterns import PATTERNS, Block, HeadBlock, LoraBlock, MoELayer, full_grads, full_params, make_optimizer
+from patterns import (
+    PATTERNS,
+    Block,
+    HeadBlock,
+    LoraBlock,
+    MoELayer,
+    full_grads,
+    full_params,
+    make_optimizer,
+    micro_batches,
+    sequential,
+)
 from patterns import build as build_net
-from patterns import micro_batches, sequential
 
 import distckpt
 from distckpt.integrations import accelerate as dc_accelerate
