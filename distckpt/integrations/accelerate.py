@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, DistributedType
 from torch import nn
@@ -177,6 +178,15 @@ def _refuse_accelerator(accelerator: Accelerator) -> None:
             "Accelerate's FSDP plugin wraps the model in FSDP units distckpt does not choose, so its zero-weight join "
             "cannot run inside them. Build FSDP with distckpt instead: model = distckpt.parallelize(model, 'fsdp') "
             "(or 'fsdp2') after distckpt.wrap, then accelerator.prepare the optimizer and data loaders only."
+        )
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world > 1 and accelerator.num_processes != world:
+        # Measured (accelerate 1.16, torchrun on CPU): Accelerator() without cpu=True says NO, 1 process, on every
+        # rank, and prepare builds no DDP: each rank trains alone.
+        raise ConfigError(
+            f"the Accelerator sees {accelerator.num_processes} process(es) ({kind.value}) but {world} ranks are "
+            "running, so it would build no DistributedDataParallel and every rank would train alone. On CPU pass "
+            "Accelerator(cpu=True) (or accelerate launch --cpu); on GPUs launch with accelerate launch or torchrun."
         )
     if kind != DistributedType.NO and kind not in _DDP_TYPES:
         raise ConfigError(

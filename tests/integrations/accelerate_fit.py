@@ -8,7 +8,10 @@ torchrun (``MULTI_CPU``), and every pattern runs in one pool call.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -59,12 +62,24 @@ class Counter:
         self.count = 0
 
 
-def fresh_accelerator(**kwargs: Any) -> Accelerator:
+def fresh_accelerator(cpu: bool = True, **kwargs: Any) -> Accelerator:
     """A new Accelerator on this rank (Accelerate keeps its state per process; each fit starts clean)."""
     AcceleratorState._reset_state(reset_partial_state=True)
-    acc = Accelerator(cpu=True, **kwargs)
-    assert acc.distributed_type == DistributedType.MULTI_CPU and acc.num_processes == dist.get_world_size()
+    acc = Accelerator(cpu=cpu, **kwargs)
+    if cpu:
+        assert acc.distributed_type == DistributedType.MULTI_CPU and acc.num_processes == dist.get_world_size()
     return acc
+
+
+@contextlib.contextmanager
+def kept_environ() -> Iterator[None]:
+    """Accelerator() writes os.environ (ACCELERATE_USE_FSDP with a plugin, ...); the pool's ranks outlive the call."""
+    env = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
 
 
 # Without distckpt (docs/integrations.md's table): Accelerate's DDP with its default flags, around blocks wrapped by
@@ -98,14 +113,21 @@ def fit(
     guard_every: int = 1,
     perturb: tuple[int, str] | None = None,
     own: str | None = None,
+    trigger: bool = False,
 ) -> tuple[list[dict], dict, list[int]]:
     """Train pattern ``name`` (AdamW, STEPS optimizer steps): (per-step grads, final params, reductions per
     micro-batch). The usual loop runs micro-batches through ``accelerator.accumulate`` with
     ``gradient_accumulation_steps``; the interleaved schedules use ``accelerator.no_sync`` as their accumulate
     context. ``perturb=(rank, param)``: that rank adds 1e-3 to that gradient before each optimizer step.
-    ``own``: Accelerate without distckpt (one of OWN)."""
+    ``own``: Accelerate without distckpt (one of OWN). ``trigger``: an interleaved pattern in Accelerate's own way
+    (every forward and all but the last backward inside ``no_sync``, the last under ``trigger_sync_in_backward``)."""
+    with kept_environ():
+        return _fit(rank, world, name, reentrant, graph, guard_every, perturb, own, trigger)
+
+
+def _fit(rank, world, name, reentrant, graph, guard_every, perturb, own, trigger):
     pattern = PATTERNS[name]
-    usual = pattern.schedule is sequential
+    usual = pattern.schedule is sequential and not trigger
     acc = fresh_accelerator(gradient_accumulation_steps=pattern.micro_batches if usual else 1)
     model = build_net(pattern)
     opt = make_optimizer([p for p in model.parameters() if p.requires_grad])
@@ -138,12 +160,25 @@ def fit(
                     opt.step()
                     opt.zero_grad()
         else:
-            pattern.schedule(ddp, pattern.loss, xs, step, rank, lambda: acc.no_sync(ddp), 1.0)
+            if trigger:
+                _trigger_schedule(acc, ddp, pattern, xs, step, rank)
+            else:
+                pattern.schedule(ddp, pattern.loss, xs, step, rank, lambda: acc.no_sync(ddp), 1.0)
             counter.close_micro_batch()
             record()
             opt.step()
             opt.zero_grad()
     return grads, full_params(ddp, "ddp"), counter.per_micro_batch
+
+
+def _trigger_schedule(acc: Accelerator, ddp: torch.nn.Module, pattern: Any, xs: list, step: int, rank: int) -> None:
+    """Accelerate's documented way to run several forwards before their backwards (``trigger_sync_in_backward``)."""
+    with acc.no_sync(ddp):
+        losses = [pattern.loss(ddp, x, step * len(xs) + m, rank) / len(xs) for m, x in enumerate(xs)]
+        for lo in losses[:-1]:
+            lo.backward()
+    with acc.trigger_sync_in_backward(ddp):
+        losses[-1].backward()
 
 
 def outcome(rank: int, world: int, name: str, **kwargs: Any) -> tuple:
@@ -163,3 +198,58 @@ def outcome(rank: int, world: int, name: str, **kwargs: Any) -> tuple:
 def sweep(rank: int, world: int, names: list[str], **kwargs: Any) -> dict[str, tuple]:
     """Every pattern of ``names`` in one call: {name: outcome}."""
     return {name: outcome(rank, world, name, **kwargs) for name in names}
+
+
+def refusals(rank: int, world: int) -> dict[str, str]:
+    """What ``install`` refuses on a live ``MULTI_CPU`` accelerator: {case: "ErrorType: message"} (or "no error")."""
+    from accelerate.utils import DistributedDataParallelKwargs
+    from patterns import PATTERNS
+
+    blocks = PATTERNS["all_heads"].blocks
+
+    def attempt(fn: Any) -> str:
+        with kept_environ():
+            try:
+                fn()
+            except distckpt.ConfigError as e:
+                return f"ConfigError: {e}"
+            return "no error"
+
+    def fup() -> None:
+        handler = DistributedDataParallelKwargs(find_unused_parameters=True)
+        dc_accelerate.install(fresh_accelerator(kwargs_handlers=[handler]), build_net(PATTERNS["all_heads"]))
+
+    def static() -> None:
+        handler = DistributedDataParallelKwargs(static_graph=True)
+        dc_accelerate.install(fresh_accelerator(kwargs_handlers=[handler]), build_net(PATTERNS["all_heads"]))
+
+    def accumulate_reentrant() -> None:
+        acc = fresh_accelerator(gradient_accumulation_steps=2)
+        dc_accelerate.install(acc, build_net(PATTERNS["all_heads"]), blocks=blocks, reentrant=True)
+
+    def no_sync_static() -> None:
+        acc = fresh_accelerator()
+        ddp = dc_accelerate.prepare(acc, build_net(PATTERNS["all_heads"]), blocks=blocks, graph="static")
+        with acc.no_sync(ddp):
+            pass
+
+    def not_cpu() -> None:
+        dc_accelerate.install(fresh_accelerator(cpu=False), build_net(PATTERNS["all_heads"]))
+
+    def prepared() -> None:
+        acc = fresh_accelerator()
+        dc_accelerate.install(acc, acc.prepare(build_net(PATTERNS["all_heads"])))
+
+    def wrapped_twice() -> None:
+        model = distckpt.wrap(build_net(PATTERNS["all_heads"]), "full", blocks=blocks)
+        dc_accelerate.install(fresh_accelerator(), model, policy="full")
+
+    def kept_by_policy_none() -> None:
+        model = distckpt.wrap(build_net(PATTERNS["all_heads"]), "full", blocks=blocks)
+        acc = fresh_accelerator()
+        ddp = dc_accelerate.prepare(acc, model, policy=None)
+        assert distckpt.checkpointed(ddp) == ["blocks.0", "blocks.1"], distckpt.checkpointed(ddp)
+        assert acc.ddp_handler.find_unused_parameters is False and ddp.static_graph is False
+
+    cases = [fup, static, accumulate_reentrant, no_sync_static, not_cpu, prepared, wrapped_twice, kept_by_policy_none]
+    return {case.__name__: attempt(case) for case in cases}
