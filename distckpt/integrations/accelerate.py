@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -199,6 +201,14 @@ def _refuse_accelerator(accelerator: Accelerator) -> None:
         raise ConfigError(
             "ParallelismConfig with tensor or context parallelism: Accelerate then does not build plain DDP, which is "
             "what distckpt makes exact. Drop parallelism_config, or use distckpt.parallelize."
+        )
+    if kind in _DDP_TYPES and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        # Measured (accelerate 1.16): Accelerator(cpu=True, fsdp_plugin=...) sets ACCELERATE_USE_FSDP, then picks
+        # MULTI_CPU and builds DDP without a word (Accelerate selects FSDP for accelerator devices only).
+        warnings.warn(
+            f"Accelerate ignored its FSDP plugin ({kind.value}: it builds DistributedDataParallel), so distckpt makes "
+            "that DDP exact. For FSDP on CPU use distckpt.parallelize(model, 'fsdp') or 'fsdp2'.",
+            stacklevel=3,
         )
     dynamo = getattr(accelerator.state, "dynamo_plugin", None)
     if dynamo is not None and str(getattr(dynamo.backend, "value", dynamo.backend)).upper() != "NO":

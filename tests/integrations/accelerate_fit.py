@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedDataParallelKwargs, DistributedType
 from patterns import (
     PATTERNS,
     Block,
@@ -82,10 +82,11 @@ def kept_environ() -> Iterator[None]:
         os.environ.update(env)
 
 
-# Without distckpt (docs/integrations.md's table): Accelerate's DDP with its default flags, around blocks wrapped by
-# PyTorch's own checkpoint_wrapper (what HF's gradient_checkpointing_enable applies per layer), non-reentrant or
-# reentrant.
-OWN = ("torch", "torch_reentrant")
+# Without distckpt (docs/integrations.md's table): Accelerate's DDP with its default flags around blocks wrapped by
+# PyTorch's own checkpoint_wrapper (per block, as HF's gradient_checkpointing_enable wraps each layer), non-reentrant
+# or reentrant; and non-reentrant with DistributedDataParallelKwargs(find_unused_parameters=True), what DDP's error
+# message suggests (and HF Trainer's default for a model it does not checkpoint itself).
+OWN = ("torch", "torch_reentrant", "torch_fup")
 
 
 def _own_checkpointing(model: torch.nn.Module, own: str) -> None:
@@ -128,7 +129,8 @@ def fit(
 def _fit(rank, world, name, reentrant, graph, guard_every, perturb, own, trigger):
     pattern = PATTERNS[name]
     usual = pattern.schedule is sequential and not trigger
-    acc = fresh_accelerator(gradient_accumulation_steps=pattern.micro_batches if usual else 1)
+    handlers = [DistributedDataParallelKwargs(find_unused_parameters=True)] if own == "torch_fup" else []
+    acc = fresh_accelerator(gradient_accumulation_steps=pattern.micro_batches if usual else 1, kwargs_handlers=handlers)
     model = build_net(pattern)
     opt = make_optimizer([p for p in model.parameters() if p.requires_grad])
     if own is None:
@@ -201,7 +203,8 @@ def sweep(rank: int, world: int, names: list[str], **kwargs: Any) -> dict[str, t
 
 
 def refusals(rank: int, world: int) -> dict[str, str]:
-    """What ``install`` refuses on a live ``MULTI_CPU`` accelerator: {case: "ErrorType: message"} (or "no error")."""
+    """What ``install`` refuses (or warns about) on a live ``MULTI_CPU`` accelerator: {case: "ConfigError: message",
+    "warning: message" or "no error"}."""
     from accelerate.utils import DistributedDataParallelKwargs
     from patterns import PATTERNS
 
@@ -210,10 +213,10 @@ def refusals(rank: int, world: int) -> dict[str, str]:
     def attempt(fn: Any) -> str:
         with kept_environ():
             try:
-                fn()
+                said = fn()
             except distckpt.ConfigError as e:
                 return f"ConfigError: {e}"
-            return "no error"
+            return said or "no error"
 
     def fup() -> None:
         handler = DistributedDataParallelKwargs(find_unused_parameters=True)
@@ -251,5 +254,27 @@ def refusals(rank: int, world: int) -> dict[str, str]:
         assert distckpt.checkpointed(ddp) == ["blocks.0", "blocks.1"], distckpt.checkpointed(ddp)
         assert acc.ddp_handler.find_unused_parameters is False and ddp.static_graph is False
 
-    cases = [fup, static, accumulate_reentrant, no_sync_static, not_cpu, prepared, wrapped_twice, kept_by_policy_none]
+    def fsdp_plugin_on_cpu() -> str:
+        import warnings
+
+        from accelerate.utils import FullyShardedDataParallelPlugin
+
+        acc = fresh_accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ddp = dc_accelerate.prepare(acc, build_net(PATTERNS["all_heads"]), blocks=blocks)
+        assert isinstance(ddp, torch.nn.parallel.DistributedDataParallel), type(ddp)
+        return "warning: " + " | ".join(str(w.message) for w in caught if "FSDP" in str(w.message))
+
+    cases = [
+        fsdp_plugin_on_cpu,
+        fup,
+        static,
+        accumulate_reentrant,
+        no_sync_static,
+        not_cpu,
+        prepared,
+        wrapped_twice,
+        kept_by_policy_none,
+    ]
     return {case.__name__: attempt(case) for case in cases}
