@@ -179,7 +179,8 @@ def _refuse_accelerator(accelerator: Accelerator) -> None:
         raise ConfigError(
             "Accelerate's FSDP plugin wraps the model in FSDP units distckpt does not choose, so its zero-weight join "
             "cannot run inside them. Build FSDP with distckpt instead: model = distckpt.parallelize(model, 'fsdp') "
-            "(or 'fsdp2') after distckpt.wrap, then accelerator.prepare the optimizer and data loaders only."
+            "(or 'fsdp2') after distckpt.wrap, prepare only the optimizer and data loaders with Accelerate, and "
+            "accumulate with distckpt.accumulate(model)."
         )
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world > 1 and accelerator.num_processes != world:
