@@ -189,7 +189,7 @@ def _refuse_accelerator(accelerator: Accelerator) -> None:
         raise ConfigError(
             f"the Accelerator sees {accelerator.num_processes} process(es) ({kind.value}) but {world} ranks are "
             "running, so it would build no DistributedDataParallel and every rank would train alone. On CPU pass "
-            "Accelerator(cpu=True) (or accelerate launch --cpu); on GPUs launch with accelerate launch or torchrun."
+            "Accelerator(cpu=True); on GPUs launch with accelerate launch --multi_gpu or torchrun."
         )
     if kind != DistributedType.NO and kind not in _DDP_TYPES:
         raise ConfigError(
