@@ -28,7 +28,7 @@ from distckpt.options import accumulate_refusal, check_graph
 from distckpt.parallel.param_sync import SyncState
 from distckpt.parallel.strategies import _STATE, _reentrant_blocks, attach_ddp
 
-__all__ = ["install", "prepare"]
+__all__ = ["guard", "install", "prepare"]
 
 _HOOKS = "_distckpt_hooks"  # attribute of the Accelerator holding its _Hooks
 

@@ -276,7 +276,7 @@ _OWN_TABLE = {
 }
 
 
-@pytest.mark.slow  # measurements of Accelerate itself, not of distckpt (whose cases run by default above); ~1 min
+@pytest.mark.slow  # measurements of Accelerate itself, not of distckpt (whose cases run by default above)
 @pytest.mark.dist
 @pytest.mark.parametrize("own", af.OWN)
 def test_accelerate_own_checkpointing_table(dist_pool, own):
