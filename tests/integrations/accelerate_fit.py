@@ -35,6 +35,7 @@ from patterns import build as build_net
 
 import distckpt
 from distckpt.integrations import accelerate as dc_accelerate
+from distckpt.parallel.strategies import attach_ddp
 
 STEPS = 3
 
@@ -266,7 +267,25 @@ def refusals(rank: int, world: int) -> dict[str, str]:
         assert isinstance(ddp, torch.nn.parallel.DistributedDataParallel), type(ddp)
         return "warning: " + " | ".join(str(w.message) for w in caught if "FSDP" in str(w.message))
 
+    def attach_not_ddp() -> None:
+        attach_ddp(distckpt.wrap(build_net(PATTERNS["all_heads"]), "full", blocks=blocks))
+
+    def attach_twice() -> None:
+        attach_ddp(distckpt.parallelize(distckpt.wrap(build_net(PATTERNS["all_heads"]), "full", blocks=blocks)))
+
+    def attach_fup() -> None:
+        model = distckpt.wrap(build_net(PATTERNS["all_heads"]), "full", blocks=blocks)
+        attach_ddp(torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True))
+
+    def attach_static_mismatch() -> None:
+        model = distckpt.wrap(build_net(PATTERNS["all_heads"]), "full", blocks=blocks, reentrant=True)
+        attach_ddp(torch.nn.parallel.DistributedDataParallel(model))  # reentrant blocks need static_graph=True
+
     cases = [
+        attach_not_ddp,
+        attach_twice,
+        attach_fup,
+        attach_static_mismatch,
         fsdp_plugin_on_cpu,
         fup,
         static,

@@ -119,6 +119,11 @@ def test_what_install_refuses(dist_pool):
     assert "before accelerator.prepare" in got["prepared"], got
     assert "policy=None" in got["wrapped_twice"], got
     assert got["kept_by_policy_none"] == "no error", got
+    # strategies.attach_ddp, the mechanism under install, on DDPs built by hand:
+    assert "DistributedDataParallel only" in got["attach_not_ddp"], got
+    assert "already has distckpt's gradient-sync state" in got["attach_twice"], got
+    assert "find_unused_parameters=True" in got["attach_fup"], got
+    assert "static_graph=False contradicts" in got["attach_static_mismatch"], got
     # Measured: on CPU Accelerate ignores an FSDP plugin and builds DDP; install says so (and makes that DDP exact).
     assert "Accelerate ignored its FSDP plugin (MULTI_CPU" in got["fsdp_plugin_on_cpu"], got
 
