@@ -116,9 +116,9 @@ def fit(
     perturb: tuple[int, str] | None = None,
     own: str | None = None,
     trigger: bool = False,
-) -> tuple[list[dict], dict, list[int]]:
+) -> tuple[list[dict], dict, list[int], int]:
     """Train pattern ``name`` (AdamW, STEPS optimizer steps): (per-step grads, final params, reductions per
-    micro-batch). The usual loop runs micro-batches through ``accelerator.accumulate`` with
+    micro-batch, GradSyncGuard.check() calls). The usual loop runs micro-batches through ``accelerator.accumulate`` with
     ``gradient_accumulation_steps``; the interleaved schedules use ``accelerator.no_sync`` as their accumulate
     context. ``perturb=(rank, param)``: that rank adds 1e-3 to that gradient before each optimizer step.
     ``own``: Accelerate without distckpt (one of OWN). ``trigger``: an interleaved pattern in Accelerate's own way
@@ -171,7 +171,8 @@ def _fit(rank, world, name, reentrant, graph, guard_every, perturb, own, trigger
             record()
             opt.step()
             opt.zero_grad()
-    return grads, full_params(ddp, "ddp"), counter.per_micro_batch
+    guard = dc_accelerate.guard(acc, ddp)
+    return grads, full_params(ddp, "ddp"), counter.per_micro_batch, 0 if guard is None else guard.step
 
 
 def _trigger_schedule(acc: Accelerator, ddp: torch.nn.Module, pattern: Any, xs: list, step: int, rank: int) -> None:

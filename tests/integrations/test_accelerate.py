@@ -51,7 +51,9 @@ def _check(out, name, refused=None, ref=None):
     if refused is None:
         assert o0[0] == o1[0] == "ok", (name, o0[:3], o1[:3])
         assert_matches([o0[1][:2], o1[1][:2]], _reference(ref or name))
-        assert o0[1][2] == o1[1][2], (name, o0[1][2], o1[1][2])
+        assert o0[1][2:] == o1[1][2:], (name, o0[1][2:], o1[1][2:])
+        # GradSyncGuard (guard_every=1) checked before each real optimizer step, not on skipped micro-batches.
+        assert o0[1][3] == af.STEPS, (name, o0[1][3])
         return o0[1][2]
     assert all(o[0] == "refused" and o[1] == "ConfigError" and any(w in o[2] for w in refused) for o in (o0, o1)), (
         name,
