@@ -102,10 +102,10 @@ def install(
 
     Raises:
         ConfigError: an accelerator distckpt cannot make exact (FSDP, DeepSpeed, Megatron-LM, XLA, tensor
-            parallelism, Accelerate's torch.compile), DDP kwargs that contradict distckpt's (
-            ``find_unused_parameters=True``, a contradicting ``static_graph``), gradient accumulation with DDP's static
-            graph, a model already prepared, a model already wrapped with ``distckpt.wrap`` and a ``policy``, and
-            what ``distckpt.wrap`` refuses.
+            parallelism, Accelerate's torch.compile, fewer processes than running ranks), DDP kwargs that contradict
+            distckpt's (``find_unused_parameters=True``, a contradicting ``static_graph``), gradient accumulation with
+            DDP's static graph, a model already prepared, a model already wrapped with ``distckpt.wrap`` and a
+            ``policy``, and what ``distckpt.wrap`` refuses.
     """
     check_graph(graph)
     if not isinstance(guard_every, int) or isinstance(guard_every, bool) or guard_every < 0:
