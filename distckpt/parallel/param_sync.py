@@ -207,6 +207,11 @@ class SyncState:
         if ddp is not None and ddp.require_backward_grad_sync:
             self._armed = True  # DDP's forward called prepare_for_backward: the next backward reduces
 
+    def arm(self) -> None:
+        """Say that the next backward reduces although the forwards ran without sync: DDP's reducer was prepared
+        for it afterwards (Accelerate's ``trigger_sync_in_backward``), so that backward closes the window."""
+        self._armed = True
+
     def _count(self, k: int) -> None:
         self._calls[k] += 1
         self._fwd_calls[k] += 1

@@ -22,7 +22,7 @@ from distckpt.parallel.param_sync import SyncState, _Unit, param_owner
 from distckpt.runtime.swap import _clean_fqn, is_checkpointed
 from distckpt.select.blocks import conditional_reason
 
-__all__ = ["accumulate", "ddp_kwargs", "parallelize", "preflight"]
+__all__ = ["accumulate", "attach_ddp", "ddp_kwargs", "parallelize", "preflight"]
 
 _STATE = "_distckpt_sync"  # attribute of the returned model holding its SyncState
 
@@ -156,15 +156,36 @@ def parallelize(
         apply_compile(model, compiled)
     if strategy == "ddp":
         reentrant = bool(_reentrant_blocks(model))
-        wrapped, units, group = _apply_ddp(model, names, owners, graph, reentrant, device_mesh, kwargs)
+        wrapped, group = _apply_ddp(model, graph, reentrant, device_mesh, kwargs)
+        units = [(_ddp_unit(model, names, owners), False)]
     elif strategy == "fsdp":
         wrapped, units, group = _apply_fsdp(model, names, owners, device_mesh, kwargs)
     else:
         wrapped, units, group = _apply_fsdp2(model, names, owners, device_mesh, kwargs)
 
-    # Then every unit's forward makes all its parameters take part (distckpt.parallel.param_sync). DDP's static
-    # graph needs no such join; FSDP has no such flag, so graph='static' joins there too (a used set that
-    # differs across ranks would otherwise desync its reduce-scatter before the check runs).
+    compiled_idx: set[int] = set()
+    if compiled is not None:
+        blocks = compiled_blocks(model)
+        compiled_idx = {i for i, n in enumerate(names) if any(n.startswith(b + ".") for b in blocks)}
+    _attach_state(wrapped, names, re_idx, units, group, strategy=strategy, graph=graph, compiled=compiled_idx)
+    return wrapped
+
+
+def _attach_state(
+    wrapped: nn.Module,
+    names: list[str],
+    re_idx: set[int],
+    units: list[tuple[_Unit, bool]],
+    group: Any,
+    *,
+    strategy: str,
+    graph: str,
+    compiled: set[int],
+) -> SyncState:
+    """Then every unit's forward makes all its parameters take part (distckpt.parallel.param_sync); the state is
+    kept on ``wrapped`` (``_STATE``), where ``accumulate``, ``preflight`` and the integrations find it."""
+    # DDP's static graph needs no such join; FSDP has no such flag, so graph='static' joins there too (a used set
+    # that differs across ranks would otherwise desync its reduce-scatter before the check runs).
     mode = "static" if graph == "static" and strategy == "ddp" else "join"
     registered_by_name = {_clean_fqn(n): p for n, p in wrapped.named_parameters()}
     state = SyncState(
@@ -177,15 +198,58 @@ def parallelize(
         static_check=graph == "static",
         ddp=wrapped if strategy == "ddp" else None,
     )
-    if compiled is not None:
-        blocks = compiled_blocks(model)
-        state.compiled = {i for i, n in enumerate(names) if any(n.startswith(b + ".") for b in blocks)}
+    state.compiled = compiled
     for unit, prepend in units:
         state.attach(unit, prepend)
     if re_idx and strategy == "ddp":
         state.count_reentrant_firings([(i, state.registered[i]) for i in sorted(re_idx)])
     setattr(wrapped, _STATE, state)
-    return wrapped
+    return state
+
+
+def attach_ddp(ddp: nn.Module, *, graph: str = "auto") -> SyncState:
+    """Give a ``DistributedDataParallel`` that someone else built (Accelerate, HF Trainer) what ``parallelize``
+    gives its own: the zero-weight join of unused parameters in every forward, the used-set checks, the firing
+    counts of reentrant blocks and ``distckpt.accumulate``'s bookkeeping. Call it right after DDP is built,
+    before its first forward.
+
+    Args:
+        ddp: a ``DistributedDataParallel`` around a model whose blocks ``distckpt.wrap`` checkpointed, built with
+            ``find_unused_parameters=False`` and ``static_graph=True`` exactly for ``graph='static'`` or reentrant
+            blocks (what ``parallelize`` sets).
+        graph: as ``parallelize``'s.
+
+    Returns:
+        the state, also kept on ``ddp``: ``distckpt.accumulate(ddp)`` and ``GradSyncGuard`` work as after
+        ``parallelize``.
+
+    Raises:
+        ConfigError: not a DDP, distckpt's state already attached, DDP flags that contradict what correctness
+            needs, or what ``preflight`` refuses.
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    check_graph(graph)
+    if not isinstance(ddp, DDP):
+        raise ConfigError(
+            f"distckpt attaches its gradient-sync state to a DistributedDataParallel only, got {type(ddp).__name__}. "
+            "Use distckpt.parallelize(model, strategy) to build FSDP/FSDP2 with distckpt."
+        )
+    if getattr(ddp, _STATE, None) is not None:
+        raise ConfigError(
+            "this DistributedDataParallel already has distckpt's gradient-sync state (built by distckpt.parallelize, "
+            "or attached before). Attach it once, to a DDP built around the plain model."
+        )
+    model = ddp.module
+    # The rules parallelize applies to the DDP it builds, read from the flags this one was built with.
+    flags = {"find_unused_parameters": ddp.find_unused_parameters, "static_graph": ddp.static_graph}
+    _ddp_flags(flags, graph, bool(_reentrant_blocks(model)))
+    preflight(model)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    owners = [param_owner(model, n) for n in names]
+    re_idx = _reentrant_params(model, names)
+    units = [(_ddp_unit(model, names, owners), False)]
+    return _attach_state(ddp, names, re_idx, units, ddp.process_group, strategy="ddp", graph=graph, compiled=set())
 
 
 def _placement(strategy: str, device_mesh: Any) -> tuple[str, int, int | None]:
@@ -235,14 +299,8 @@ def _reentrant_params(model: nn.Module, names: list[str]) -> set[int]:
 
 
 def _apply_ddp(
-    model: nn.Module,
-    names: list[str],
-    owners: list[tuple[nn.Module, str]],
-    graph: str,
-    reentrant: bool,
-    device_mesh: Any,
-    kwargs: dict[str, Any],
-) -> tuple[nn.Module, list[tuple[_Unit, bool]], Any]:
+    model: nn.Module, graph: str, reentrant: bool, device_mesh: Any, kwargs: dict[str, Any]
+) -> tuple[nn.Module, Any]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     dev = _device()
@@ -251,9 +309,13 @@ def _apply_ddp(
         flags["device_mesh"] = device_mesh
     # A 2-D mesh spans the world (checked): DDP replicates over all of it, its default group.
     group = flags.get("process_group") or mesh_group(device_mesh)
-    unit = _Unit(model, [(i, *owners[i]) for i in range(len(names))])
     wrapped = DDP(model, device_ids=[dev] if dev.type == "cuda" else None, **flags)
-    return wrapped, [(unit, False)], group
+    return wrapped, group
+
+
+def _ddp_unit(model: nn.Module, names: list[str], owners: list[tuple[nn.Module, str]]) -> _Unit:
+    """DDP's one unit is the root: every trainable parameter joins in the model's forward."""
+    return _Unit(model, [(i, *owners[i]) for i in range(len(names))])
 
 
 def _refuse_conditional_units(model: nn.Module, strategy: str) -> None:

@@ -18,6 +18,7 @@ BLOCKED = [
     "numpy",
     "lightning",
     "pytorch_lightning",
+    "accelerate",
 ]
 
 
