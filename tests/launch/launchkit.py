@@ -131,6 +131,28 @@ def train_on_ranks(rank: int, world_size: int, overrides: list[str], run_dir: st
     return out.getvalue()
 
 
+def run_script(argv: list[str]) -> str:
+    """``python ARGV`` (a script of this checkout, relative to it, and its arguments) in this process, run as its
+    ``__main__``; its stdout. A fresh Python would import torch or transformers again (seconds of CPU).
+
+    Raises:
+        AssertionError: the script exited with a code other than 0.
+    """
+    import io
+    import runpy
+
+    out, saved = io.StringIO(), sys.argv
+    sys.argv = [str(a) for a in argv]
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(str(ROOT / argv[0]), run_name="__main__")
+    except SystemExit as e:
+        assert e.code in (None, 0), f"python {' '.join(map(str, argv))} exited {e.code}"
+    finally:
+        sys.argv = saved
+    return out.getvalue()
+
+
 def popen(cmd: list[str]) -> subprocess.Popen:
     """Start ``cmd`` in its own process group, so that :func:`kill_group` also reaches torchrun's workers."""
     return subprocess.Popen(
