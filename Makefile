@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed
 RUN_STAMP := $(VENV)/.installed-run
 NPROC   ?= $(shell $(PY) -c "import shutil,subprocess;print(subprocess.run(['nvidia-smi','-L'],capture_output=True,text=True).stdout.count('GPU ') if shutil.which('nvidia-smi') else 0)" 2>/dev/null)
 
-.PHONY: setup train test lint format bench clean
+.PHONY: setup train test test-all lint format bench clean
 
 setup: $(STAMP)
 
@@ -39,10 +39,16 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 # Two pytest-xdist workers: the tests run one-threaded (as torchrun's workers do), so one core would idle.
-# --dist loadgroup: the tests that share a module fixture stay on one worker (tests/conftest.py).
+# --dist loadgroup: the tests that share a module fixture stay on one worker, the heaviest first (tests/conftest.py).
 PYTEST_ARGS ?= -n 2 --dist loadgroup
+# The default tier: lint, then every test but the slow ones (and the cuda ones without a GPU).
 test: $(STAMP) lint
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Everything, as CI runs it (.ci/run): `make test`, then the slow tier (-m slow: every test the default run
+# skips, sweeps beyond a core set and cases whose path a default test takes; the cuda ones still need a GPU).
+test-all: test
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(PYTEST_ARGS) -m slow
 
 format: $(STAMP)
 	$(BIN)/ruff format . && $(BIN)/ruff check --fix .

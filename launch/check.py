@@ -1,9 +1,11 @@
-"""Check command-line overrides before Hydra runs: a bad one exits with code 2 and one or two lines."""
+"""Check command-line overrides before Hydra runs: a bad one exits with code 2 and one or two lines; then run the
+job on the config checked, composed once."""
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -73,12 +75,18 @@ def compose(overrides: list[str]) -> DictConfig:
 
     refuse_renamed(overrides)
     register()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+    # job_name: what @hydra.main names the job of launch/train.py (hydra.job.name).
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3", job_name="train"):
         return hydra_compose(config_name="config", overrides=overrides, return_hydra_config=True)
 
 
-def check_overrides(argv: list[str]) -> None:
-    """Compose and validate; on an error print it (rank 0) and exit 2. With ``--check``, exit 0 when fine."""
+def check_overrides(argv: list[str]) -> DictConfig | None:
+    """Compose and validate; on an error print it (rank 0) and exit 2. With ``--check``, exit 0 when fine.
+
+    Returns:
+        The config checked, Hydra settings included (for :func:`run_checked`); None for Hydra's own flags
+        (``--cfg``, ``--help``, ``-m``: ``@hydra.main`` handles those).
+    """
     from launch.config import validate
     from launch.targets import check_targets
 
@@ -87,7 +95,7 @@ def check_overrides(argv: list[str]) -> None:
         argv.remove("--check")
         sys.argv.remove("--check")
     if any(a.startswith("-") for a in argv):  # Hydra's own flags (--cfg, --help, -m): Hydra handles those
-        return
+        return None
     try:
         cfg = compose(argv)
         cfg_job = DictConfig({k: v for k, v in cfg.items() if k != "hydra"})
@@ -99,6 +107,37 @@ def check_overrides(argv: list[str]) -> None:
         sys.exit(EXIT_CONFIG)
     if only_check:
         sys.exit(0)
+    return cfg
+
+
+def run_checked(cfg: DictConfig, task: Callable[[DictConfig], None]) -> None:
+    """Run ``task`` on the job's part of ``cfg`` (from :func:`check_overrides`) as ``@hydra.main`` runs its
+    function: Hydra's logging and run-folder setup (``hydra.run.dir`` made, ``HydraConfig`` set), by Hydra's own
+    ``run_job``. ``@hydra.main`` would compose the config twice more (once for its mode, once for the run):
+    about 0.25 s of CPU per rank, measured.
+
+    Raises:
+        Exception: what ``task`` raised (``@hydra.main`` prints it and exits 1; here Python does).
+    """
+    from hydra._internal.callbacks import Callbacks
+    from hydra.core.utils import configure_log, run_job, setup_globals
+    from hydra.types import HydraContext, RunMode
+
+    setup_globals()  # Hydra's resolvers (now, hydra, python_version), as @hydra.main registers them
+    configure_log(cfg.hydra.hydra_logging, cfg.hydra.verbose)
+    cfg.hydra.mode = RunMode.RUN
+    callbacks = Callbacks(cfg)  # hydra.callbacks, if a config names any
+    callbacks.on_run_start(config=cfg, config_name="config")
+    # config_loader: read by Hydra's sweepers only (multirun, which goes through @hydra.main).
+    ret = run_job(
+        task_function=task,
+        config=cfg,
+        job_dir_key="hydra.run.dir",
+        job_subdir_key=None,
+        hydra_context=HydraContext(config_loader=None, callbacks=callbacks),
+    )
+    callbacks.on_run_end(config=cfg, config_name="config", job_return=ret)
+    _ = ret.return_value  # raises the task's exception, if it raised
 
 
 def _world_hint(argv: list[str]) -> int:

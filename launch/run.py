@@ -141,12 +141,14 @@ def _quiet_torch_warnings() -> None:
     warnings.filterwarnings("ignore", message="Multiple backends are registered with this ProcessGroup")
 
 
-def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -> LoopResult:
+def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None, *, validated: bool = False) -> LoopResult:
     """Train as ``cfg`` says, in this process (one rank of a torchrun job, or alone).
 
     Args:
         cfg: a config composed from ``conf/`` (``@hydra.main`` or ``hydra.compose``).
         run_dir: the run folder; by default Hydra's ``hydra.run.dir``.
+        validated: ``validate(cfg, WORLD_SIZE)`` ran on this config already (launch/train.py checks it before
+            the run starts); else it runs here.
 
     Returns:
         The loop's result (final step, losses, checkpoints, throughput).
@@ -155,7 +157,8 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None) -> Loo
         ConfigError: a bad value or combination, before anything is written.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    validate(cfg, world)
+    if not validated:
+        validate(cfg, world)
     _quiet_torch_warnings()
     t = cfg.trainer
     user_callbacks = _callbacks(t.callbacks)  # a bad entry is a ConfigError before anything is written

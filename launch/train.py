@@ -1,7 +1,8 @@
 """Entry point: ``torchrun --nproc_per_node=N launch/train.py [overrides]`` (also runs with plain ``python``).
 
 Thin on purpose: the overrides are checked first (a bad one exits with code 2 and one or two lines,
-before anything is written), then ``@hydra.main`` composes the config and calls ``train(cfg)``.
+before anything is written), then Hydra runs ``train(cfg)`` on the config checked, composed and validated
+once (``launch.check.run_checked``); ``@hydra.main`` handles Hydra's own flags (``--cfg``, ``--help``, ``-m``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `launch` and 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from launch.check import check_overrides  # noqa: E402
+from launch.check import check_overrides, run_checked  # noqa: E402
 from launch.schema import CONF_DIR, register  # noqa: E402
 from launch.torchrun import EXIT_CONFIG, EXIT_NONFINITE  # noqa: E402
 
@@ -25,6 +26,12 @@ register()
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
+    job(cfg)
+
+
+def job(cfg: DictConfig, *, validated: bool = False) -> None:
+    """``train(cfg)`` with its errors as exit codes: 2 and one or two lines for a config or resume error, 3 for a
+    non-finite stop (rank 0 says it, every rank exits with the code); ``validated``: checked already."""
     import torch.distributed as dist
 
     from distckpt.errors import ConfigError, ResumeError
@@ -33,7 +40,7 @@ def main(cfg: DictConfig) -> None:
 
     code = 0
     try:
-        train(cfg)
+        train(cfg, validated=validated)
     except (ConfigError, NonFiniteLossError) as e:
         # Raised alike on every rank (the checks and the non-finite decision are the same everywhere):
         # rank 0 says it in one or two lines, every rank exits with the same code.
@@ -63,5 +70,8 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    check_overrides(sys.argv[1:])  # exits 2 on a bad override; `--check` stops after it
-    main()
+    checked = check_overrides(sys.argv[1:])  # exits 2 on a bad override; `--check` stops after it
+    if checked is None:  # Hydra's own flags
+        main()
+    else:
+        run_checked(checked, lambda cfg: job(cfg, validated=True))

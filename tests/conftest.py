@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))  # tests/harness.py and tests/models.py
 
 from harness import DistPool  # noqa: E402
-from xdist_order import heaviest_first  # noqa: E402
+from xdist_order import file_scope, scheduler  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -45,45 +44,17 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(cuda)
 
 
-_MODULE_FIXTURE = re.compile(r"""scope=["']module["']""")
-
-
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which plain runs need not have
 def pytest_xdist_make_scheduler(config, log):
     """`make test`'s ``-n 2 --dist loadgroup``: the tests of a file that defines a module-scoped fixture (a
     reference run, the 4-rank pool, the zoo's report) go to one worker, so it is built once; every other
-    test goes to whichever worker is free. xdist's own loadgroup groups by ``xdist_group`` marks, which it
-    sees by rewriting ``item._nodeid``: pytest 9 no longer reads that (measured: pytest 9.2, xdist 3.8, a
-    marked group spread over both workers), so the groups are made here, from the file."""
+    test goes to whichever worker is free; the heaviest first (tests/xdist_order.py). xdist's own loadgroup
+    groups by ``xdist_group`` marks, which it sees by rewriting ``item._nodeid``: pytest 9 no longer reads
+    that (measured: pytest 9.2, xdist 3.8, a marked group spread over both workers), so the groups are made
+    here, from the file."""
     if config.getvalue("dist") != "loadgroup":
         return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    shared: dict[str, bool] = {}
-
-    def scope(nodeid: str) -> str:
-        path = nodeid.split("::", 1)[0]
-        if path not in shared:
-            file = Path(config.rootpath, path)
-            shared[path] = file.is_file() and bool(_MODULE_FIXTURE.search(file.read_text()))
-        return path if shared[path] else nodeid
-
-    class ByModuleFixture(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return scope(nodeid)
-
-        def schedule(self) -> None:
-            # Heaviest scope first (longest-processing-time order): xdist's own order is by test count, which
-            # leaves a single long test (a plan, a launcher run) for the end while the other worker idles.
-            if self.collection is None and self.collection_is_completed and self._check_nodes_have_same_collection():
-                first = next(iter(self.registered_collections.values()))
-                order = heaviest_first(list(first), scope, _weights(config))
-                for node in self.registered_collections:
-                    self.registered_collections[node] = order
-                config.option.loadscopereorder = False  # keep this order
-            super().schedule()
-
-    return ByModuleFixture(config, log)
+    return scheduler(config, log, file_scope(Path(config.rootpath)), _weights(config))
 
 
 _DURATIONS = "distckpt/durations"  # pytest's cache key: the last run's seconds per test

@@ -69,7 +69,13 @@ def _regroup(rank: int, world_size: int, port: int, generation: int) -> None:
 
 def _worker(rank: int, world_size: int, port: int, path: list[str], inbox: Any, outbox: Any) -> None:
     import torch.distributed as dist
+    import torch.distributed.nn  # noqa: F401 - before the group exists: see below
 
+    # torch.distributed.nn.functional's collectives take ``group=group.WORLD`` as a default argument, bound when
+    # the module is imported: imported by a job (DCP imports it), they would hold the rank's first group for good,
+    # so that destroying it no longer closes its connections, and a peer waiting in a collective with a rank that
+    # raised would hang instead of raising (measured: test_harness's test_error_keeps_the_ranks after a job that
+    # imported torch.distributed.checkpoint). Imported here, they bind None.
     init_rank(rank, world_size, port, path=path, threads=1)
     while True:
         try:

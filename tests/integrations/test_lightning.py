@@ -8,20 +8,21 @@ costs its import and a fit per pattern, no launch.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from patterns import PATTERNS, MultiTask, assert_matches, reference
 
-pytest.importorskip("lightning")
+import distckpt
 
-import lightning_fit as lf  # noqa: E402
-from patterns import PATTERNS, MultiTask, assert_matches, reference  # noqa: E402
-
-import distckpt  # noqa: E402
-from distckpt.integrations.lightning import DistckptDDPStrategy, DistckptFSDPStrategy  # noqa: E402
+# Lightning (with torchmetrics, scipy, transformers: ~4 s of CPU) is imported by the tests that use it, not at
+# collection, which every pytest-xdist worker does: lightning_fit (tests/integrations/) and
+# distckpt.integrations.lightning are imported inside the tests.
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="needs lightning")
 
 ROOT = Path(__file__).resolve().parents[2]
 _REF: dict = {}
@@ -36,6 +37,8 @@ def _one_worker():
 
 
 def _reference(name):
+    import lightning_fit as lf
+
     if name not in _REF:
         _REF[name] = reference(PATTERNS[name], world_size=2, steps=lf.STEPS)
     return _REF[name]
@@ -58,6 +61,8 @@ def _check(out, name, refused=None):
 
 def _accumulation_syncs_once_per_window(reductions):
     """accumulate_grad_batches=2: no gradient reduction on the first micro-batch of a window, some on the last."""
+    import lightning_fit as lf
+
     assert len(reductions) == 2 * lf.STEPS, reductions
     assert reductions[0::2] == [0] * lf.STEPS and all(n > 0 for n in reductions[1::2]), reductions
 
@@ -76,6 +81,8 @@ _FSDP_REFUSED = {
 @pytest.mark.dist
 def test_every_pattern_under_lightning_ddp(dist_pool):
     """All 23 patterns: exact, GradSyncGuard at every step; the interleaved schedules through manual_backward."""
+    import lightning_fit as lf
+
     out = dist_pool.run(lf.sweep, list(PATTERNS), "ddp", timeout=600)
     for name in PATTERNS:
         reductions, _ = _check(out, name)
@@ -91,6 +98,8 @@ def test_every_pattern_under_lightning_ddp(dist_pool):
 def test_every_pattern_under_lightning_fsdp(dist_pool):
     """FSDP1 (DistckptFSDPStrategy, CPU): exact, or refused with a ConfigError naming the fix. loss_only_param's
     scalar parameter is one FSDP1 cannot shard (torch's ValueError)."""
+    import lightning_fit as lf
+
     names = [n for n in PATTERNS if n != "loss_only_param"]
     out = dist_pool.run(lf.sweep, names, "fsdp", timeout=600)
     for name in names:
@@ -103,6 +112,8 @@ def test_every_pattern_under_lightning_fsdp(dist_pool):
 def test_reentrant_under_lightning_ddp(dist_pool):
     """reentrant=True: the seed's two forwards with LoRA (pytorch#121594) exact; accumulation refused (DDP's
     static graph, which reentrant blocks need, cannot skip a sync)."""
+    import lightning_fit as lf
+
     names = ["two_forwards", "lora_two_forwards", "accumulate"]
     out = dist_pool.run(lf.sweep, names, "ddp", reentrant=True, timeout=300)
     _check(out, "two_forwards")
@@ -112,6 +123,8 @@ def test_reentrant_under_lightning_ddp(dist_pool):
 
 @pytest.mark.dist
 def test_desync_on_one_rank_is_caught_on_every_rank_naming_the_parameter(dist_pool):
+    import lightning_fit as lf
+
     bad = "net.blocks.0.fc1.weight"
     out = dist_pool.run(lf.outcome, "by_rank", "ddp", callbacks=(lf.PerturbGrad(1, bad),), timeout=120)
     for o in out:
@@ -121,6 +134,8 @@ def test_desync_on_one_rank_is_caught_on_every_rank_naming_the_parameter(dist_po
 
 def test_options_are_checked_when_the_strategy_is_built():
     from patterns import Block
+
+    from distckpt.integrations.lightning import DistckptDDPStrategy, DistckptFSDPStrategy
 
     with pytest.raises(distckpt.ConfigError, match="activation_checkpointing_policy"):
         DistckptFSDPStrategy(activation_checkpointing_policy={Block})
@@ -133,6 +148,8 @@ def test_options_are_checked_when_the_strategy_is_built():
 
 
 def test_policy_and_a_model_already_wrapped_is_refused():
+    from distckpt.integrations.lightning import DistckptDDPStrategy
+
     model = distckpt.wrap(MultiTask(), "full", blocks=PATTERNS["all_heads"].blocks)
     with pytest.raises(distckpt.ConfigError, match="policy=None"):
         DistckptDDPStrategy("full")._checkpoint(model)
@@ -194,6 +211,8 @@ def _env():
 
 def _own(rank, world, name, strategy, own, reentrant=False):
     """Lightning's own strategy and checkpointing: ("ok", grads, params, reductions) or ("error", type, first line)."""
+    import lightning_fit as lf
+
     try:
         return ("ok", *lf.fit(rank, world, name, strategy, own=own, reentrant=reentrant, guard_every=0))
     except Exception as e:  # noqa: BLE001 - what Lightning raises is the measurement

@@ -107,6 +107,52 @@ def torchrun(
     return proc
 
 
+def train_on_ranks(rank: int, world_size: int, overrides: list[str], run_dir: str) -> str:
+    """A job for the ``dist_pool`` ranks: what each torchrun worker of ``launch/train.py OVERRIDES`` runs
+    (``train(cfg)`` on the job's process group, here the pool's: 2 gloo ranks with torchrun's environment), in
+    ranks that are already started; this rank's stdout (rank 0's holds the run summary).
+
+    A torchrun launch costs an agent and two fresh Pythons importing torch, Hydra and the launcher (seconds of
+    CPU each); the launches themselves (torchrun, launch/train.py's entry, restarts, exit codes) are tested in
+    test_torchrun.py, test_hsdp_nodes.py and test_config.py.
+    """
+    import io
+    import logging
+
+    from launch.run import train
+
+    out, log = io.StringIO(), logging.getLogger("distckpt")
+    level = log.level  # train() quiets ranks other than 0: not for the pool's next job
+    try:
+        with contextlib.redirect_stdout(out), warnings.catch_warnings():
+            train(compose(overrides), run_dir=run_dir)
+    finally:
+        log.setLevel(level)
+    return out.getvalue()
+
+
+def run_script(argv: list[str]) -> str:
+    """``python ARGV`` (a script of this checkout, relative to it, and its arguments) in this process, run as its
+    ``__main__``; its stdout. A fresh Python would import torch or transformers again (seconds of CPU).
+
+    Raises:
+        AssertionError: the script exited with a code other than 0.
+    """
+    import io
+    import runpy
+
+    out, saved = io.StringIO(), sys.argv
+    sys.argv = [str(a) for a in argv]
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(str(ROOT / argv[0]), run_name="__main__")
+    except SystemExit as e:
+        assert e.code in (None, 0), f"python {' '.join(map(str, argv))} exited {e.code}"
+    finally:
+        sys.argv = saved
+    return out.getvalue()
+
+
 def popen(cmd: list[str]) -> subprocess.Popen:
     """Start ``cmd`` in its own process group, so that :func:`kill_group` also reaches torchrun's workers."""
     return subprocess.Popen(

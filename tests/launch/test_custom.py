@@ -15,7 +15,7 @@ from launchkit import (
     example_commands,
     final_params,
     launcher_overrides,
-    torchrun,
+    train_on_ranks,
 )
 
 from distckpt.errors import ConfigError
@@ -55,9 +55,10 @@ def test_custom_model_and_data_learn_with_weighted_task_losses(tmp_path):
     assert "eval_loss" in records[15] and res.eval_loss is not None  # +data.eval.split=eval: an eval split
 
 
-def test_custom_example_on_2_ranks_matches_a_single_process(tmp_path):
+def test_custom_example_on_2_ranks_matches_a_single_process(dist_pool, tmp_path):
     # examples/custom.py's docstring command as written (CUSTOM's model and data, WEIGHTED), fewer steps:
-    # also the examples test of that command (tests/launch/test_examples.py), one torchrun for both.
+    # also the examples test of that command (tests/launch/test_examples.py). Its overrides run on the pool's
+    # 2 ranks as torchrun's workers run them (launchkit.train_on_ranks; torchrun itself: test_torchrun.py).
     (cmd,) = example_commands("custom.py")
     over = [
         *launcher_overrides(cmd),
@@ -67,7 +68,7 @@ def test_custom_example_on_2_ranks_matches_a_single_process(tmp_path):
         "trainer.max_steps=24",
         "trainer.eval_every=0",
     ]  # 16 batches/epoch: 1.5 epochs
-    torchrun([*over, "strategy=ddp"], tmp_path / "ddp")
+    dist_pool.run(train_on_ranks, [*over, "strategy=ddp"], str(tmp_path / "ddp"))
     ref = train(compose([*over, "strategy=none", "ac=none"]), run_dir=tmp_path / "ref")
     records = _metrics(tmp_path / "ddp")
     assert records[-1]["step"] == 24 and {"cls", "reg"} <= records[-1].keys()

@@ -1,5 +1,5 @@
 """The commands in examples/*.py docstrings run as written (with fewer steps) on 2 ranks, inside the tests
-that need that same 2-rank run anyway (one torchrun each instead of two):
+that need that same 2-rank run anyway (the launcher's overrides on the pool's ranks: launchkit.train_on_ranks):
 
 - examples/custom.py: tests/launch/test_custom.py::test_custom_example_on_2_ranks_matches_a_single_process
   (DDP against a single process);

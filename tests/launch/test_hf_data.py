@@ -17,7 +17,7 @@ from launchkit import (
     check_in_process,
     compose,
     final_params,
-    torchrun,
+    train_on_ranks,
     write_jsonl,
     write_tiny_llama,
     write_tokenizer,
@@ -134,12 +134,13 @@ def test_a_streamed_run_resumed_mid_run_saves_the_uninterrupted_state(files, tmp
     assert_checkpoints_equal(tmp_path / "cut" / "checkpoints" / "step_6", tmp_path / "full" / "checkpoints" / "step_6")
 
 
-def test_the_issue_command_fine_tunes_with_lora_on_2_ranks_like_one_process(files, tmp_path):
+def test_the_issue_command_fine_tunes_with_lora_on_2_ranks_like_one_process(files, dist_pool, tmp_path):
     root, model = files
-    # torchrun launch/train.py model=hf model.pretrained=DIR model.lora.r=8 data=hf data.path=FILE.jsonl
+    # torchrun launch/train.py model=hf model.pretrained=DIR model.lora.r=8 data=hf data.path=FILE.jsonl, on the
+    # pool's 2 ranks as torchrun's workers run it (launchkit.train_on_ranks; torchrun itself: test_torchrun.py)
     over = _over(root, model, "model.lora.r=8", "trainer.max_steps=4", "trainer.save_every=0")
-    proc = torchrun([*over, "strategy=ddp"], tmp_path / "ddp")
-    assert "data=hf strategy=ddp x2" in proc.stdout and (tmp_path / "ddp" / "hf" / "adapter_config.json").is_file()
+    out = dist_pool.run(train_on_ranks, [*over, "strategy=ddp"], str(tmp_path / "ddp"))
+    assert "data=hf strategy=ddp x2" in out[0] and (tmp_path / "ddp" / "hf" / "adapter_config.json").is_file()
     train(compose([*over, "strategy=none", "ac=none"]), run_dir=tmp_path / "one")
     assert_params_equal(final_params(tmp_path / "ddp", over), final_params(tmp_path / "one", over), exact=False)
     lora = {k: v for k, v in final_params(tmp_path / "ddp", over).items() if "lora_B" in k}

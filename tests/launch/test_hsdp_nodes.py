@@ -63,7 +63,12 @@ def test_hsdp_two_nodes_match_single_process(uninterrupted, tmp_path):
     assert_params_equal(final_params(run, STEPS), final_params(tmp_path / "none", STEPS), exact=False)
 
 
+@pytest.mark.slow
 def test_hsdp_kill_9_on_one_node_and_resume_bitwise(uninterrupted, tmp_path):
+    """Slow only (4 workers started twice on 2 cores): the default run takes its two paths in
+    test_torchrun.py::test_kill_9_and_torchrun_restart_resume_bitwise (a worker SIGKILLed, torchrun restarting
+    the workers, which resume from the latest checkpoint bitwise) and test_hsdp_two_nodes_match_single_process
+    above (two agents at a c10d rendezvous, strategy=hsdp on a 2x2 mesh)."""
     run = tmp_path / "killed"
     # Rank 3 (the second node's second worker) SIGKILLs itself after step 5, first attempt only.
     kill = "trainer.callbacks=[{_target_:tests.faults.KillAt,step:5,rank:3}]"  # tests/faults.py

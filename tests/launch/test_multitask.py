@@ -7,20 +7,17 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 
 import pytest
 from launchkit import (
-    ROOT,
     assert_params_equal,
     assert_saved_adapter,
     compose,
-    env,
     example_commands,
     final_params,
     launcher_overrides,
-    torchrun,
+    run_script,
+    train_on_ranks,
 )
 
 from distckpt.errors import ConfigError
@@ -39,13 +36,8 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("multitask")
     pre = str(root / "gpt2-tiny")
     make, cmd = example_commands("tiny_pretrained.py")
-    subprocess.run(
-        [sys.executable, *[pre if w == "/tmp/gpt2-tiny" else w for w in make[1:]]],
-        cwd=ROOT,
-        env=env(),
-        check=True,
-        timeout=120,
-    )
+    assert make[0] == "python"
+    run_script([pre if w == "/tmp/gpt2-tiny" else w for w in make[1:]])  # in this process: transformers is here
     example = [w.replace("/tmp/gpt2-tiny", pre) for w in launcher_overrides(cmd)]
     assert {
         "model.lora.r=4",
@@ -71,11 +63,14 @@ def setup(tmp_path_factory):
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_two_task_lora_on_2_ranks_matches_a_single_process(strategy, setup, tmp_path):
+def test_two_task_lora_on_2_ranks_matches_a_single_process(strategy, setup, dist_pool, tmp_path):
     over, ref_dir, ref, pretrained = setup
-    proc = torchrun([*over, f"strategy={strategy}", "trainer.guard_every=1"], tmp_path / strategy)
-    assert "grad sync: 8 steps compared across 2 ranks, all in sync" in proc.stdout
-    assert "hf weights" in proc.stdout
+    # On the pool's 2 ranks as torchrun's workers run it (launchkit.train_on_ranks; torchrun: test_torchrun.py).
+    out = dist_pool.run(
+        train_on_ranks, [*over, f"strategy={strategy}", "trainer.guard_every=1"], str(tmp_path / strategy)
+    )
+    assert "grad sync: 8 steps compared across 2 ranks, all in sync" in out[0]
+    assert "hf weights" in out[0]
     records = [json.loads(line) for line in (tmp_path / strategy / "metrics.jsonl").read_text().splitlines()]
     for r in records:  # both tasks' losses logged; the loss is their weighted sum
         assert r["loss"] == pytest.approx(r["lm"] + 0.5 * r["cls"], rel=1e-5)

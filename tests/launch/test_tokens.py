@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
-from launchkit import ROOT, assert_params_equal, check_in_process, compose, env, final_params, torchrun
+from launchkit import assert_params_equal, check_in_process, compose, final_params, run_script, train_on_ranks
 
 from launch.run import train
 
@@ -16,34 +13,26 @@ pytestmark = pytest.mark.launch
 TEXT = "the quick brown fox jumps over the lazy dog; " * 40 + "ünïcödé ok\n"
 
 
-def _make(args: list[str]) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "make_tokens.py"), *args],
-        cwd=ROOT,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+def _make(args: list[str]) -> str:
+    """``python scripts/make_tokens.py ARGS``, run in this process (launchkit.run_script); its stdout."""
+    return run_script(["scripts/make_tokens.py", *args])
 
 
 @pytest.fixture(scope="module")
 def byte_files(tmp_path_factory):
     root = tmp_path_factory.mktemp("tokens")
     (root / "in.txt").write_text(TEXT, encoding="utf-8")
-    proc = _make([str(root / "in.txt"), str(root / "out"), "--eval-fraction", "0.2"])
-    return root / "out", proc
+    stdout = _make([str(root / "in.txt"), str(root / "out"), "--eval-fraction", "0.2"])
+    return root / "out", stdout
 
 
 def test_byte_level_file_is_the_utf8_bytes(byte_files):
-    out, proc = byte_files
+    out, stdout = byte_files
     data = list(TEXT.encode("utf-8"))
     cut = len(data) - int(len(data) * 0.2)
     assert np.fromfile(out / "train.bin", dtype="uint16").tolist() == data[:cut]
     assert np.fromfile(out / "val.bin", dtype="uint16").tolist() == data[cut:]
-    assert f"data.path={out / 'train.bin'}" in proc.stdout and "data.dtype=uint16 model.vocab_size=256" in proc.stdout
+    assert f"data.path={out / 'train.bin'}" in stdout and "data.dtype=uint16 model.vocab_size=256" in stdout
 
 
 def test_a_tokenizer_saved_in_a_local_directory(tmp_path):
@@ -56,15 +45,16 @@ def test_a_tokenizer_saved_in_a_local_directory(tmp_path):
     raw.train_from_iterator([TEXT], trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
     PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]").save_pretrained(tmp_path / "tok")
     (tmp_path / "in.txt").write_text(TEXT, encoding="utf-8")
-    proc = _make(
+    stdout = _make(
         [str(tmp_path / "in.txt"), str(tmp_path / "out"), "--tokenizer", str(tmp_path / "tok"), "--eval-fraction", "0"]
     )
     want = AutoTokenizer.from_pretrained(tmp_path / "tok", local_files_only=True)(TEXT)["input_ids"]
     assert len(want) > 100 and np.fromfile(tmp_path / "out" / "train.bin", dtype="uint16").tolist() == want
-    assert f"model.vocab_size={raw.get_vocab_size()}" in proc.stdout
+    assert f"model.vocab_size={raw.get_vocab_size()}" in stdout
 
 
-def test_token_file_on_2_ranks_matches_a_single_process(byte_files, tmp_path):
+def test_token_file_on_2_ranks_matches_a_single_process(byte_files, dist_pool, tmp_path):
+    """On the pool's 2 ranks as torchrun's workers run it (launchkit.train_on_ranks; torchrun: test_torchrun.py)."""
     out, _ = byte_files
     over = [
         "data=tokens",
@@ -81,7 +71,7 @@ def test_token_file_on_2_ranks_matches_a_single_process(byte_files, tmp_path):
         "trainer.save_every=0",
         "trainer.eval_every=8",
     ]  # 1452 train bytes / 16 = 90 windows: 11 batches per epoch, 16 steps cross one
-    torchrun([*over, "strategy=ddp"], tmp_path / "ddp")
+    dist_pool.run(train_on_ranks, [*over, "strategy=ddp"], str(tmp_path / "ddp"))
     ref = train(compose([*over, "strategy=none", "ac=none"]), run_dir=tmp_path / "ref")
     assert set(ref.losses) == {"loss", "lm"} and ref.eval_loss is not None
     assert_params_equal(final_params(tmp_path / "ddp", over), final_params(tmp_path / "ref", over), exact=False)

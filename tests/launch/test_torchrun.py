@@ -1,5 +1,7 @@
-"""End to end under torchrun on 2 CPU ranks: each strategy against a single-process run, kill -9 and
-SIGTERM resumes against an uninterrupted run (bitwise), and two torchrun agents as two nodes."""
+"""End to end on 2 CPU ranks: each strategy against a single-process run (the launcher's overrides on the pool's
+ranks, as torchrun's workers run them: launchkit.train_on_ranks), and under torchrun itself: kill -9 with a
+torchrun restart and SIGTERM, each resumed bitwise against the uninterrupted run, the exit codes of a resume
+error and a non-finite stop, and (slow) two torchrun agents as two nodes."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from launchkit import (
     popen,
     torchrun,
     torchrun_cmd,
+    train_on_ranks,
 )
 from torch.distributed.checkpoint import FileSystemReader
 
@@ -48,11 +51,10 @@ def single_process(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """DDP on 2 ranks, never interrupted: the reference of the resume tests."""
+def uninterrupted(tmp_path_factory, dist_pool):
+    """DDP on 2 ranks, never interrupted: the reference of the resume tests; rank 0's stdout."""
     run = tmp_path_factory.mktemp("long") / "ddp"
-    proc = torchrun([*LONG, "strategy=ddp"], run)
-    return run, proc
+    return run, dist_pool.run(train_on_ranks, [*LONG, "strategy=ddp"], str(run))[0]
 
 
 def _metrics(run: Path) -> list[dict]:
@@ -61,8 +63,8 @@ def _metrics(run: Path) -> list[dict]:
 
 
 def test_ddp_matches_single_process(uninterrupted, tmp_path):
-    run, proc = uninterrupted
-    assert "strategy=ddp x2" in proc.stdout and f"0 -> {LONG_STEPS} of {LONG_STEPS}" in proc.stdout
+    run, out = uninterrupted
+    assert "strategy=ddp x2" in out and f"0 -> {LONG_STEPS} of {LONG_STEPS}" in out
     ref = train(compose([*LONG, "strategy=none", "ac=none"]), run_dir=tmp_path / "none")
     last = _metrics(run)[-1]
     assert last["step"] == LONG_STEPS and last["loss"] == pytest.approx(ref.losses["loss"], rel=1e-4)
@@ -71,13 +73,14 @@ def test_ddp_matches_single_process(uninterrupted, tmp_path):
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
-def test_strategy_matches_single_process(strategy, single_process, tmp_path):
+def test_strategy_matches_single_process(strategy, single_process, dist_pool, tmp_path):
     ref_dir, ref = single_process
     run = tmp_path / strategy
-    proc = torchrun([*TINY, f"strategy={strategy}", "trainer.guard_every=1", "trainer.verify_recompute=true"], run)
-    assert "distckpt run summary" in proc.stdout and f"strategy={strategy} x2" in proc.stdout
-    assert "grad sync: 6 steps compared across 2 ranks, all in sync; recompute check: ok" in proc.stdout
-    assert "blocks.0, blocks.1" in proc.stdout  # the summary says what was checkpointed
+    over = [*TINY, f"strategy={strategy}", "trainer.guard_every=1", "trainer.verify_recompute=true"]
+    out = "".join(dist_pool.run(train_on_ranks, over, str(run)))
+    assert out.count("distckpt run summary") == 1 and f"strategy={strategy} x2" in out  # rank 0 only
+    assert "grad sync: 6 steps compared across 2 ranks, all in sync; recompute check: ok" in out
+    assert "blocks.0, blocks.1" in out  # the summary says what was checkpointed
     last = _metrics(run)[-1]
     assert last["step"] == 6
     assert last["loss"] == pytest.approx(ref.losses["loss"], rel=1e-4)
@@ -119,7 +122,7 @@ def _worker_pids(agent: subprocess.Popen) -> list[int]:
     return [int(p) for p in out.split()]
 
 
-def test_sigterm_saves_on_every_rank_at_the_same_step_then_resumes_bitwise(uninterrupted, tmp_path):
+def test_sigterm_saves_on_every_rank_at_the_same_step_then_resumes_bitwise(uninterrupted, dist_pool, tmp_path):
     run = tmp_path / "term"
     agent = popen(torchrun_cmd([*LONG, "strategy=ddp"], run))
     try:
@@ -142,7 +145,9 @@ def test_sigterm_saves_on_every_rank_at_the_same_step_then_resumes_bitwise(unint
     assert {"train.rng.rank0.torch", "train.rng.rank1.torch"} <= meta.state_dict_metadata.keys()
     if stop == LONG_STEPS:
         pytest.skip("SIGTERM arrived only after the last step (a very slow machine); nothing to resume")
-    torchrun([*LONG, "strategy=ddp"], run)  # the same command resumes from the SIGTERM save
+    # The same command resumes from the SIGTERM save: its workers' train(cfg), on the pool's 2 ranks (a resume
+    # under torchrun, after its restart: test_kill_9_and_torchrun_restart_resume_bitwise).
+    dist_pool.run(train_on_ranks, [*LONG, "strategy=ddp"], str(run))
     assert_params_equal(final_params(run, LONG), final_params(uninterrupted[0], LONG), exact=True)
     last = f"step_{LONG_STEPS}"
     assert_checkpoints_equal(run / "checkpoints" / last, uninterrupted[0] / "checkpoints" / last)
