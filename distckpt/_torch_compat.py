@@ -20,6 +20,7 @@ __all__ = [
     "cpu_flash_attention_ops",
     "current_graph_task_id",
     "dynamo_trace_errors",
+    "forward_side_effects_once",
     "fake_mode",
     "is_plain_backward",
     "mem_tracker",
@@ -347,6 +348,18 @@ def dynamo_trace_errors() -> tuple[type, ...]:
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
     return Unsupported, UserError, UncapturedHigherOrderOpError, GuardOnDataDependentSymNode
+
+
+def forward_side_effects_once() -> contextlib.AbstractContextManager[Any]:
+    """Dynamo's ``skip_fwd_side_effects_in_bwd_under_checkpoint``: a Python side effect in a checkpointed forward
+    that dynamo traces with its checkpoint (distckpt's per-block compile) runs once per forward, as without
+    checkpointing, instead of being refused inside the checkpoint's higher-order op ("HOP: Unsafe side effect",
+    "Non-nullified side effect"). Needed since transformers 5.25: every attention forward sets and resets the
+    ``kernels`` package's context variable (``use_kernelized_func``). A ``torch._dynamo.config`` flag, read while
+    dynamo traces; no public switch. torch 2.13."""
+    import torch._dynamo
+
+    return torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
 
 
 @contextlib.contextmanager

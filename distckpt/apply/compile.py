@@ -129,8 +129,10 @@ class CompiledBlock:
         return (CompiledBlock, (self.options,))
 
     def traced(self, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Checkpoint and forward, compiled together."""
-        return self._call(_compiled(self.options)[0], block, args, kwargs)
+        """Checkpoint and forward, compiled together. A Python side effect in the forward (a counter; transformers'
+        kernel context variable) runs once per forward, as without checkpointing: the recompute does not replay it."""
+        with compat.forward_side_effects_once():
+            return self._call(_compiled(self.options)[0], block, args, kwargs)
 
     def forward(self, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The block's forward, compiled."""

@@ -340,6 +340,35 @@ def test_dynamo_trace_errors_and_compile_counts():
     assert counts["graphs"] >= 1 and sum(counts["breaks"].values()) == 1, counts
 
 
+def test_forward_side_effects_once():
+    """A side effect in a checkpointed function compiled with its checkpoint: refused by dynamo without the flag,
+    traced and run once per forward with it."""
+    from torch.utils.checkpoint import checkpoint
+
+    calls = []
+
+    def body(x):
+        calls.append(1)  # a Python side effect inside the checkpoint's higher-order op
+        return x.sin()
+
+    def step(x):
+        return checkpoint(body, x, use_reentrant=False)
+
+    x = torch.ones(3, requires_grad=True)
+    torch.compiler.reset()
+    try:
+        with pytest.raises(compat.dynamo_trace_errors()):
+            torch.compile(step, backend="eager", fullgraph=True)(x)
+        torch.compiler.reset()
+        calls.clear()
+        with compat.forward_side_effects_once():
+            y = torch.compile(step, backend="eager", fullgraph=True)(x)
+        y.sum().backward()
+    finally:
+        torch.compiler.reset()
+    assert calls == [1] and torch.equal(x.grad, torch.ones(3).cos())
+
+
 def test_private_torch_apis_only_in_torch_compat():
     files = [p for p in sorted(LIBRARY.rglob("*.py")) if p.name != "_torch_compat.py"]
     assert LIBRARY / "parallel" / "param_sync.py" in files, LIBRARY  # the scan found the tree
