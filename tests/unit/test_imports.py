@@ -18,6 +18,8 @@ BLOCKED = [
     "numpy",
     "lightning",
     "pytorch_lightning",
+    "accelerate",
+    "peft",
 ]
 
 
