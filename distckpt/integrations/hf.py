@@ -169,19 +169,25 @@ def prepare(trainer: Trainer) -> Trainer:
         raise ConfigError(f"{_PREPARE} was already called for this Trainer; call it once, before trainer.train().")
     args = trainer.args
     _refuse_hf_checkpointing(args)
-    if getattr(trainer.model, "is_activation_checkpointing", False) or getattr(
-        trainer.model, "is_gradient_checkpointing", False
-    ):
+    model = trainer.model
+    # transformers 5: is_activation_checkpointing (is_gradient_checkpointing is deprecated and warns); 4.x: the latter.
+    hf_on = getattr(model, "is_activation_checkpointing", None)
+    if hf_on is None:
+        hf_on = getattr(model, "is_gradient_checkpointing", False)
+    if hf_on:
         raise ConfigError(
             "the model has Hugging Face's own checkpointing on (model.gradient_checkpointing_enable()), which "
             "DistckptCallback would double and which is not kept in sync under DDP. Call "
             "model.gradient_checkpointing_disable() before Trainer(...): DistckptCallback checkpoints the blocks."
         )
-    if trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
+    if args.fsdp or trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
+        # Refused on CPU too, where Accelerate runs plain DDP instead of the FSDP asked for (measured: fsdp_config
+        # version 2 -> DistributedType.MULTI_CPU; version 1 -> "sync_module_states=True is not supported on cpu").
         raise ConfigError(
-            f"TrainingArguments({'fsdp' if trainer.is_fsdp_enabled else 'deepspeed'}=...): Accelerate then shards the "
-            "model in units distckpt does not choose, so its join and checks cannot run inside them. Drop it and train "
-            "with DDP (distckpt.integrations.hf.prepare), or build FSDP yourself with distckpt.parallelize."
+            f"TrainingArguments({'deepspeed' if trainer.is_deepspeed_enabled else 'fsdp'}=...): Accelerate shards the "
+            "model in units distckpt does not choose, so its zero-weight join and checks cannot run inside them. Drop "
+            "it and train with DDP (this prepare), or build FSDP/FSDP2 with distckpt.parallelize in your own loop or "
+            "Lightning's DistckptFSDPStrategy."
         )
     if args.ddp_find_unused_parameters:
         raise ConfigError(

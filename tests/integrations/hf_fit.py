@@ -16,6 +16,7 @@ on which micro-step: the reference replays exactly that, without checkpointing, 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import tempfile
 import warnings
@@ -50,7 +51,7 @@ def tiny_model(kind: str, lora: bool = True) -> nn.Module:
             n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0,
             attn_pdrop=0.0,
         )  # fmt: skip
-        model, targets = GPT2LMHeadModel(cfg), ["c_attn"]
+        model, targets = GPT2LMHeadModel(cfg), ["c_attn"]  # a Conv1D: fan_in_fan_out below
     elif kind == "llama":
         cfg = LlamaConfig(
             hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
@@ -63,9 +64,15 @@ def tiny_model(kind: str, lora: bool = True) -> nn.Module:
         return model
     from peft import LoraConfig, get_peft_model
 
-    return get_peft_model(
-        model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, init_lora_weights=False)
+    lora_cfg = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        lora_dropout=0.0,
+        target_modules=targets,
+        init_lora_weights=False,
+        fan_in_fan_out=kind == "gpt2",
     )
+    return get_peft_model(model, lora_cfg)
 
 
 def tokens(idx: int, which: int) -> torch.Tensor:
@@ -86,11 +93,12 @@ class SeedData(torch.utils.data.Dataset):
         return {"idx": i, "a": tokens(i, 0), "b": tokens(i, 1)}
 
 
-def seed_loss(model: nn.Module, inputs: dict[str, Any], step: int, rank: int) -> torch.Tensor:
-    """Task a on every micro-step; task b, a second forward before the one backward, on rank 1 at odd steps."""
+def seed_loss(model: nn.Module, inputs: dict[str, Any], step: int, rank: int, both: bool = False) -> torch.Tensor:
+    """Task a on every micro-step; task b, a second forward before the one backward, on rank 1 at odd steps (with
+    ``both``: on every rank and step, the shape reentrant blocks under DDP's static graph need)."""
     a = inputs["a"]
     loss = model(input_ids=a, labels=a).loss
-    if rank == 1 and step % 2 == 1:
+    if both or (rank == 1 and step % 2 == 1):
         b = inputs["b"]
         loss = loss + model(input_ids=b, labels=b).loss
     return loss
@@ -317,7 +325,12 @@ def fit(
                 prepare(trainer)
 
             def first(m: nn.Module) -> None:
-                flags.update(find_unused=getattr(m, "find_unused_parameters", None), static_graph=m.static_graph)
+                flags.update(
+                    wrapper=type(m).__name__,
+                    find_unused=getattr(m, "find_unused_parameters", None),
+                    static_graph=getattr(m, "static_graph", None),
+                    distributed_type=str(trainer.accelerator.distributed_type),
+                )
                 if count:
                     count_reductions(m, rec)
 
@@ -347,14 +360,25 @@ def fit(
 
 
 def seed_fit(
-    rank: int, world: int, kind: str, how: str, *, lora: bool = True, accumulate: int = 1, **kwargs: Any
+    rank: int,
+    world: int,
+    kind: str,
+    how: str,
+    *,
+    lora: bool = True,
+    accumulate: int = 1,
+    both: bool = False,
+    **kwargs: Any,
 ) -> dict[str, Any]:
-    """The seed's case under Trainer (see :func:`fit`)."""
+    """The seed's case under Trainer (see :func:`fit`; ``both``: see :func:`seed_loss`)."""
     data = SeedData(STEPS * accumulate * world * BATCH)
-    return fit(rank, tiny_model(kind, lora), data, seed_loss, how, accumulate=accumulate, **kwargs)
+    loss = functools.partial(seed_loss, both=both)
+    return fit(rank, tiny_model(kind, lora), data, loss, how, accumulate=accumulate, **kwargs)
 
 
-def seed_reference(kind: str, seen: list[list[list[int]]], *, lora: bool = True, accumulate: int = 1) -> tuple:
+def seed_reference(
+    kind: str, seen: list[list[list[int]]], *, lora: bool = True, accumulate: int = 1, both: bool = False
+) -> tuple:
     """Single process, no checkpointing: what the ranks' micro-steps ``seen[rank][micro_step]`` compute together
     (DDP averages over ranks, Trainer divides by the accumulation steps): (per-step grads, final params)."""
     model = tiny_model(kind, lora)
@@ -369,7 +393,7 @@ def seed_reference(kind: str, seen: list[list[list[int]]], *, lora: bool = True,
             for m in range(s * accumulate, (s + 1) * accumulate):
                 items = [data[i] for i in seen[r][m]]
                 inputs = {k: torch.stack([it[k] for it in items]) for k in ("a", "b")}
-                (seed_loss(model, inputs, m, r) / (world * accumulate)).backward()
+                (seed_loss(model, inputs, m, r, both) / (world * accumulate)).backward()
         grads.append(
             {
                 _name(n): None if p.grad is None else p.grad.clone()

@@ -78,21 +78,29 @@ def test_every_expressible_pattern_under_hf_trainer_ddp(dist_pool):
 
 
 def _seed_cases(rank, world):
-    """The seed's case with distckpt: GPT-2 and Llama + LoRA, task b's forward on rank 1 at odd steps, reentrant
-    blocks and not, Trainer's default DDP settings otherwise (Llama's buffers included)."""
-    return {
-        (kind, reentrant): hf.seed_fit(rank, world, kind, "distckpt", reentrant=reentrant)
-        for kind in ("gpt2", "llama")
-        for reentrant in (False, True)
-    }
+    """The seed's case with distckpt: GPT-2 and Llama + LoRA, Trainer's default DDP settings otherwise (Llama's
+    buffers included). Non-reentrant blocks: task b's forward on rank 1 at odd steps; reentrant blocks: task b on
+    every rank and step (``both``), and on rank 1 only (refused)."""
+    out = {}
+    for kind in ("gpt2", "llama"):
+        out[(kind, False, False)] = hf.seed_fit(rank, world, kind, "distckpt")
+        out[(kind, True, True)] = hf.seed_fit(rank, world, kind, "distckpt", reentrant=True, both=True)
+    out[("gpt2", True, False)] = hf.seed_fit(rank, world, "gpt2", "distckpt", reentrant=True)
+    return out
 
 
 @pytest.mark.dist
 def test_seed_case_gpt2_and_llama_lora_two_forwards(dist_pool):
     out = dist_pool.run(_seed_cases, timeout=600)
-    for (kind, reentrant), o0 in out[0].items():
-        o1 = out[1][(kind, reentrant)]
-        _exact([o0, o1], hf.seed_reference(kind, [o0["seen"], o1["seen"]]))
+    for (kind, reentrant, both), o0 in out[0].items():
+        o1 = out[1][(kind, reentrant, both)]
+        if reentrant and not both:
+            # DDP's static graph (which reentrant blocks need) cannot sync blocks that one rank runs twice and the
+            # other once: distckpt stops at that step on every rank, naming the fix, instead of desyncing.
+            for o in (o0, o1):
+                assert o["error"][0] == "ConfigError" and "reentrant=False" in o["message"], o.get("message")
+            continue
+        _exact([o0, o1], hf.seed_reference(kind, [o0["seen"], o1["seen"]], both=both))
         # distckpt's flags: no search for unused parameters; DDP's static graph for reentrant blocks.
         assert (o0["find_unused"], o0["static_graph"]) == (False, reentrant), (kind, reentrant)
         assert o0["seen"] != o1["seen"]  # each rank trained on its own items
@@ -113,6 +121,17 @@ def test_desync_on_one_rank_is_caught_on_every_rank_naming_the_parameter(dist_po
     for o in out:
         assert o["error"][0] == "GradDesyncError", o["error"]
         assert bad in o["message"] and "\n" not in o["message"], o["message"]
+
+
+@pytest.mark.dist
+def test_fsdp_through_trainer_is_refused(dist_pool):
+    """TrainingArguments(fsdp=...): refused naming the fix. On CPU Accelerate would run plain DDP instead of the FSDP2
+    asked for (measured: DistributedType.MULTI_CPU) and refuse FSDP1 ("sync_module_states=True is not supported on
+    cpu"); on a GPU it shards in units distckpt does not choose."""
+    fsdp = {"fsdp": True, "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]}}
+    out = dist_pool.run(hf.seed_fit, "gpt2", "distckpt", lora=False, **fsdp, timeout=120)
+    for o in out:
+        assert o["error"][0] == "ConfigError" and "distckpt.parallelize" in o["message"], o.get("message")
 
 
 def _verify_once(rank, world):
@@ -186,6 +205,10 @@ def test_prepare_refuses_what_distckpt_cannot_keep_exact():
         prepare(_trainer([DistckptCallback()], ddp_find_unused_parameters=True))
     with pytest.raises(distckpt.ConfigError, match="reentrant=False"):
         prepare(_trainer([DistckptCallback(reentrant=True)], accumulate=2))
+    gpt2 = hf.tiny_model("gpt2", lora=False)
+    gpt2.gradient_checkpointing_enable()
+    with pytest.raises(distckpt.ConfigError, match="gradient_checkpointing_disable"):
+        prepare(hf.LossTrainer(model=gpt2, args=hf.training_args(tempfile.mkdtemp()), loss=hf.seed_loss))
     trainer = prepare(_trainer([DistckptCallback()]))
     with pytest.raises(distckpt.ConfigError, match="once"):
         prepare(trainer)
