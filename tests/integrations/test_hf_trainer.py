@@ -23,6 +23,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 import hf_fit as hf  # noqa: E402
+from harness import RankError  # noqa: E402
 from patterns import PATTERNS, assert_matches, reference, sequential  # noqa: E402
 
 import distckpt  # noqa: E402
@@ -255,13 +256,18 @@ def test_docs_example_runs_under_torchrun(tmp_path):
 
 
 def _own_cases(rank, world):
-    out = {}
-    for kind in ("gpt2", "llama"):
-        for how, reentrant in (("none", False), ("hf", False), ("hf", True), ("wrap", True), ("wrap", False)):
-            out[(kind, how, reentrant)] = hf.seed_fit(
-                rank, world, kind, how, reentrant=reentrant, ddp_broadcast_buffers=False
-            )
-    return out
+    """The seed's case (task b's forward on rank 1 at odd steps) as Trainer runs it without distckpt's integration,
+    GPT-2 and Llama with LoRA. ddp_broadcast_buffers=False: with Trainer's default, Llama hangs whatever the
+    checkpointing (test_llama_with_trainers_default_buffers_hangs)."""
+    cases = (("none", False), ("hf", False), ("hf", True), ("wrap", True), ("wrap", False))
+    return {
+        (kind, how, reentrant): hf.seed_fit(rank, world, kind, how, reentrant=reentrant, ddp_broadcast_buffers=False)
+        for kind in ("gpt2", "llama")
+        for how, reentrant in cases
+    }
+
+
+_READY_ONCE = "Expected to mark a variable ready only once"
 
 
 @pytest.mark.slow  # measurements of Trainer itself, not of distckpt (whose seed cases run by default above)
@@ -271,10 +277,29 @@ def test_hf_trainer_own_checkpointing_table(dist_pool):
     for key, o0 in out[0].items():
         kind, how, reentrant = key
         o1 = out[1][key]
-        if reentrant:  # HF's use_reentrant=True, or distckpt.wrap(reentrant=True) under Trainer's DDP
-            assert all(
-                o["error"][0] == "RuntimeError" and "mark a variable ready only once" in o["error"][1] for o in (o0, o1)
-            ), key
-        else:
-            _exact([o0, o1], hf.seed_reference(kind, [o0["seen"], o1["seen"]]))
-            assert o0["find_unused"] is True, key  # Trainer's choice for a PeftModel: a graph traversal every step
+        if reentrant:  # HF's use_reentrant=True, or distckpt.wrap(reentrant=True), under Trainer's DDP
+            assert all(o["error"][0] == "RuntimeError" and _READY_ONCE in o["error"][1] for o in (o0, o1)), key
+            continue
+        _exact([o0, o1], hf.seed_reference(kind, [o0["seen"], o1["seen"]]))
+        # Trainer's choice for a PeftModel (not a PreTrainedModel): DDP searches the graph for unused parameters
+        # every step, and torch warns it found none.
+        assert o0["find_unused"] is True, key
+    # Full fine-tuning (a PreTrainedModel): HF's checkpointing makes Trainer turn find_unused_parameters off. With
+    # use_reentrant=False exact; with True, rank 1 (two forwards) raises and rank 0 waits in its all-reduce (here
+    # until the pool gives up on it or rank 1 closes the group; under torchrun, until the launcher kills it).
+    out = dist_pool.run(hf.seed_fit, "gpt2", "hf", lora=False, ddp_broadcast_buffers=False, timeout=120)
+    _exact(out, hf.seed_reference("gpt2", [o["seen"] for o in out], lora=False))
+    assert out[0]["find_unused"] is False
+    with pytest.raises(RankError) as err:
+        dist_pool.run(hf.seed_fit, "gpt2", "hf", reentrant=True, lora=False, catch=False, timeout=120)
+    errors = err.value.errors  # rank 0: still waiting (absent), or "Connection closed" once rank 1 left the group
+    assert _READY_ONCE in errors[1][1] and _READY_ONCE not in errors.get(0, ("", "", ""))[1], errors
+
+
+@pytest.mark.slow  # a hang: costs the pool a restart (the default tier runs Llama with distckpt, which avoids it)
+@pytest.mark.dist
+def test_llama_with_trainers_default_buffers_hangs(dist_pool):
+    """DDP broadcasts the buffers (Llama's rotary inv_freq) at every forward: rank 1's second forward waits for a
+    broadcast that rank 0, already in backward, never joins. distckpt's prepare turns it off for such models."""
+    with pytest.raises(TimeoutError):
+        dist_pool.run(hf.seed_fit, "llama", "none", timeout=90)
