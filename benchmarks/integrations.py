@@ -9,10 +9,12 @@ the pattern HF's own checkpointing trains right, so both sides do the same work)
 - own: ``TrainingArguments(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})``
   (Trainer then builds DDP with ``find_unused_parameters=False``);
 - distckpt: ``DistckptCallback("full")`` + ``distckpt.integrations.hf.prepare(trainer)`` (every block checkpointed,
-  non-reentrant, DDP with distckpt's flags and its zero-weight join); ``--guard-every N`` adds GradSyncGuard.
+  non-reentrant, DDP with distckpt's flags and its zero-weight join);
+- distckpt + guard: the same with ``guard_every=N`` (``--guard-every``, default 1: GradSyncGuard before every
+  optimizer step; 0 leaves this side out).
 
 Trainings alternate between the two sides (ABBA, a fresh model with the same seed each time, so load on the shared
-machine hits both alike); the figure is the ratio of median step times (rank 0's wall time between
+machine hits both alike); the figures are ratios of median step times (rank 0's wall time and CPU time between
 ``on_step_begin`` and ``on_step_end``, the first steps of each training dropped). Peak memory per rank comes from a
 separate training under MemTracker (CPU). Writes the "Hugging Face Trainer" section of
 ``benchmarks/results/integrations.md``.
@@ -36,7 +38,7 @@ from benchmarks.ranks import run_ranks
 RESULTS = Path(__file__).resolve().parent / "results"
 SECTION = "## Hugging Face Trainer"
 WARMUP = 2  # steps of each training not timed (allocation, DDP's first-iteration bookkeeping)
-SIDES = ("own", "distckpt")
+SIDES = ("own", "distckpt", "guard")
 
 
 class _Data(torch.utils.data.Dataset):
@@ -58,16 +60,16 @@ def _train(side: str, cfg: dict[str, int], batch_size: int, steps: int, guard_ev
 
     from distckpt.integrations.hf import DistckptCallback, prepare
 
-    times: list[float] = []
+    times: list[tuple[float, float]] = []  # per step: (wall, CPU time of this process, all its threads)
 
     class Clock(TrainerCallback):
         def on_step_begin(self, *a: Any, **k: Any) -> None:
             if tracker is not None:
                 tracker.reset_mod_stats()  # MemTracker refuses a module's second forward otherwise; its peak is kept
-            self.t0 = time.perf_counter()
+            self.t0 = (time.perf_counter(), time.process_time())
 
         def on_step_end(self, *a: Any, **k: Any) -> None:
-            times.append(time.perf_counter() - self.t0)
+            times.append((time.perf_counter() - self.t0[0], time.process_time() - self.t0[1]))
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(
@@ -88,8 +90,8 @@ def _train(side: str, cfg: dict[str, int], batch_size: int, steps: int, guard_ev
     data = _Data(steps * batch_size * world, cfg["seq"], cfg["vocab"], seed=1)
     own = {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": False}}
     callbacks: list[Any] = [Clock()]
-    if side == "distckpt":
-        callbacks.append(DistckptCallback("full", guard_every=guard_every))
+    if side != "own":
+        callbacks.append(DistckptCallback("full", guard_every=guard_every if side == "guard" else 0))
     env = dict(os.environ)
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(
@@ -98,7 +100,7 @@ def _train(side: str, cfg: dict[str, int], batch_size: int, steps: int, guard_ev
             dataloader_num_workers=0, **(own if side == "own" else {}),
         )  # fmt: skip
         trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
-        if side == "distckpt":
+        if side != "own":
             prepare(trainer)
         try:
             if tracker is None:
@@ -118,12 +120,13 @@ def _train(side: str, cfg: dict[str, int], batch_size: int, steps: int, guard_ev
 def _rank(rank: int, world: int, rounds: int, steps: int, batch_size: int, cfg: dict[str, int], guard: int) -> Any:
     from distckpt import _torch_compat as compat
 
-    times: dict[str, list[float]] = {s: [] for s in SIDES}
+    sides = SIDES if guard else SIDES[:2]
+    times: dict[str, list[tuple[float, float]]] = {s: [] for s in sides}
     for r in range(rounds):
-        for side in SIDES if r % 2 == 0 else SIDES[::-1]:  # ABBA
+        for side in sides if r % 2 == 0 else sides[::-1]:  # ABBA (ABCCBA)
             times[side] += _train(side, cfg, batch_size, steps, guard)
     peaks = {}
-    for side in SIDES:
+    for side in sides:
         tracker = compat.mem_tracker([])
         _train(side, cfg, batch_size, WARMUP + 1, guard, tracker)
         peaks[side] = max(d.get("Total", 0) for d in tracker.get_tracker_snapshot("peak").values())
@@ -131,22 +134,25 @@ def _rank(rank: int, world: int, rounds: int, steps: int, batch_size: int, cfg: 
 
 
 def measure(rounds: int, steps: int, batch_size: int, cfg: dict[str, int], guard_every: int) -> dict[str, Any]:
-    """Run the two ranks: median step times of both sides, their ratio, and the peaks (max over ranks)."""
+    """Run the two ranks: per side, the median step time, its steps/s over HF's own, and the peak (max over ranks)."""
     results = run_ranks(_rank, 2, rounds, steps, batch_size, cfg, guard_every, timeout=7200)
     times = results[0][0]
-    own, ours = (statistics.median(times[s]) for s in SIDES)
-    peaks = {s: max(results[r][1][s] for r in results) for s in SIDES}
+    wall = {s: statistics.median(w for w, _ in t) for s, t in times.items()}
+    cpu = {s: statistics.median(c for _, c in t) for s, t in times.items()}
     return {
-        "own_s": own,
-        "distckpt_s": ours,
-        "ratio": own / ours,  # steps/s of distckpt over steps/s of HF's own
-        "n": len(times["own"]),
-        "own_peak": peaks["own"],
-        "distckpt_peak": peaks["distckpt"],
+        s: {
+            "step_s": wall[s],
+            "ratio": wall["own"] / wall[s],  # steps/s of this side over steps/s of HF's own
+            "cpu_s": cpu[s],
+            "cpu_ratio": cpu["own"] / cpu[s],  # the same in CPU time: what other jobs' load does not stretch
+            "n": len(times[s]),
+            "peak": max(results[r][1][s] for r in results),
+        }
+        for s in times
     }
 
 
-def write(s: dict[str, Any], args: argparse.Namespace, load: str) -> Path:
+def write(s: dict[str, dict[str, Any]], args: argparse.Namespace, load: str) -> Path:
     """Replace (or add, before the Lightning section) this benchmark's section of results/integrations.md."""
     import transformers
 
@@ -162,21 +168,28 @@ def write(s: dict[str, Any], args: argparse.Namespace, load: str) -> Path:
         f"{transformers.__version__}, {platform.machine()}, a 2-core "
         f"machine shared with other jobs (`uptime` before the run: load average {load}). GPT-2 from a config, every "
         "parameter trained (AdamW), one causal-LM loss, every block checkpointed on both sides, non-reentrant. "
-        "Steps/s ratio = median step time of HF's own / distckpt's (> 1: distckpt faster), interleaved trainings "
-        "(ABBA); peak = MemTracker, max over ranks, a separate training.",
+        "Steps/s ratio = median step time of HF's own / this side's (> 1: faster than HF's own), rank 0, interleaved "
+        "trainings (ABC, then CBA); CPU = the process's CPU time per step (all its threads), which other jobs' load "
+        "stretches less than wall time; peak = MemTracker, max over ranks, a separate training.",
         "",
-        "| HF's own checkpointing | distckpt | median step, own | median step, distckpt | steps/s distckpt / own "
-        "| peak own | peak distckpt |",
+        "| side | median step (wall) | steps/s over HF's own (wall) | median step (CPU) | over HF's own (CPU) "
+        "| peak (MiB) | peak - HF's own |",
         "|---|---|---|---|---|---|---|",
-        f"| `gradient_checkpointing=True`, `use_reentrant=False` (DDP `find_unused_parameters=False`) "
-        f'| `DistckptCallback("full", guard_every={args.guard_every})` + `prepare(trainer)` '
-        f"| {s['own_s'] * 1e3:.0f} ms | {s['distckpt_s'] * 1e3:.0f} ms | {s['ratio']:.3f} ({s['n']} steps each) "
-        f"| {s['own_peak'] / 2**20:.2f} MiB | {s['distckpt_peak'] / 2**20:.2f} MiB |",
-        "",
-        f"Peaks in bytes: own {s['own_peak']:,}, distckpt {s['distckpt_peak']:,} "
-        f"({s['distckpt_peak'] - s['own_peak']:+,} B).",
-        "",
     ]
+    label = {
+        "own": '`gradient_checkpointing=True`, `gradient_checkpointing_kwargs={"use_reentrant": False}` (HF\'s own; '
+        "Trainer's DDP: `find_unused_parameters=False`)",
+        "distckpt": '`DistckptCallback("full")` + `prepare(trainer)`',
+        "guard": f'`DistckptCallback("full", guard_every={args.guard_every})` + `prepare(trainer)`',
+    }
+    own_peak = s["own"]["peak"]
+    for side, r in s.items():
+        lines.append(
+            f"| {label[side]} | {r['step_s'] * 1e3:.0f} ms | {r['ratio']:.3f} ({r['n']} steps) "
+            f"| {r['cpu_s'] * 1e3:.0f} ms | {r['cpu_ratio']:.3f} | {r['peak'] / 2**20:.2f} "
+            f"| {r['peak'] - own_peak:+,} B |"
+        )
+    lines.append("")
     section = "\n".join(lines)
     if SECTION in text:
         before, rest = text.split(SECTION, 1)
@@ -199,12 +212,13 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--guard-every", type=int, default=0, help="distckpt's GradSyncGuard every N steps (0: off)")
+    parser.add_argument("--guard-every", type=int, default=1, help="the guarded side's GradSyncGuard (0: no such side)")
     args = parser.parse_args()
     load = os.getloadavg()
     cfg = {"dim": args.dim, "layers": args.layers, "seq": args.seq, "vocab": 2048}
     summary = measure(args.rounds, args.steps, args.batch_size, cfg, args.guard_every)
-    print({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()})
+    for side, r in summary.items():
+        print(side, {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()})
     print("wrote", write(summary, args, ", ".join(f"{x:.2f}" for x in load)))
 
 

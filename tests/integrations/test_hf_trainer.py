@@ -79,31 +79,33 @@ def test_every_expressible_pattern_under_hf_trainer_ddp(dist_pool):
 
 
 def _seed_cases(rank, world):
-    """The seed's case with distckpt: GPT-2 and Llama + LoRA, Trainer's default DDP settings otherwise (Llama's
-    buffers included). Non-reentrant blocks: task b's forward on rank 1 at odd steps; reentrant blocks: task b on
-    every rank and step (``both``), and on rank 1 only (refused)."""
+    """The seed's case with distckpt: GPT-2 and Llama, LoRA and every parameter trained, Trainer's default DDP
+    settings otherwise (Llama's buffers included). Non-reentrant blocks: task b's forward on rank 1 at odd steps;
+    reentrant blocks: task b on every rank and step (``both``), and on rank 1 only (refused)."""
     out = {}
     for kind in ("gpt2", "llama"):
-        out[(kind, False, False)] = hf.seed_fit(rank, world, kind, "distckpt")
-        out[(kind, True, True)] = hf.seed_fit(rank, world, kind, "distckpt", reentrant=True, both=True)
-    out[("gpt2", True, False)] = hf.seed_fit(rank, world, "gpt2", "distckpt", reentrant=True)
+        for lora in (True, False):
+            out[(kind, lora, False, False)] = hf.seed_fit(rank, world, kind, "distckpt", lora=lora)
+        out[(kind, True, True, True)] = hf.seed_fit(rank, world, kind, "distckpt", reentrant=True, both=True)
+    out[("gpt2", True, True, False)] = hf.seed_fit(rank, world, "gpt2", "distckpt", reentrant=True)
     return out
 
 
 @pytest.mark.dist
-def test_seed_case_gpt2_and_llama_lora_two_forwards(dist_pool):
+def test_seed_case_gpt2_and_llama_two_forwards(dist_pool):
     out = dist_pool.run(_seed_cases, timeout=600)
-    for (kind, reentrant, both), o0 in out[0].items():
-        o1 = out[1][(kind, reentrant, both)]
+    for key, o0 in out[0].items():
+        kind, lora, reentrant, both = key
+        o1 = out[1][key]
         if reentrant and not both:
             # DDP's static graph (which reentrant blocks need) cannot sync blocks that one rank runs twice and the
             # other once: distckpt stops at that step on every rank, naming the fix, instead of desyncing.
             for o in (o0, o1):
                 assert o["error"][0] == "ConfigError" and "reentrant=False" in o["message"], o.get("message")
             continue
-        _exact([o0, o1], hf.seed_reference(kind, [o0["seen"], o1["seen"]], both=both))
+        _exact([o0, o1], hf.seed_reference(kind, [o0["seen"], o1["seen"]], lora=lora, both=both))
         # distckpt's flags: no search for unused parameters; DDP's static graph for reentrant blocks.
-        assert (o0["find_unused"], o0["static_graph"]) == (False, reentrant), (kind, reentrant)
+        assert (o0["find_unused"], o0["static_graph"]) == (False, reentrant), key
         assert o0["seen"] != o1["seen"]  # each rank trained on its own items
 
 
