@@ -19,7 +19,6 @@ import contextlib
 import functools
 import os
 import tempfile
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -124,10 +123,6 @@ class PatternData(torch.utils.data.Dataset):
         s, m = divmod(micro_step, self.pattern.micro_batches)
         x = shard(batch(s, m, seed=self.pattern.data_seed), r, self.world)
         return {"idx": k, "x": x}
-
-
-def pattern_item(name: str, k: int, world: int) -> torch.Tensor:
-    return PatternData(name, world)[k]["x"]
 
 
 def _one_item(features: list[dict[str, Any]]) -> dict[str, Any]:
@@ -245,17 +240,6 @@ def _kept_env():
         os.environ.update(env)
 
 
-def _warnings(caught: list[warnings.WarningMessage]) -> list[str]:
-    """The distinct first lines of the warnings about DDP, checkpointing or gradients."""
-    keys = ("find_unused", "unused", "checkpoint", "reentrant", "grad", "ready")
-    lines = []
-    for w in caught:
-        line = str(w.message).strip().splitlines()[0] if str(w.message).strip() else ""
-        if any(k in line.lower() for k in keys) and "deprecated" not in line and line not in lines:
-            lines.append(line)
-    return lines
-
-
 def _release_accelerate() -> None:
     """Accelerate keeps its process state in class-level singletons: forget them, so the next Trainer in this
     rank reads its arguments afresh (the process group itself stays)."""
@@ -295,8 +279,10 @@ def fit(
 ) -> dict[str, Any]:
     """``Trainer.train`` of ``model`` on ``dataset`` with ``loss`` as compute_loss, checkpointed the ``how`` way
     (OWN, or "distckpt": ``callback``, a DistckptCallback, and prepare). {"grads", "params", "seen", "reductions",
-    "warnings", "find_unused", "static_graph"} on this rank, or {"error": (type, first line), "warnings"} (raised
-    instead with ``catch=False``)."""
+    "log_history", and the prepared model's "wrapper", "find_unused", "static_graph", "distributed_type"} on this
+    rank, or {"error": (type, first line), "message"} (raised instead with ``catch=False``). ``count``: count DDP's
+    all-reduces per micro-batch; ``perturb=(rank, name, delta)``: add ``delta`` to that gradient on that rank after
+    each backward (a desync on purpose)."""
     if how == "wrap":
         distckpt.wrap(model, "full", reentrant=reentrant)
     if how == "distckpt" and callback is None:
@@ -307,8 +293,7 @@ def fit(
         targs.update(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     rec = Record()
     flags: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory() as out, _kept_env(), warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with tempfile.TemporaryDirectory() as out, _kept_env():
         try:
             trainer = LossTrainer(
                 model=model,
@@ -344,7 +329,6 @@ def fit(
             return {
                 "error": (type(e).__name__, str(e).strip().splitlines()[0] if str(e).strip() else ""),
                 "message": str(e),
-                "warnings": _warnings(caught),
             }
         finally:
             _release_accelerate()
@@ -353,7 +337,6 @@ def fit(
         "params": {_name(n): p.detach().clone() for n, p in model.named_parameters()},
         "seen": trainer.seen,
         "reductions": rec.reductions,
-        "warnings": _warnings(caught),
         "log_history": trainer.state.log_history,
         **flags,
     }
