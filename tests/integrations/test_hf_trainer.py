@@ -249,7 +249,7 @@ def test_docs_example_runs_under_torchrun(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
     run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-4000:])
     for r in (0, 1):
         assert f"rank {r}: 4 steps, parameters identical on all ranks: True" in run.stdout, run.stdout[-2000:]
 
