@@ -160,7 +160,7 @@ def prepare(trainer: Trainer) -> Trainer:
 
     Raises:
         ConfigError: ``gradient_checkpointing=True``, ``ddp_find_unused_parameters=True`` or
-            ``ddp_static_graph`` set against distckpt's choice, gradient accumulation with reentrant blocks or
+            ``ddp_static_graph`` against distckpt's choice, gradient accumulation with reentrant blocks or
             ``graph='static'``, FSDP or DeepSpeed (Accelerate's own sharding), a model Trainer already prepared,
             and what ``distckpt.wrap`` refuses.
     """
@@ -201,6 +201,12 @@ def prepare(trainer: Trainer) -> Trainer:
         handler.find_unused_parameters = False
     _no_buffer_broadcast(trainer)
     static = cb.reentrant or cb.graph == "static"
+    if args.ddp_static_graph is not None and bool(args.ddp_static_graph) != static:
+        raise ConfigError(
+            f"TrainingArguments(ddp_static_graph={args.ddp_static_graph}) contradicts DistckptCallback(reentrant="
+            f"{cb.reentrant}, graph={cb.graph!r}), which {'needs' if static else 'does not allow'} DDP's static graph. "
+            "Drop ddp_static_graph: distckpt sets it."
+        )
     if args.gradient_accumulation_steps > 1 and static:
         why = accumulate_refusal("ddp", reentrant=cb.reentrant, graph=cb.graph)
         raise ConfigError(

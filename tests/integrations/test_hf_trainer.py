@@ -206,6 +206,8 @@ def test_callback_without_prepare_is_refused_at_train():
 def test_prepare_refuses_what_distckpt_cannot_keep_exact():
     with pytest.raises(distckpt.ConfigError, match="ddp_find_unused_parameters"):
         prepare(_trainer([DistckptCallback()], ddp_find_unused_parameters=True))
+    with pytest.raises(distckpt.ConfigError, match="Drop ddp_static_graph"):
+        prepare(_trainer([DistckptCallback()], ddp_static_graph=True))
     with pytest.raises(distckpt.ConfigError, match="reentrant=False"):
         prepare(_trainer([DistckptCallback(reentrant=True)], accumulate=2))
     gpt2 = hf.tiny_model("gpt2", lora=False)
