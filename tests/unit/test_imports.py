@@ -19,6 +19,7 @@ BLOCKED = [
     "lightning",
     "pytorch_lightning",
     "accelerate",
+    "peft",
 ]
 
 

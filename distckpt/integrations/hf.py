@@ -1,0 +1,282 @@
+"""Hugging Face ``Trainer`` with distckpt: ``DistckptCallback`` (the options, ``GradSyncGuard`` before each optimizer
+step, the verdict in Trainer's logs, ``verify_recompute`` once) and ``prepare(trainer)``, which hands the DDP that
+Trainer builds to distckpt (``distckpt.integrations.accelerate.install``) before ``trainer.train()``.
+
+Why ``prepare(trainer)`` and not the callback alone: Trainer builds its ``Accelerator`` (with the DDP flags) in
+``__init__`` and DDP in ``train()``, and no callback event receives the Trainer or its accelerator, so a callback
+cannot reach either. docs/integrations.md ("Hugging Face Trainer") says what holds, measured.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainerCallback
+
+import distckpt
+from distckpt.errors import ConfigError
+from distckpt.integrations.accelerate import install
+from distckpt.options import accumulate_refusal, check_graph
+
+__all__ = ["DistckptCallback", "DistckptTrainer", "prepare"]
+
+logger = logging.getLogger(__name__)
+
+_PREPARE = "distckpt.integrations.hf.prepare(trainer)"
+
+
+class DistckptCallback(TrainerCallback):
+    """distckpt's checkpointing and gradient checks inside ``Trainer.train``; pair it with :func:`prepare`.
+
+    ``Trainer(callbacks=[DistckptCallback(...)])`` alone cannot change the DDP that Trainer builds; call
+    ``distckpt.integrations.hf.prepare(trainer)`` after ``Trainer(...)`` and before ``trainer.train()`` (or use
+    :class:`DistckptTrainer`). ``train()`` refuses to start otherwise.
+
+    Args:
+        policy: ``distckpt.wrap``'s policy for the model's blocks (``"full"``, ``"every:2"``, ``"budget:2GiB"``,
+            ...); ``None`` keeps the checkpointing the model already has from ``distckpt.wrap``.
+        guard_every: run ``GradSyncGuard.check()`` before every ``guard_every``-th optimizer step (after gradient
+            clipping, before ``optimizer.step()``; 0: never). A desync raises ``GradDesyncError`` on every rank,
+            naming the parameter, and ends ``train()``. Each log line carries ``distckpt_guard_checks`` (steps
+            checked since the previous log, all in sync) and ``distckpt_guard_grad_norm``.
+        verify: run ``distckpt.verify_recompute`` once, on the first training batch, before its step (raises
+            ``RecomputeMismatchError`` naming the module whose recompute differs).
+        blocks: ``distckpt.wrap``'s ``blocks=`` (``None``: found in the model, e.g. ``transformer.h.*``).
+        reentrant: ``distckpt.wrap``'s ``reentrant=`` (DDP then runs with ``static_graph=True``: no gradient
+            accumulation).
+        graph: ``distckpt.parallelize``'s ``graph=`` (``"auto"``: any pattern; ``"static"``: the same parameters
+            every step).
+
+    Raises:
+        ConfigError: bad options; at ``Trainer(...)``: ``gradient_checkpointing=True`` alongside; at ``train()``:
+            :func:`prepare` was not called.
+    """
+
+    def __init__(
+        self,
+        policy: Any = "full",
+        guard_every: int = 0,
+        verify: bool = False,
+        *,
+        blocks: Any = None,
+        reentrant: bool = False,
+        graph: str = "auto",
+    ) -> None:
+        if not isinstance(guard_every, int) or isinstance(guard_every, bool) or guard_every < 0:
+            raise ConfigError(
+                f"DistckptCallback(guard_every={guard_every!r}): an int >= 0 (0 turns GradSyncGuard off, N checks "
+                "every N-th optimizer step)."
+            )
+        check_graph(graph)
+        self.policy, self.guard_every, self.verify = policy, guard_every, bool(verify)
+        self.blocks, self.reentrant, self.graph = blocks, reentrant, graph
+        self.prepared = False
+        self.guard: distckpt.GradSyncGuard | None = None
+        self._trainer: Trainer | None = None
+        self._checks = 0  # guard checks since the last log
+        self._last: Any = None  # the last GuardReport
+
+    # --- Trainer events ------------------------------------------------------------------------------------------
+
+    def on_init_end(self, args, state, control, **kwargs):  # noqa: ANN001 - TrainerCallback's signature
+        _refuse_hf_checkpointing(args)
+
+    def on_train_begin(self, args, state, control, **kwargs):  # noqa: ANN001
+        if not self.prepared:
+            raise ConfigError(
+                "DistckptCallback is in Trainer's callbacks but the Trainer was not prepared, so its DDP runs without "
+                f"distckpt (Trainer's find_unused_parameters, no zero-weight join). Call {_PREPARE} after Trainer(...) "
+                "and before trainer.train(), or use distckpt.integrations.hf.DistckptTrainer."
+            )
+        self.guard = None
+        trainer = self._trainer
+        if self.guard_every and trainer is not None:
+            self.guard = distckpt.GradSyncGuard(trainer.model_wrapped, every=self.guard_every)
+        self._checks, self._last = 0, None
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):  # noqa: ANN001
+        # After backward and clipping, before optimizer.step(): every rank calls it once per optimizer step.
+        if self.guard is None:
+            return
+        report = self.guard.check()  # GradDesyncError on every rank: train() ends, no rank waits
+        if report.grads_checked:
+            self._checks += 1
+            self._last = report
+
+    def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001
+        if self.guard is None or not logs or "loss" not in logs:  # a training step's log line only
+            return
+        verdict: dict[str, float] = {"distckpt_guard_checks": self._checks}
+        if self._last is not None and self._last.grad_norm is not None:
+            verdict["distckpt_guard_grad_norm"] = round(float(self._last.grad_norm), 6)
+        logs.update(verdict)
+        if state.log_history:  # Trainer appended its copy of these logs before this event: the same in both
+            state.log_history[-1].update(verdict)
+        self._checks = 0
+
+    def on_train_end(self, args, state, control, **kwargs):  # noqa: ANN001
+        self.guard = None
+
+
+def _refuse_hf_checkpointing(args: Any) -> None:
+    if getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False):
+        raise ConfigError(
+            "TrainingArguments(gradient_checkpointing=True) and DistckptCallback would checkpoint the blocks twice, "
+            "and HF's checkpointing is not kept in sync under DDP (reentrant: 'Expected to mark a variable ready only "
+            "once'). Drop gradient_checkpointing (activation_checkpointing) from TrainingArguments: DistckptCallback "
+            "checkpoints the blocks (policy=, reentrant=)."
+        )
+
+
+def _callback(trainer: Trainer) -> DistckptCallback:
+    found = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, DistckptCallback)]
+    if len(found) > 1:
+        raise ConfigError(
+            f"the Trainer has {len(found)} DistckptCallbacks; keep one (each would checkpoint and check the model)."
+        )
+    if found:
+        return found[0]
+    cb = DistckptCallback()
+    trainer.add_callback(cb)
+    return cb
+
+
+def prepare(trainer: Trainer) -> Trainer:
+    """Hand the DDP that ``trainer.train()`` builds to distckpt: checkpoint the blocks with distckpt, DDP's flags
+    from distckpt (``find_unused_parameters=False``), distckpt's zero-weight join and used-set checks in every
+    forward, gradient accumulation without sync, ``GradSyncGuard`` before the optimizer steps.
+
+    Call it once, after ``Trainer(...)`` and before ``trainer.train()``. The options are those of the
+    ``DistckptCallback`` in ``trainer``'s callbacks (one with the defaults is added when there is none).
+
+    Args:
+        trainer: a ``transformers.Trainer`` (or subclass) not trained yet.
+
+    Returns:
+        ``trainer``.
+
+    Raises:
+        ConfigError: ``gradient_checkpointing=True``, ``ddp_find_unused_parameters=True`` or
+            ``ddp_static_graph`` against distckpt's choice, gradient accumulation with reentrant blocks or
+            ``graph='static'``, FSDP or DeepSpeed (Accelerate's own sharding), a model Trainer already prepared,
+            and what ``distckpt.wrap`` refuses.
+    """
+    cb = _callback(trainer)
+    if cb.prepared:
+        raise ConfigError(f"{_PREPARE} was already called for this Trainer; call it once, before trainer.train().")
+    args = trainer.args
+    _refuse_hf_checkpointing(args)
+    model = trainer.model
+    # transformers 5: is_activation_checkpointing (is_gradient_checkpointing is deprecated and warns); 4.x: the latter.
+    hf_on = getattr(model, "is_activation_checkpointing", None)
+    if hf_on is None:
+        hf_on = getattr(model, "is_gradient_checkpointing", False)
+    if hf_on:
+        raise ConfigError(
+            "the model has Hugging Face's own checkpointing on (model.gradient_checkpointing_enable()), which "
+            "DistckptCallback would double and which is not kept in sync under DDP. Call "
+            "model.gradient_checkpointing_disable() before Trainer(...): DistckptCallback checkpoints the blocks."
+        )
+    if args.fsdp or trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
+        # Refused on CPU too, where Accelerate runs plain DDP instead of the FSDP asked for (measured: fsdp_config
+        # version 2 -> DistributedType.MULTI_CPU; version 1 -> "sync_module_states=True is not supported on cpu").
+        raise ConfigError(
+            f"TrainingArguments({'deepspeed' if trainer.is_deepspeed_enabled else 'fsdp'}=...): Accelerate shards the "
+            "model in units distckpt does not choose, so its zero-weight join and checks cannot run inside them. Drop "
+            "it and train with DDP (this prepare), or build FSDP/FSDP2 with distckpt.parallelize in your own loop or "
+            "Lightning's DistckptFSDPStrategy."
+        )
+    if args.ddp_find_unused_parameters:
+        raise ConfigError(
+            "TrainingArguments(ddp_find_unused_parameters=True) is not needed with distckpt (unused parameters join "
+            "the graph with weight zero in every forward) and breaks two forwards before one backward and reentrant "
+            "checkpointing. Drop it (distckpt sets False)."
+        )
+    handler = trainer.accelerator.ddp_handler
+    if args.ddp_find_unused_parameters is None and handler is not None:
+        # Trainer's default (True unless HF's checkpointing is on), not the user's choice: distckpt's flag instead.
+        handler.find_unused_parameters = False
+    _no_buffer_broadcast(trainer)
+    static = cb.reentrant or cb.graph == "static"
+    if args.ddp_static_graph is not None and bool(args.ddp_static_graph) != static:
+        raise ConfigError(
+            f"TrainingArguments(ddp_static_graph={args.ddp_static_graph}) contradicts DistckptCallback(reentrant="
+            f"{cb.reentrant}, graph={cb.graph!r}), which {'needs' if static else 'does not allow'} DDP's static graph. "
+            "Drop ddp_static_graph: distckpt sets it."
+        )
+    if args.gradient_accumulation_steps > 1 and static:
+        why = accumulate_refusal("ddp", reentrant=cb.reentrant, graph=cb.graph)
+        raise ConfigError(
+            f"TrainingArguments(gradient_accumulation_steps={args.gradient_accumulation_steps}): {why} "
+            "(DistckptCallback(reentrant=False) is the default)."
+        )
+    if cb.verify and trainer.args.world_size > 1 and cb.reentrant:
+        raise ConfigError(
+            "DistckptCallback(verify=True) with reentrant=True: verify_recompute runs extra forwards and backwards "
+            "through a DDP with static_graph=True, which DDP counts as training steps. Use verify=False, or "
+            "reentrant=False."
+        )
+    install(
+        trainer.accelerator,
+        trainer.model,
+        policy=cb.policy,
+        blocks=cb.blocks,
+        reentrant=cb.reentrant,
+        graph=cb.graph,
+        guard_every=0,  # the callback runs the guard, to log its verdict
+    )
+    # First among the callbacks: its on_log adds the guard's verdict before the printers and reporters read the logs.
+    handler_cbs = trainer.callback_handler.callbacks
+    handler_cbs.remove(cb)
+    handler_cbs.insert(0, cb)
+    if cb.verify:
+        _verify_on_first_batch(trainer)
+    cb._trainer = trainer
+    cb.prepared = True
+    return trainer
+
+
+def _no_buffer_broadcast(trainer: Trainer) -> None:
+    """Trainer's default DDP broadcasts the model's buffers from rank 0 at the start of EVERY forward. A step whose
+    forwards differ in number across ranks (a second task's forward on some ranks) then pairs that broadcast with
+    another collective on the other rank: a hang, measured with Llama (its rotary ``inv_freq`` buffer). Buffers that
+    training does not change (rotary tables, masks) need no broadcast: it is turned off unless the model has running
+    statistics (BatchNorm) or the user chose ``ddp_broadcast_buffers``."""
+    handler = trainer.accelerator.ddp_handler
+    if trainer.args.ddp_broadcast_buffers is not None or handler is None:
+        return
+    running = any(getattr(m, "track_running_stats", False) for m in trainer.model.modules())  # BatchNorm & co
+    if not running and any(True for _ in trainer.model.buffers()):
+        handler.broadcast_buffers = False
+
+
+def _verify_on_first_batch(trainer: Trainer) -> None:
+    """``verify_recompute`` on the first training batch, through the Trainer's own ``compute_loss``, before that
+    batch's step (it restores RNG states, buffers and gradients, so the step itself is unchanged)."""
+    compute_loss: Callable[..., Any] = trainer.compute_loss
+
+    def first(model: torch.nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        del trainer.compute_loss  # the class's method again from the next call on
+        if model.training:
+
+            def loss_fn(m: torch.nn.Module) -> torch.Tensor:
+                out = compute_loss(m, inputs, *args, **kwargs)
+                return out[0] if isinstance(out, tuple) else out
+
+            report = distckpt.verify_recompute(model, loss_fn)
+            logger.info("distckpt.verify_recompute on the first batch: %s", report)
+        return compute_loss(model, inputs, *args, **kwargs)
+
+    trainer.compute_loss = first  # type: ignore[method-assign]
+
+
+class DistckptTrainer(Trainer):
+    """``Trainer`` that calls :func:`prepare` at the end of ``__init__``: pass ``DistckptCallback(...)`` in
+    ``callbacks`` for the options (the defaults otherwise)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        prepare(self)
