@@ -396,6 +396,30 @@ PATTERNS = {
 }
 
 
+class Buffered(MultiTask):
+    """MultiTask with a constant buffer read in forward (as HF Llama's rotary ``inv_freq``)."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, D_IN))
+
+    def forward(self, x: torch.Tensor, tasks: tuple[str, ...] = TASKS) -> dict[str, torch.Tensor]:
+        return super().forward(x * self.scale, tasks)
+
+
+def rank_forwards(model, x, step, rank):
+    """A second task's forward on rank 1 only, on odd steps: the ranks run different numbers of forwards."""
+    loss = _mse(model(x, ("a",))["a"], x)
+    if rank == 1 and step % 2:
+        loss = loss + _mse(model(-x, ("b",))["b"], x)
+    return loss
+
+
+# DDP only, so not in PATTERNS (whose sweeps run FSDP too): a forward that one rank runs alone would all-gather alone
+# there. Under DDP it hung in the buffer broadcast DDP runs at every forward (distckpt turns it off: no running stats).
+RANK_FORWARDS = Pattern("rank_forwards", rank_forwards, {}, model=Buffered)
+
+
 def build(pattern: Pattern, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return pattern.model(**pattern.model_kwargs)

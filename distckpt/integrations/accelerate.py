@@ -26,7 +26,7 @@ from distckpt.apply.wrap import parallel_kind, replan_budget
 from distckpt.errors import ConfigError
 from distckpt.options import accumulate_refusal, check_graph
 from distckpt.parallel.param_sync import SyncState
-from distckpt.parallel.strategies import _STATE, _reentrant_blocks, attach_ddp
+from distckpt.parallel.strategies import _STATE, _reentrant_blocks, attach_ddp, broadcast_buffers
 
 __all__ = ["guard", "install", "prepare"]
 
@@ -61,7 +61,9 @@ def install(
     Call it after the ``Accelerator`` exists and before it prepares ``model``. It ``distckpt.wrap``s the blocks
     (in place), sets the accelerator's ``DistributedDataParallelKwargs`` to distckpt's flags
     (``find_unused_parameters=False``; ``static_graph=True`` exactly for ``graph='static'`` or reentrant blocks;
-    the user's other DDP settings kept), and arranges, on this accelerator object only, that:
+    ``broadcast_buffers=False`` unless the model keeps running statistics or the user set it, as
+    ``distckpt.parallel.strategies.broadcast_buffers`` says why; the user's other DDP settings kept), and arranges,
+    on this accelerator object only, that:
 
     - when it prepares THIS model (``accelerator.prepare(model, ...)`` or ``accelerator.prepare_model(model)``,
       as HF Trainer calls them), the DDP it builds gets distckpt's sync state (``distckpt.parallel.strategies.
@@ -120,7 +122,7 @@ def install(
     if accelerator.ddp_handler is not None and accelerator.ddp_handler.find_unused_parameters:
         raise ConfigError(_FUP)
     _checkpoint(model, policy, blocks, reentrant)
-    static = _ddp_handler_flags(accelerator, graph, bool(_reentrant_blocks(model)))
+    static = _ddp_handler_flags(accelerator, model, graph)
     if accelerator.gradient_accumulation_steps > 1 and static:
         why = accumulate_refusal("ddp", reentrant=bool(_reentrant_blocks(model)), graph=graph)
         raise ConfigError(f"Accelerator(gradient_accumulation_steps={accelerator.gradient_accumulation_steps}): {why}")
@@ -233,10 +235,10 @@ def _checkpoint(model: nn.Module, policy: Any, blocks: Any, reentrant: bool) -> 
     distckpt.wrap(model, policy, blocks=blocks, reentrant=reentrant)
 
 
-def _ddp_handler_flags(accelerator: Accelerator, graph: str, reentrant: bool) -> bool:
+def _ddp_handler_flags(accelerator: Accelerator, model: nn.Module, graph: str) -> bool:
     """Set the accelerator's DDP kwargs to distckpt's flags, keeping the user's others; refuse contradictions.
     Returns whether DDP runs with ``static_graph=True``."""
-    static = graph == "static" or reentrant
+    static = graph == "static" or bool(_reentrant_blocks(model))
     handler = accelerator.ddp_handler or DistributedDataParallelKwargs()
     if handler.find_unused_parameters:
         raise ConfigError(_FUP)
@@ -246,8 +248,14 @@ def _ddp_handler_flags(accelerator: Accelerator, graph: str, reentrant: bool) ->
             "parameters may change between steps (DDP's static graph would desync or fail). Remove static_graph "
             "and let distckpt choose, or pass graph='static' if every step uses the same parameters."
         )
+    flags = {"find_unused_parameters": False, "static_graph": static}
+    if "broadcast_buffers" not in handler.to_kwargs():
+        # Not the user's choice (to_kwargs holds what differs from the defaults; an explicit True reads as the
+        # default): distckpt's, as parallelize's (strategies.broadcast_buffers: a per-forward broadcast hangs when
+        # ranks run different numbers of forwards).
+        flags["broadcast_buffers"] = broadcast_buffers(model)
     # A dataclass copy: the user's handler object (maybe shared with another Accelerator) stays as it was.
-    accelerator.ddp_handler = dataclasses.replace(handler, find_unused_parameters=False, static_graph=static)
+    accelerator.ddp_handler = dataclasses.replace(handler, **flags)
     return static
 
 
@@ -327,7 +335,7 @@ class _Hooks:
             return self._prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
         # Re-read here: the DDP kwargs may have changed since install (a Trainer, a user), and a budget policy is
         # planned for the world it runs in, before DDP exists (parallelize's hand-over point).
-        _ddp_handler_flags(self.accelerator, inst.graph, bool(_reentrant_blocks(model)))
+        _ddp_handler_flags(self.accelerator, model, inst.graph)
         replan_budget(model, "ddp", self.accelerator.num_processes, None)
         prepared = self._prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
         inst.built(self.accelerator, prepared)

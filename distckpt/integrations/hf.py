@@ -199,7 +199,6 @@ def prepare(trainer: Trainer) -> Trainer:
     if args.ddp_find_unused_parameters is None and handler is not None:
         # Trainer's default (True unless HF's checkpointing is on), not the user's choice: distckpt's flag instead.
         handler.find_unused_parameters = False
-    _no_buffer_broadcast(trainer)
     static = cb.reentrant or cb.graph == "static"
     if args.ddp_static_graph is not None and bool(args.ddp_static_graph) != static:
         raise ConfigError(
@@ -237,20 +236,6 @@ def prepare(trainer: Trainer) -> Trainer:
     cb._trainer = trainer
     cb.prepared = True
     return trainer
-
-
-def _no_buffer_broadcast(trainer: Trainer) -> None:
-    """Trainer's default DDP broadcasts the model's buffers from rank 0 at the start of EVERY forward. A step whose
-    forwards differ in number across ranks (a second task's forward on some ranks) then pairs that broadcast with
-    another collective on the other rank: a hang, measured with Llama (its rotary ``inv_freq`` buffer). Buffers that
-    training does not change (rotary tables, masks) need no broadcast: it is turned off unless the model has running
-    statistics (BatchNorm) or the user chose ``ddp_broadcast_buffers``."""
-    handler = trainer.accelerator.ddp_handler
-    if trainer.args.ddp_broadcast_buffers is not None or handler is None:
-        return
-    running = any(getattr(m, "track_running_stats", False) for m in trainer.model.modules())  # BatchNorm & co
-    if not running and any(True for _ in trainer.model.buffers()):
-        handler.broadcast_buffers = False
 
 
 def _verify_on_first_batch(trainer: Trainer) -> None:

@@ -22,7 +22,7 @@ from distckpt.parallel.param_sync import SyncState, _Unit, param_owner
 from distckpt.runtime.swap import _clean_fqn, is_checkpointed
 from distckpt.select.blocks import conditional_reason
 
-__all__ = ["accumulate", "attach_ddp", "ddp_kwargs", "parallelize", "preflight"]
+__all__ = ["accumulate", "attach_ddp", "broadcast_buffers", "ddp_kwargs", "parallelize", "preflight"]
 
 _STATE = "_distckpt_sync"  # attribute of the returned model holding its SyncState
 
@@ -305,12 +305,27 @@ def _apply_ddp(
 
     dev = _device()
     flags = _ddp_flags(kwargs, graph, reentrant)
+    flags.setdefault("broadcast_buffers", broadcast_buffers(model))
     if device_mesh is not None and device_mesh.ndim == 1:
         flags["device_mesh"] = device_mesh
     # A 2-D mesh spans the world (checked): DDP replicates over all of it, its default group.
     group = flags.get("process_group") or mesh_group(device_mesh)
     wrapped = DDP(model, device_ids=[dev] if dev.type == "cuda" else None, **flags)
     return wrapped, group
+
+
+def broadcast_buffers(model: nn.Module) -> bool:
+    """DDP's ``broadcast_buffers`` for ``model`` when the user does not choose it: False unless a module keeps running
+    statistics (BatchNorm and the other ``_NormBase`` modules with ``track_running_stats``).
+
+    DDP broadcasts every buffer from rank 0 at the start of EVERY forward. A step whose forwards differ in number
+    across ranks (a second task's forward on some ranks and steps) pairs that broadcast with another collective on
+    the other rank: a hang (measured: HF Llama's rotary ``inv_freq``, a constant buffer in a multi-task model). DDP
+    already made the buffers equal when it was built, and a buffer the step does not change (rotary tables, masks,
+    constants) needs nothing more; running statistics do, so they keep DDP's default (docs/parallel.md: a model with
+    BatchNorm must run as many forwards on every rank)."""
+    norm = compat.norm_base_class()
+    return any(isinstance(m, norm) and m.track_running_stats for m in model.modules())
 
 
 def _ddp_unit(model: nn.Module, names: list[str], owners: list[tuple[nn.Module, str]]) -> _Unit:

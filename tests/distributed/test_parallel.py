@@ -10,6 +10,7 @@ import torch
 from harness import RankError
 from patterns import (
     PATTERNS,
+    RANK_FORWARDS,
     Expert,
     assert_matches,
     batch,
@@ -21,9 +22,11 @@ from patterns import (
     micro_batches,
     reference,
     shard,
+    train_parallel,
 )
 
 import distckpt
+from distckpt.parallel.strategies import broadcast_buffers
 from distckpt.runtime.swap import _clean_fqn
 
 STEPS = 3
@@ -474,3 +477,29 @@ def test_accumulate_refusal_names_its_cause(dist_pool, reentrant, graph, cause):
     # The cause comes from what parallelize recorded, not guessed from one of the two.
     msgs = dist_pool.run(_accumulate_refusal, reentrant, graph)
     assert all(m is not None and f"(set for {cause})" in m for m in msgs), msgs
+
+
+# --- a forward one rank runs alone, with a buffer (DDP's per-forward broadcast) --------------------------------------
+
+
+def _train_rank_forwards(rank, world_size):
+    model = build(RANK_FORWARDS)
+    distckpt.wrap(model, "full", blocks=RANK_FORWARDS.blocks)
+    pm = distckpt.parallelize(model, "ddp")
+    assert pm.broadcast_buffers is False
+    return train_parallel(pm, RANK_FORWARDS, "ddp", rank, world_size, steps=STEPS)
+
+
+@pytest.mark.dist
+def test_a_forward_one_rank_runs_alone_with_a_buffer(dist_pool):
+    """A constant buffer and a second forward on rank 1 only: with DDP's default buffer broadcast at every forward,
+    rank 1's extra broadcast had no partner (a hang, found with HF Llama under Trainer). parallelize turns it off for
+    a model without running statistics: exact."""
+    out = dist_pool.run(_train_rank_forwards, timeout=60)
+    assert_matches(out, reference(RANK_FORWARDS, world_size=2, steps=STEPS))
+
+
+def test_buffer_broadcast_only_for_running_statistics():
+    assert broadcast_buffers(build(RANK_FORWARDS)) is False
+    assert broadcast_buffers(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))) is True
+    assert broadcast_buffers(torch.nn.BatchNorm1d(2, track_running_stats=False)) is False

@@ -298,3 +298,15 @@ def refusals(rank: int, world: int) -> dict[str, str]:
         kept_by_policy_none,
     ]
     return {case.__name__: attempt(case) for case in cases}
+
+
+def rank_forwards(rank: int, world: int) -> tuple:
+    """patterns.RANK_FORWARDS (a constant buffer, a second forward on rank 1 only) through ``prepare``: the DDP
+    Accelerate builds does not broadcast buffers at every forward (it would hang), and trains exactly."""
+    from patterns import RANK_FORWARDS, train_parallel
+
+    with kept_environ():
+        acc = fresh_accelerator()
+        ddp = dc_accelerate.prepare(acc, build_net(RANK_FORWARDS), blocks=RANK_FORWARDS.blocks)
+        assert ddp.broadcast_buffers is False
+        return train_parallel(ddp, RANK_FORWARDS, "ddp", rank, world, steps=STEPS)

@@ -291,3 +291,13 @@ def test_accelerate_own_checkpointing_table(dist_pool, own):
     got = {name: _verdict(out, name) for name in PATTERNS}
     want = _OWN_TABLE[own]
     assert all(w == got[n] or (w not in ("exact", "silent") and w in got[n]) for n, w in want.items()), got
+
+
+@pytest.mark.dist
+def test_a_forward_one_rank_runs_alone_with_a_buffer(dist_pool):
+    """A constant buffer and a second forward on rank 1 only: Accelerate's DDP would broadcast the buffer at every
+    forward and hang; install turns the broadcast off (no running statistics): exact."""
+    from patterns import RANK_FORWARDS
+
+    out = dist_pool.run(af.rank_forwards, timeout=120)
+    assert_matches(out, reference(RANK_FORWARDS, world_size=2, steps=af.STEPS))
