@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -474,6 +475,12 @@ def reference(pattern: Pattern, world_size: int, steps: int = 3) -> tuple[list[d
         )
         opt.step()
     return grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@functools.cache
+def reference_of(name: str, world_size: int = 2, steps: int = 3) -> tuple[list[dict], dict]:
+    """:func:`reference` of ``PATTERNS[name]``, computed once per process: the sweeps compare many runs with it."""
+    return reference(PATTERNS[name], world_size=world_size, steps=steps)
 
 
 def clone(model: nn.Module) -> nn.Module:

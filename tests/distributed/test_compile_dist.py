@@ -15,7 +15,7 @@ from patterns import (
     full_grads,
     full_params,
     make_optimizer,
-    reference,
+    reference_of,
     train_parallel,
 )
 
@@ -25,13 +25,6 @@ from distckpt.apply.compile import compiled_blocks
 
 STEPS = 3
 COMPILE = {"backend": "aot_eager"}
-_REF: dict = {}
-
-
-def _reference(name):
-    if name not in _REF:
-        _REF[name] = reference(PATTERNS[name], world_size=2, steps=STEPS)
-    return _REF[name]
 
 
 def _train(rank, world_size, name, strategy, policy="full", reentrant=False, compile=COMPILE):  # noqa: A002
@@ -51,7 +44,7 @@ def _train(rank, world_size, name, strategy, policy="full", reentrant=False, com
 
 def _check(dist_pool, name, strategy, **kw):
     results = dist_pool.run(_train, name, strategy, **kw, timeout=120)
-    assert_matches([r[0] for r in results], _reference(name))
+    assert_matches([r[0] for r in results], reference_of(name, steps=STEPS))
     for _, (compiled, _), counts in results:
         assert compiled and counts["breaks"] == {} and counts["graphs"] >= 1, (compiled, counts)
     return results[0][1]
@@ -117,7 +110,7 @@ def test_refusals_name_the_fix(dist_pool):
 def test_moe_without_fullgraph_exact(dist_pool):
     """Slow: the refusal above is the default case. fullgraph=False runs the routing between graphs: exact."""
     results = dist_pool.run(_train, "moe", "fsdp2", compile={**COMPILE, "fullgraph": False}, timeout=120)
-    assert_matches([r[0] for r in results], _reference("moe"))
+    assert_matches([r[0] for r in results], reference_of("moe"))
     assert all(counts["breaks"] for _, _, counts in results)
 
 

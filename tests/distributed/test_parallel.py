@@ -21,6 +21,7 @@ from patterns import (
     make_optimizer,
     micro_batches,
     reference,
+    reference_of,
     shard,
     train_parallel,
 )
@@ -76,17 +77,8 @@ def _config_error(rank, world_size, body, *args, **kwargs):
     return None
 
 
-_REF: dict = {}
-
-
-def _reference(name):
-    if name not in _REF:
-        _REF[name] = reference(PATTERNS[name], world_size=2, steps=STEPS)
-    return _REF[name]
-
-
 def _assert_matches(results, name):
-    assert_matches(results, _reference(name))
+    assert_matches(results, reference_of(name, steps=STEPS))
 
 
 # Patterns with no safe setting under reentrant checkpointing (under FSDP1 parallelize refuses reentrant

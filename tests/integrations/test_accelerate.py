@@ -21,13 +21,12 @@ pytest.importorskip("accelerate")
 
 import accelerate_fit as af  # noqa: E402
 from accelerate.utils import DistributedType  # noqa: E402
-from patterns import PATTERNS, assert_matches, reference  # noqa: E402
+from patterns import PATTERNS, assert_matches, reference, reference_of  # noqa: E402
 
 import distckpt  # noqa: E402
 from distckpt.integrations import accelerate as dc_accelerate  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-_REF: dict = {}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -35,13 +34,6 @@ def _one_worker():
     """Module-scoped: tests/conftest.py's scheduler keeps this file's tests on one xdist worker, so Accelerate is
     imported by one pair of pool ranks, not two."""
     yield
-    _REF.clear()
-
-
-def _reference(name):
-    if name not in _REF:
-        _REF[name] = reference(PATTERNS[name], world_size=2, steps=af.STEPS)
-    return _REF[name]
 
 
 def _check(out, name, refused=None, ref=None):
@@ -50,7 +42,7 @@ def _check(out, name, refused=None, ref=None):
     o0, o1 = out[0][name], out[1][name]
     if refused is None:
         assert o0[0] == o1[0] == "ok", (name, o0[:3], o1[:3])
-        assert_matches([o0[1][:2], o1[1][:2]], _reference(ref or name))
+        assert_matches([o0[1][:2], o1[1][:2]], reference_of(ref or name))
         assert o0[1][2:] == o1[1][2:], (name, o0[1][2:], o1[1][2:])
         # GradSyncGuard (guard_every=1) checked before each real optimizer step, not on skipped micro-batches.
         assert o0[1][3] == af.STEPS, (name, o0[1][3])
@@ -195,7 +187,7 @@ def _verdict(out, name) -> str:
         assert o0 == o1, (name, o0, o1)
         return o0[2]
     try:
-        assert_matches([o0[1][:2], o1[1][:2]], _reference(name))
+        assert_matches([o0[1][:2], o1[1][:2]], reference_of(name, steps=af.STEPS))
     except AssertionError:
         return "silent"
     return "exact"

@@ -24,7 +24,7 @@ pytest.importorskip("peft")
 
 import hf_fit as hf  # noqa: E402
 from harness import RankError  # noqa: E402
-from patterns import PATTERNS, assert_matches, reference, sequential  # noqa: E402
+from patterns import PATTERNS, assert_matches, reference_of, sequential  # noqa: E402
 
 import distckpt  # noqa: E402
 from distckpt.integrations.hf import DistckptCallback, DistckptTrainer, prepare  # noqa: E402
@@ -33,7 +33,6 @@ ROOT = Path(__file__).resolve().parents[2]
 # The patterns one compute_loss expresses: every one whose step is a forward and one backward per micro-batch (the
 # interleaved schedules run several backwards per optimizer step, which Trainer's training_step does not).
 EXPRESSIBLE = [n for n, p in PATTERNS.items() if p.schedule is sequential]
-_REF: dict = {}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -41,13 +40,6 @@ def _one_worker():
     """Module-scoped: tests/conftest.py's scheduler keeps this file's tests on one xdist worker, so transformers is
     imported by one pair of pool ranks, not two."""
     yield
-    _REF.clear()
-
-
-def _reference(name):
-    if name not in _REF:
-        _REF[name] = reference(PATTERNS[name], world_size=2, steps=hf.STEPS)
-    return _REF[name]
 
 
 def _exact(out, ref):
@@ -69,7 +61,7 @@ def test_every_expressible_pattern_under_hf_trainer_ddp(dist_pool):
     out = dist_pool.run(hf.sweep, EXPRESSIBLE, "distckpt", count=True, timeout=600)
     for name in EXPRESSIBLE:
         o0, o1 = out[0][name], out[1][name]
-        _exact([o0, o1], _reference(name))
+        _exact([o0, o1], reference_of(name, steps=hf.STEPS))
         assert o0["find_unused"] is False and o0["static_graph"] is False, name
         _guard_logged_every_step(o0)
         if name == "accumulate":
@@ -157,7 +149,7 @@ def _verify_once(rank, world):
 def test_verify_runs_once_on_the_first_batch_and_leaves_training_exact(dist_pool):
     out = dist_pool.run(_verify_once, timeout=120)
     assert [n for _, n in out] == [1, 1]
-    _exact([o for o, _ in out], _reference("all_heads"))  # all_heads' loss does not depend on the step
+    _exact([o for o, _ in out], reference_of("all_heads"))  # all_heads' loss does not depend on the step
 
 
 # --- refusals (one process: Trainer without DDP) -------------------------------------------------------------------

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from patterns import PATTERNS, MultiTask, assert_matches, reference
+from patterns import PATTERNS, MultiTask, assert_matches, reference_of
 
 import distckpt
 
@@ -25,7 +25,6 @@ import distckpt
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="needs lightning")
 
 ROOT = Path(__file__).resolve().parents[2]
-_REF: dict = {}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -33,15 +32,12 @@ def _one_worker():
     """Module-scoped: tests/conftest.py's scheduler keeps this file's tests on one xdist worker, so Lightning is
     imported by one pair of pool ranks, not two."""
     yield
-    _REF.clear()
 
 
 def _reference(name):
     import lightning_fit as lf
 
-    if name not in _REF:
-        _REF[name] = reference(PATTERNS[name], world_size=2, steps=lf.STEPS)
-    return _REF[name]
+    return reference_of(name, steps=lf.STEPS)
 
 
 def _check(out, name, refused=None):
