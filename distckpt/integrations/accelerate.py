@@ -26,7 +26,7 @@ from distckpt.apply.wrap import parallel_kind, replan_budget
 from distckpt.errors import ConfigError
 from distckpt.options import accumulate_refusal, check_graph
 from distckpt.parallel.param_sync import SyncState
-from distckpt.parallel.strategies import _STATE, _reentrant_blocks, attach_ddp, broadcast_buffers
+from distckpt.parallel.strategies import _STATE, _reentrant_blocks, attach_ddp
 
 __all__ = ["guard", "install", "prepare"]
 
@@ -61,9 +61,7 @@ def install(
     Call it after the ``Accelerator`` exists and before it prepares ``model``. It ``distckpt.wrap``s the blocks
     (in place), sets the accelerator's ``DistributedDataParallelKwargs`` to distckpt's flags
     (``find_unused_parameters=False``; ``static_graph=True`` exactly for ``graph='static'`` or reentrant blocks;
-    ``broadcast_buffers=False`` unless the model keeps running statistics or the user set it, as
-    ``distckpt.parallel.strategies.broadcast_buffers`` says why; the user's other DDP settings kept), and arranges,
-    on this accelerator object only, that:
+    the user's other DDP settings kept), and arranges, on this accelerator object only, that:
 
     - when it prepares THIS model (``accelerator.prepare(model, ...)`` or ``accelerator.prepare_model(model)``,
       as HF Trainer calls them), the DDP it builds gets distckpt's sync state (``distckpt.parallel.strategies.
@@ -248,14 +246,8 @@ def _ddp_handler_flags(accelerator: Accelerator, model: nn.Module, graph: str) -
             "parameters may change between steps (DDP's static graph would desync or fail). Remove static_graph "
             "and let distckpt choose, or pass graph='static' if every step uses the same parameters."
         )
-    flags = {"find_unused_parameters": False, "static_graph": static}
-    if "broadcast_buffers" not in handler.to_kwargs():
-        # Not the user's choice (to_kwargs holds what differs from the defaults; an explicit True reads as the
-        # default): distckpt's, as parallelize's (strategies.broadcast_buffers: a per-forward broadcast hangs when
-        # ranks run different numbers of forwards).
-        flags["broadcast_buffers"] = broadcast_buffers(model)
     # A dataclass copy: the user's handler object (maybe shared with another Accelerator) stays as it was.
-    accelerator.ddp_handler = dataclasses.replace(handler, **flags)
+    accelerator.ddp_handler = dataclasses.replace(handler, find_unused_parameters=False, static_graph=static)
     return static
 
 
@@ -280,7 +272,12 @@ class _Installed:
             old.remove()
         self.ddp, self.guard = None, None
         if isinstance(prepared, DistributedDataParallel) and prepared.module is self.model:
-            attach_ddp(prepared, graph=self.graph)
+            # The buffer sync at every forward hangs when ranks run different numbers of forwards: attach_ddp turns
+            # it off for a model without running statistics unless the user set broadcast_buffers (to_kwargs holds
+            # what differs from the defaults, so an explicit True reads as the default).
+            handler = accelerator.ddp_handler
+            chosen = handler is not None and "broadcast_buffers" in handler.to_kwargs()
+            attach_ddp(prepared, graph=self.graph, keep_buffer_sync=chosen)
             self.ddp = prepared
         elif accelerator.use_distributed and any(p.requires_grad for p in self.model.parameters()):
             raise ConfigError(

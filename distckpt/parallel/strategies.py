@@ -22,7 +22,7 @@ from distckpt.parallel.param_sync import SyncState, _Unit, param_owner
 from distckpt.runtime.swap import _clean_fqn, is_checkpointed
 from distckpt.select.blocks import conditional_reason
 
-__all__ = ["accumulate", "attach_ddp", "broadcast_buffers", "ddp_kwargs", "parallelize", "preflight"]
+__all__ = ["accumulate", "attach_ddp", "ddp_kwargs", "parallelize", "preflight"]
 
 _STATE = "_distckpt_sync"  # attribute of the returned model holding its SyncState
 
@@ -207,7 +207,7 @@ def _attach_state(
     return state
 
 
-def attach_ddp(ddp: nn.Module, *, graph: str = "auto") -> SyncState:
+def attach_ddp(ddp: nn.Module, *, graph: str = "auto", keep_buffer_sync: bool = False) -> SyncState:
     """Give a ``DistributedDataParallel`` that someone else built (Accelerate, HF Trainer) what ``parallelize``
     gives its own: the zero-weight join of unused parameters in every forward, the used-set checks, the firing
     counts of reentrant blocks and ``distckpt.accumulate``'s bookkeeping. Call it right after DDP is built,
@@ -218,6 +218,9 @@ def attach_ddp(ddp: nn.Module, *, graph: str = "auto") -> SyncState:
             ``find_unused_parameters=False`` and ``static_graph=True`` exactly for ``graph='static'`` or reentrant
             blocks (what ``parallelize`` sets).
         graph: as ``parallelize``'s.
+        keep_buffer_sync: keep the DDP's buffer sync at every forward as built (the user chose it); otherwise it is
+            turned off for a model without running statistics, as ``parallelize`` builds it
+            (:func:`sync_buffers_each_forward`).
 
     Returns:
         the state, also kept on ``ddp``: ``distckpt.accumulate(ddp)`` and ``GradSyncGuard`` work as after
@@ -249,6 +252,8 @@ def attach_ddp(ddp: nn.Module, *, graph: str = "auto") -> SyncState:
     owners = [param_owner(model, n) for n in names]
     re_idx = _reentrant_params(model, names)
     units = [(_ddp_unit(model, names, owners), False)]
+    if not keep_buffer_sync and not sync_buffers_each_forward(model):
+        ddp.forward_sync_buffers = False  # after its init sync, as parallelize's DDP (sync_buffers_each_forward)
     return _attach_state(ddp, names, re_idx, units, ddp.process_group, strategy="ddp", graph=graph, compiled=set())
 
 
@@ -305,7 +310,9 @@ def _apply_ddp(
 
     dev = _device()
     flags = _ddp_flags(kwargs, graph, reentrant)
-    flags.setdefault("broadcast_buffers", broadcast_buffers(model))
+    if "broadcast_buffers" not in flags and "forward_sync_buffers" not in flags:
+        # DDP's own name since torch 2.13 (broadcast_buffers is deprecated): the buffers are still synced at init.
+        flags["forward_sync_buffers"] = sync_buffers_each_forward(model)
     if device_mesh is not None and device_mesh.ndim == 1:
         flags["device_mesh"] = device_mesh
     # A 2-D mesh spans the world (checked): DDP replicates over all of it, its default group.
@@ -314,9 +321,10 @@ def _apply_ddp(
     return wrapped, group
 
 
-def broadcast_buffers(model: nn.Module) -> bool:
-    """DDP's ``broadcast_buffers`` for ``model`` when the user does not choose it: False unless a module keeps running
-    statistics (BatchNorm and the other ``_NormBase`` modules with ``track_running_stats``).
+def sync_buffers_each_forward(model: nn.Module) -> bool:
+    """DDP's ``forward_sync_buffers`` (``broadcast_buffers`` before torch 2.13) for ``model`` when the user does not
+    choose it: False unless a module keeps running statistics (BatchNorm and the other ``_NormBase`` modules with
+    ``track_running_stats``). DDP still syncs the buffers once, when it is built.
 
     DDP broadcasts every buffer from rank 0 at the start of EVERY forward. A step whose forwards differ in number
     across ranks (a second task's forward on some ranks and steps) pairs that broadcast with another collective on

@@ -27,7 +27,7 @@ from patterns import (
 )
 
 import distckpt
-from distckpt.parallel.strategies import broadcast_buffers
+from distckpt.parallel.strategies import sync_buffers_each_forward
 from distckpt.runtime.swap import _clean_fqn
 
 STEPS = 3
@@ -478,7 +478,7 @@ def _train_rank_forwards(rank, world_size):
     model = build(RANK_FORWARDS)
     distckpt.wrap(model, "full", blocks=RANK_FORWARDS.blocks)
     pm = distckpt.parallelize(model, "ddp")
-    assert pm.broadcast_buffers is False
+    assert pm.forward_sync_buffers is False
     return train_parallel(pm, RANK_FORWARDS, "ddp", rank, world_size, steps=STEPS)
 
 
@@ -491,7 +491,7 @@ def test_a_forward_one_rank_runs_alone_with_a_buffer(dist_pool):
     assert_matches(out, reference(RANK_FORWARDS, world_size=2, steps=STEPS))
 
 
-def test_buffer_broadcast_only_for_running_statistics():
-    assert broadcast_buffers(build(RANK_FORWARDS)) is False
-    assert broadcast_buffers(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))) is True
-    assert broadcast_buffers(torch.nn.BatchNorm1d(2, track_running_stats=False)) is False
+def test_buffers_synced_each_forward_only_for_running_statistics():
+    assert sync_buffers_each_forward(build(RANK_FORWARDS)) is False
+    assert sync_buffers_each_forward(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))) is True
+    assert sync_buffers_each_forward(torch.nn.BatchNorm1d(2, track_running_stats=False)) is False

@@ -308,5 +308,5 @@ def rank_forwards(rank: int, world: int) -> tuple:
     with kept_environ():
         acc = fresh_accelerator()
         ddp = dc_accelerate.prepare(acc, build_net(RANK_FORWARDS), blocks=RANK_FORWARDS.blocks)
-        assert ddp.broadcast_buffers is False
+        assert ddp.forward_sync_buffers is False
         return train_parallel(ddp, RANK_FORWARDS, "ddp", rank, world, steps=STEPS)
