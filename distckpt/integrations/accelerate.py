@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 import distckpt
 from distckpt.apply.wrap import parallel_kind, replan_budget
 from distckpt.errors import ConfigError
+from distckpt.integrations._common import check_guard_every, checkpoint_blocks
 from distckpt.options import accumulate_refusal, check_graph
 from distckpt.parallel.param_sync import SyncState
 from distckpt.parallel.strategies import _STATE, _reentrant_blocks, attach_ddp
@@ -108,8 +109,7 @@ def install(
             ``policy``, and what ``distckpt.wrap`` refuses.
     """
     check_graph(graph)
-    if not isinstance(guard_every, int) or isinstance(guard_every, bool) or guard_every < 0:
-        raise ConfigError(f"guard_every={guard_every!r}: an int >= 0 (0 turns GradSyncGuard off, N checks every N).")
+    check_guard_every(guard_every, "install")
     _refuse_accelerator(accelerator)
     kind = parallel_kind(model)
     if kind or getattr(model, "_is_accelerate_prepared", False):
@@ -119,7 +119,7 @@ def install(
         )
     if accelerator.ddp_handler is not None and accelerator.ddp_handler.find_unused_parameters:
         raise ConfigError(_FUP)
-    _checkpoint(model, policy, blocks, reentrant)
+    checkpoint_blocks(model, policy, blocks=blocks, reentrant=reentrant, owner="install")
     static = _ddp_handler_flags(accelerator, model, graph)
     if accelerator.gradient_accumulation_steps > 1 and static:
         why = accumulate_refusal("ddp", reentrant=bool(_reentrant_blocks(model)), graph=graph)
@@ -217,20 +217,6 @@ def _refuse_accelerator(accelerator: Accelerator) -> None:
             "Accelerate's torch.compile (dynamo_backend) compiles the DDP model as a whole, around distckpt's hooks. "
             "Drop dynamo_backend and compile per block with distckpt.parallelize(model, 'ddp', compile=True)."
         )
-
-
-def _checkpoint(model: nn.Module, policy: Any, blocks: Any, reentrant: bool) -> None:
-    """``distckpt.wrap`` the blocks, unless ``policy=None`` keeps the model's own distckpt checkpointing."""
-    if policy is None:
-        return
-    done = distckpt.checkpointed(model)
-    if done:
-        raise ConfigError(
-            f"{type(model).__name__} already checkpoints {done[0]} with distckpt.wrap, and install was given "
-            f"policy={policy!r} too. Pass policy=None to keep the model's own choice, or remove that distckpt.wrap "
-            "call."
-        )
-    distckpt.wrap(model, policy, blocks=blocks, reentrant=reentrant)
 
 
 def _ddp_handler_flags(accelerator: Accelerator, model: nn.Module, graph: str) -> bool:

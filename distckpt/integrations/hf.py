@@ -18,6 +18,7 @@ from transformers import Trainer, TrainerCallback
 
 import distckpt
 from distckpt.errors import ConfigError
+from distckpt.integrations._common import check_guard_every
 from distckpt.integrations.accelerate import install
 from distckpt.options import accumulate_refusal, check_graph
 
@@ -65,11 +66,7 @@ class DistckptCallback(TrainerCallback):
         reentrant: bool = False,
         graph: str = "auto",
     ) -> None:
-        if not isinstance(guard_every, int) or isinstance(guard_every, bool) or guard_every < 0:
-            raise ConfigError(
-                f"DistckptCallback(guard_every={guard_every!r}): an int >= 0 (0 turns GradSyncGuard off, N checks "
-                "every N-th optimizer step)."
-            )
+        check_guard_every(guard_every, "DistckptCallback")
         check_graph(graph)
         self.policy, self.guard_every, self.verify = policy, guard_every, bool(verify)
         self.blocks, self.reentrant, self.graph = blocks, reentrant, graph

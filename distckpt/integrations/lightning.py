@@ -18,6 +18,7 @@ from torch import nn
 
 import distckpt
 from distckpt.errors import ConfigError
+from distckpt.integrations._common import check_guard_every, checkpoint_blocks
 from distckpt.options import check_graph
 from distckpt.parallel.strategies import _STATE
 
@@ -42,10 +43,7 @@ class _Distckpt:
         **kwargs: Any,
     ) -> None:
         self._refuse(kwargs)
-        if not isinstance(guard_every, int) or isinstance(guard_every, bool) or guard_every < 0:
-            raise ConfigError(
-                f"guard_every={guard_every!r}: an int >= 0 (0 turns GradSyncGuard off, N checks every N)."
-            )
+        check_guard_every(guard_every, type(self).__name__)
         check_graph(graph)
         super().__init__(**kwargs)  # Lightning's strategy
         self._policy, self._blocks, self._reentrant = policy, blocks, reentrant
@@ -58,16 +56,7 @@ class _Distckpt:
 
     def _checkpoint(self, model: nn.Module) -> None:
         """``distckpt.wrap`` the blocks, unless ``policy=None`` keeps the model's own distckpt checkpointing."""
-        if self._policy is None:
-            return
-        done = distckpt.checkpointed(model)
-        if done:
-            raise ConfigError(
-                f"{type(model).__name__} already checkpoints {done[0]} with distckpt.wrap, and the strategy was given "
-                f"policy={self._policy!r} too. Pass policy=None to keep the model's own choice, or remove the "
-                "distckpt.wrap call from the LightningModule."
-            )
-        distckpt.wrap(model, self._policy, blocks=self._blocks, reentrant=self._reentrant)
+        checkpoint_blocks(model, self._policy, blocks=self._blocks, reentrant=self._reentrant, owner="the strategy")
 
     def _parallelize(self, model: nn.Module, strategy: str, kwargs: dict[str, Any]) -> nn.Module:
         self._checkpoint(model)
