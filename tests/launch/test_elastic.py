@@ -2,9 +2,9 @@
 mid-epoch and resumes on 4, with the same global batch. Every global step trains on exactly the samples, in
 the order, of an uninterrupted single process: none repeated, none skipped.
 
-Slow only (three launches, two of 4 workers, on 2 cores): the default run takes its paths in
-tests/unit/test_data.py::test_map_style_position_resumes_exactly_on_another_world_size (the loader's saved
-position resumed on another number of ranks, sample by sample against a single process) and
+In the default tier (issue 24 names it in `make test`; three launches, ~30 s on a quiet 2-core machine). Its paths
+are also taken, faster, by tests/unit/test_data.py::test_map_style_position_resumes_exactly_on_another_world_size
+(the loader's saved position resumed on another number of ranks, sample by sample against a single process) and
 tests/launch/test_torchrun.py::test_nonfinite_stop_under_torchrun_is_two_lines_and_exit_3 (a checkpoint of one
 process resumed on 2 ranks under torchrun)."""
 
@@ -21,7 +21,7 @@ from launch.run import train
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sample_log import global_batches  # noqa: E402  (tests/sample_log.py)
 
-pytestmark = [pytest.mark.launch, pytest.mark.slow]
+pytestmark = [pytest.mark.launch]
 
 STEPS = 20
 # 96 numbered samples, global batch 8: 12 steps an epoch, so the kills after steps 7 and 17 are mid-epoch
