@@ -15,15 +15,14 @@ on which micro-step: the reference replays exactly that, without checkpointing, 
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
 import tempfile
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from accelerate_fit import kept_environ
 from patterns import PATTERNS, batch, build, make_optimizer, shard
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -230,16 +229,6 @@ def training_args(out: str, *, accumulate: int = 1, batch_size: int = BATCH, **k
     )
 
 
-@contextlib.contextmanager
-def _kept_env():
-    env = dict(os.environ)
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(env)
-
-
 def _release_accelerate() -> None:
     """Accelerate keeps its process state in class-level singletons: forget them, so the next Trainer in this
     rank reads its arguments afresh (the process group itself stays)."""
@@ -293,7 +282,7 @@ def fit(
         targs.update(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     rec = Record()
     flags: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory() as out, _kept_env():
+    with tempfile.TemporaryDirectory() as out, kept_environ():
         try:
             trainer = LossTrainer(
                 model=model,

@@ -8,10 +8,7 @@ All patterns run in ONE call on the test pool's ranks (tests/integrations/accele
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,6 +18,7 @@ pytest.importorskip("accelerate")
 
 import accelerate_fit as af  # noqa: E402
 from accelerate.utils import DistributedType  # noqa: E402
+from docs_example import docs_example, run_under_torchrun  # noqa: E402
 from patterns import PATTERNS, assert_matches, reference, reference_of  # noqa: E402
 
 import distckpt  # noqa: E402
@@ -147,27 +145,9 @@ def test_options_are_checked_first():
 # --- the docs' example ------------------------------------------------------------------------------------------
 
 
-def _docs_example() -> str:
-    text = (ROOT / "docs" / "integrations.md").read_text()
-    section = text.split("## Accelerate", 1)[1].split("\n## ", 1)[0]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
-
-
 @pytest.mark.dist
 def test_docs_example_runs_under_torchrun(tmp_path):
-    script = tmp_path / "example.py"
-    script.write_text(_docs_example())
-    torchrun = str(Path(sys.executable).parent / "torchrun")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    run = subprocess.run(
-        [torchrun, "--standalone", "--nproc_per_node=2", str(script)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = run_under_torchrun(docs_example("Accelerate"), tmp_path)
     for rank in range(2):
         assert f"rank {rank}: 4 steps, parameters identical on all ranks: True" in run.stdout, run.stdout[-2000:]
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -23,6 +21,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 import hf_fit as hf  # noqa: E402
+from docs_example import docs_example, run_under_torchrun  # noqa: E402
 from harness import RankError  # noqa: E402
 from patterns import PATTERNS, assert_matches, reference_of, sequential  # noqa: E402
 
@@ -230,20 +229,9 @@ def test_prepare_adds_the_callback_and_distckpt_trainer_prepares_itself():
 # --- the docs' example under torchrun ------------------------------------------------------------------------------
 
 
-def _docs_example() -> str:
-    text = (ROOT / "docs" / "integrations.md").read_text()
-    section = text.split("## Hugging Face Trainer", 1)[1].split("\n## ", 1)[0]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
-
-
 @pytest.mark.dist
 def test_docs_example_runs_under_torchrun(tmp_path):
-    script = tmp_path / "example.py"
-    script.write_text(_docs_example())
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
-    run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
-    assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-4000:])
+    run = run_under_torchrun(docs_example("Hugging Face Trainer"), tmp_path)
     for r in (0, 1):
         assert f"rank {r}: 4 steps, parameters identical on all ranks: True" in run.stdout, run.stdout[-2000:]
 

@@ -9,12 +9,12 @@ costs its import and a fit per pattern, no launch.
 from __future__ import annotations
 
 import importlib.util
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from docs_example import docs_example  # noqa: E402
 from patterns import PATTERNS, MultiTask, assert_matches, reference_of
 
 import distckpt
@@ -156,12 +156,6 @@ def test_policy_and_a_model_already_wrapped_is_refused():
 # --- the docs' example ------------------------------------------------------------------------------------------
 
 
-def _docs_example() -> str:
-    text = (ROOT / "docs" / "integrations.md").read_text()
-    section = text.split("## Lightning", 1)[1].split("\n## ", 1)[0]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
-
-
 def _run_example(rank, world, code):
     import contextlib
     import io
@@ -181,14 +175,14 @@ def _run_example(rank, world, code):
 @pytest.mark.dist
 def test_docs_example_runs_on_2_ranks(dist_pool):
     # The pool's ranks are set up as torchrun's are: the example runs as `torchrun --nproc_per_node=2 example.py`.
-    outs = dist_pool.run(_run_example, _docs_example(), timeout=300)
+    outs = dist_pool.run(_run_example, docs_example("Lightning"), timeout=300)
     assert all(f"rank {r}: 4 steps, parameters identical on all ranks: True" in o for r, o in enumerate(outs)), outs
 
 
 @pytest.mark.slow  # the default case runs the same code on the pool's ranks (test_docs_example_runs_on_2_ranks)
 def test_docs_example_runs_with_python_as_a_user_would(tmp_path):
     script = tmp_path / "example.py"
-    script.write_text(_docs_example())
+    script.write_text(docs_example("Lightning"))
     run = subprocess.run(
         [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600, env=_env()
     )
