@@ -17,8 +17,11 @@ from distckpt.apply.compile import apply_compile, compile_options, compiled_bloc
 from distckpt.apply.wrap import candidate_blocks, parallel_kind, pending_plan, replan_budget
 from distckpt.errors import ConfigError
 from distckpt.options import SHARDED, accumulate_refusal, check_graph, check_strategy, reentrant_refusal
+from distckpt.parallel.buffers import ddp_buffer_plan
+from distckpt.parallel.handshake import guard_hangs
 from distckpt.parallel.mesh import mesh_group, resolve_mesh
 from distckpt.parallel.param_sync import SyncState, _Unit, param_owner
+from distckpt.parallel.watchdog import HANG_TIMEOUT, check_hang_timeout
 from distckpt.runtime.swap import _clean_fqn, is_checkpointed
 from distckpt.select.blocks import conditional_reason
 
@@ -99,7 +102,13 @@ def _ddp_flags(kwargs: dict[str, Any], graph: str, reentrant: bool) -> dict[str,
 
 
 def parallelize(
-    model: nn.Module, strategy: str = "ddp", *, graph: str = "auto", device_mesh: Any = None, **kwargs: Any
+    model: nn.Module,
+    strategy: str = "ddp",
+    *,
+    graph: str = "auto",
+    device_mesh: Any = None,
+    hang_timeout: float | None = HANG_TIMEOUT,
+    **kwargs: Any,
 ) -> nn.Module:
     """Wrap a model whose blocks ``distckpt.apply.wrap`` checkpointed in DDP, FSDP or FSDP2, correctly.
 
@@ -119,6 +128,9 @@ def parallelize(
         device_mesh: a 1-D DeviceMesh for FSDP2/FSDP/DDP (default: the world), or a 2-D one named
             ``("replicate", "shard")`` spanning every rank: FSDP2 (and ``"hsdp"``) then apply HSDP, DDP
             replicates over all its ranks.
+        hang_timeout: seconds a rank may wait in one place inside the model's forward or backward before the hang
+            watchdog ends every rank with a diagnosis of where each one waits (``None`` or 0: off; default 300;
+            see distckpt.parallel.watchdog).
         shard_size: ``"hsdp"`` only (a keyword in ``kwargs``): ranks per shard group, dividing the world
             size (default: ``LOCAL_WORLD_SIZE``, the ranks of one node); distckpt builds the mesh.
         **kwargs: passed to DDP / FSDP / ``fully_shard`` (mixed precision, ``bucket_cap_mb``, ...).
@@ -133,6 +145,7 @@ def parallelize(
     """
     check_graph(graph)
     check_strategy(strategy)
+    check_hang_timeout(hang_timeout)
     compiled = compile_options(kwargs.pop("compile", None))
     if strategy == "none":
         replan_budget(model, "none", 1, None)
@@ -142,7 +155,7 @@ def parallelize(
     device_mesh = resolve_mesh(strategy, device_mesh, shard_size, _device().type)
     # The hand-over point: a budget is planned for the strategy and mesh used here (before any unit exists).
     replan_budget(model, *_placement(strategy, device_mesh))
-    strategy = "fsdp2" if strategy == "hsdp" else strategy  # HSDP is FSDP2 on the 2-D mesh
+    name, strategy = strategy, "fsdp2" if strategy == "hsdp" else strategy  # HSDP is FSDP2 on the 2-D mesh
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     owners = [param_owner(model, n) for n in names]
     re_idx = _reentrant_params(model, names)
@@ -154,9 +167,12 @@ def parallelize(
     # root last, or DDP wraps the root. Their hooks stay outside the compiled code.
     if compiled is not None:
         apply_compile(model, compiled)
+    per_forward, once = True, None  # FSDP's forwards all-gather; DDP's broadcast buffers only if the user chose it
     if strategy == "ddp":
         reentrant = bool(_reentrant_blocks(model))
+        chose = "broadcast_buffers" in kwargs or "forward_sync_buffers" in kwargs
         wrapped, group = _apply_ddp(model, graph, reentrant, device_mesh, kwargs)
+        per_forward, once = ddp_buffer_plan(wrapped, chose)
         units = [(_ddp_unit(model, names, owners), False)]
     elif strategy == "fsdp":
         wrapped, units, group = _apply_fsdp(model, names, owners, device_mesh, kwargs)
@@ -167,7 +183,11 @@ def parallelize(
     if compiled is not None:
         blocks = compiled_blocks(model)
         compiled_idx = {i for i, n in enumerate(names) if any(n.startswith(b + ".") for b in blocks)}
-    _attach_state(wrapped, names, re_idx, units, group, strategy=strategy, graph=graph, compiled=compiled_idx)
+    state = _attach_state(wrapped, names, re_idx, units, group, strategy=strategy, graph=graph, compiled=compiled_idx)
+    if once is not None:
+        state.on_reduce.append(once)  # running statistics: rank 0's, once per step (distckpt.parallel.buffers)
+    blocks = [(u.name, u.module) for u, _ in units[:-1]]
+    guard_hangs(wrapped, state, blocks, name=name, forward_collectives=per_forward, hang_timeout=hang_timeout)
     return wrapped
 
 
@@ -199,6 +219,8 @@ def _attach_state(
         ddp=wrapped if strategy == "ddp" else None,
     )
     state.compiled = compiled
+    for block in _reentrant_blocks(wrapped):
+        block._distckpt_synced = True  # the state refuses autograd.grad through it (no guard edges: they would fire)
     for unit, prepend in units:
         state.attach(unit, prepend)
     if re_idx and strategy == "ddp":
@@ -207,7 +229,9 @@ def _attach_state(
     return state
 
 
-def attach_ddp(ddp: nn.Module, *, graph: str = "auto", keep_buffer_sync: bool = False) -> SyncState:
+def attach_ddp(
+    ddp: nn.Module, *, graph: str = "auto", keep_buffer_sync: bool = False, hang_timeout: float | None = HANG_TIMEOUT
+) -> SyncState:
     """Give a ``DistributedDataParallel`` that someone else built (Accelerate, HF Trainer) what ``parallelize``
     gives its own: the zero-weight join of unused parameters in every forward, the used-set checks, the firing
     counts of reentrant blocks and ``distckpt.accumulate``'s bookkeeping. Call it right after DDP is built,
@@ -218,9 +242,10 @@ def attach_ddp(ddp: nn.Module, *, graph: str = "auto", keep_buffer_sync: bool = 
             ``find_unused_parameters=False`` and ``static_graph=True`` exactly for ``graph='static'`` or reentrant
             blocks (what ``parallelize`` sets).
         graph: as ``parallelize``'s.
-        keep_buffer_sync: keep the DDP's buffer sync at every forward as built (the user chose it); otherwise it is
-            turned off for a model without running statistics, as ``parallelize`` builds it
-            (:func:`sync_buffers_each_forward`).
+        keep_buffer_sync: keep the DDP's buffer sync at every forward as built (the user chose it: its forwards are
+            then checked by the handshake); otherwise it is turned off, as ``parallelize`` builds it, and running
+            statistics are synced once per step (distckpt.parallel.buffers).
+        hang_timeout: as ``parallelize``'s.
 
     Returns:
         the state, also kept on ``ddp``: ``distckpt.accumulate(ddp)`` and ``GradSyncGuard`` work as after
@@ -233,6 +258,7 @@ def attach_ddp(ddp: nn.Module, *, graph: str = "auto", keep_buffer_sync: bool = 
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     check_graph(graph)
+    check_hang_timeout(hang_timeout)
     if not isinstance(ddp, DDP):
         raise ConfigError(
             f"distckpt attaches its gradient-sync state to a DistributedDataParallel only, got {type(ddp).__name__}. "
@@ -252,9 +278,12 @@ def attach_ddp(ddp: nn.Module, *, graph: str = "auto", keep_buffer_sync: bool = 
     owners = [param_owner(model, n) for n in names]
     re_idx = _reentrant_params(model, names)
     units = [(_ddp_unit(model, names, owners), False)]
-    if not keep_buffer_sync and not sync_buffers_each_forward(model):
-        ddp.forward_sync_buffers = False  # after its init sync, as parallelize's DDP (sync_buffers_each_forward)
-    return _attach_state(ddp, names, re_idx, units, ddp.process_group, strategy="ddp", graph=graph, compiled=set())
+    per_forward, once = ddp_buffer_plan(ddp, keep_buffer_sync)  # as parallelize's DDP, after its init sync
+    state = _attach_state(ddp, names, re_idx, units, ddp.process_group, strategy="ddp", graph=graph, compiled=set())
+    if once is not None:
+        state.on_reduce.append(once)
+    guard_hangs(ddp, state, [], name="ddp", forward_collectives=per_forward, hang_timeout=hang_timeout)
+    return state
 
 
 def _placement(strategy: str, device_mesh: Any) -> tuple[str, int, int | None]:
@@ -311,29 +340,15 @@ def _apply_ddp(
     dev = _device()
     flags = _ddp_flags(kwargs, graph, reentrant)
     if "broadcast_buffers" not in flags and "forward_sync_buffers" not in flags:
-        # DDP's own name since torch 2.13 (broadcast_buffers is deprecated): the buffers are still synced at init.
-        flags["forward_sync_buffers"] = sync_buffers_each_forward(model)
+        # DDP's own name since torch 2.13 (broadcast_buffers is deprecated): the buffers are still synced at init, and
+        # running statistics once per step (distckpt.parallel.buffers), which pairs whatever forwards each rank runs.
+        flags["forward_sync_buffers"] = False
     if device_mesh is not None and device_mesh.ndim == 1:
         flags["device_mesh"] = device_mesh
     # A 2-D mesh spans the world (checked): DDP replicates over all of it, its default group.
     group = flags.get("process_group") or mesh_group(device_mesh)
     wrapped = DDP(model, device_ids=[dev] if dev.type == "cuda" else None, **flags)
     return wrapped, group
-
-
-def sync_buffers_each_forward(model: nn.Module) -> bool:
-    """DDP's ``forward_sync_buffers`` (``broadcast_buffers`` before torch 2.13) for ``model`` when the user does not
-    choose it: False unless a module keeps running statistics (BatchNorm and the other ``_NormBase`` modules with
-    ``track_running_stats``). DDP still syncs the buffers once, when it is built.
-
-    DDP broadcasts every buffer from rank 0 at the start of EVERY forward. A step whose forwards differ in number
-    across ranks (a second task's forward on some ranks and steps) pairs that broadcast with another collective on
-    the other rank: a hang (measured: HF Llama's rotary ``inv_freq``, a constant buffer in a multi-task model). DDP
-    already made the buffers equal when it was built, and a buffer the step does not change (rotary tables, masks,
-    constants) needs nothing more; running statistics do, so they keep DDP's default (docs/parallel.md: a model with
-    BatchNorm must run as many forwards on every rank)."""
-    norm = compat.norm_base_class()
-    return any(isinstance(m, norm) and m.track_running_stats for m in model.modules())
 
 
 def _ddp_unit(model: nn.Module, names: list[str], owners: list[tuple[nn.Module, str]]) -> _Unit:
