@@ -193,7 +193,12 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None, *, val
     extra = {"shard_size": shards} if shards else {}
     extra.update(compile_kwargs(cfg.strategy))  # strategy.compile: each block compiled, before sharding
     model = distckpt.parallelize(
-        model, strategy, graph=cfg.strategy.graph, **extra, **parallel_kwargs(cfg.precision, strategy)
+        model,
+        strategy,
+        graph=cfg.strategy.graph,
+        hang_timeout=cfg.strategy.get("hang_timeout"),
+        **extra,
+        **parallel_kwargs(cfg.precision, strategy),
     )
     optimizer, scheduler = build_optimizer(cfg.optim, model, t.max_steps)
     state = TrainState(model, optimizer, scheduler, build_scaler(cfg.precision, strategy, device), data=data)

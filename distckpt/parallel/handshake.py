@@ -14,6 +14,9 @@ pending. DDP without per-forward buffer sync is exact with any forwards per rank
 
 from __future__ import annotations
 
+import contextlib
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -24,7 +27,7 @@ from distckpt import _torch_compat as compat
 from distckpt.errors import ConfigError
 from distckpt.parallel.watchdog import process_watchdog
 
-__all__ = ["Handshake", "Phases", "cpu_group", "guard_hangs"]
+__all__ = ["Handshake", "Phases", "cpu_group", "guard_hangs", "watched"]
 
 FORWARD, BACKWARD = 1, 2
 
@@ -120,11 +123,19 @@ class Phases:
         # inside their wrapper's forward, after any pre-hook).
         handles.append(wrapped.register_forward_pre_hook(lambda m, a: self._forward(), prepend=True))
         if self.watchdog is not None:
-            handles.append(wrapped.register_forward_hook(lambda m, a, o: self.watchdog.leave(), always_call=True))
+            handles.append(wrapped.register_forward_hook(lambda m, a, o: self._left(), always_call=True))
             for name, unit in units:
-                handles.append(unit.register_forward_pre_hook(lambda m, a, n=name: self.watchdog.progress(n)))
+                handles.append(unit.register_forward_pre_hook(lambda m, a, n=name: self._progress(n)))
         self.state.phases = self
         self.state.on_reduce.append(self._reducing)
+
+    def _left(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.leave()
+
+    def _progress(self, unit: str) -> None:
+        if self.watchdog is not None:
+            self.watchdog.progress(unit)
 
     def _new_step(self) -> int:
         step = self.state.step
@@ -136,7 +147,8 @@ class Phases:
         step = self._new_step()
         self.forwards += 1
         if self.watchdog is not None:
-            self.watchdog.enter(f"forward {self.forwards} of step {step}", self.limit)
+            # Lives in the frame that runs the module's hooks and forward (the hook's caller's caller: a lambda).
+            self.watchdog.enter(f"forward {self.forwards} of step {step}", self.limit, _frame_id(2))
         if self.handshake is not None:
             self._meet(FORWARD, step)
 
@@ -156,10 +168,11 @@ class Phases:
         step = self._new_step()
         self.backwards += 1
         if self.watchdog is not None:
-            self.watchdog.enter(f"backward {self.backwards} of step {step}", self.limit)
+            # Lives in the frame that called the autograd engine (none on a CUDA backward's own thread).
+            self.watchdog.enter(f"backward {self.backwards} of step {step}", self.limit, _frame_id(1))
             # Behind the callbacks queued in this pass and those they queue (DDP's finalize, the end-of-step
             # reduction): the pass is over when this runs.
-            compat.queue_after_backward(lambda: compat.queue_after_backward(self.watchdog.leave))
+            compat.queue_after_backward(lambda: compat.queue_after_backward(self._left))
         if self.handshake is not None:
             self._meet(BACKWARD, step)
 
@@ -175,7 +188,7 @@ class Phases:
 
     def _reducing(self) -> None:
         if self.watchdog is not None:
-            self.watchdog.enter(f"the end-of-step reduction of step {self.state.step - 1}", self.limit)
+            self.watchdog.relabel(f"the end-of-step reduction of step {self.state.step - 1}")
 
 
 # What a lone forward pairs with, and the fix, by strategy (the handshake's message).
@@ -224,3 +237,27 @@ def guard_hangs(
     watchdog = process_watchdog(hang_timeout) if hang_timeout else None
     if handshake is not None or watchdog is not None:
         Phases(state, handshake, watchdog, hang_timeout or 0.0).install(wrapped, units)
+
+
+@contextlib.contextmanager
+def watched(state: Any, what: str) -> Iterator[None]:
+    """Inside: a phase of the model whose sync ``state`` is given (None: nothing), for the hang watchdog: ``what``
+    (a guard check's collectives) is watched as its forward and backward are."""
+    phases = getattr(state, "phases", None)
+    watchdog = getattr(phases, "watchdog", None)
+    if watchdog is None:
+        yield
+        return
+    watchdog.enter(what, phases.limit, _frame_id(2))  # the frame of the ``with`` (above contextlib's __enter__)
+    try:
+        yield
+    finally:
+        watchdog.leave()
+
+
+def _frame_id(depth: int) -> int | None:
+    """The id of the frame ``depth`` levels above the caller, or None when the stack is not that deep."""
+    try:
+        return id(sys._getframe(depth + 1))  # noqa: SLF001 - CPython's frame access, as the traceback module's
+    except ValueError:
+        return None

@@ -16,12 +16,19 @@ from distckpt import _torch_compat as compat
 from distckpt.apply.compile import apply_compile, compile_options, compiled_blocks
 from distckpt.apply.wrap import candidate_blocks, parallel_kind, pending_plan, replan_budget
 from distckpt.errors import ConfigError
-from distckpt.options import SHARDED, accumulate_refusal, check_graph, check_strategy, reentrant_refusal
+from distckpt.options import (
+    HANG_TIMEOUT,
+    SHARDED,
+    accumulate_refusal,
+    check_graph,
+    check_hang_timeout,
+    check_strategy,
+    reentrant_refusal,
+)
 from distckpt.parallel.buffers import ddp_buffer_plan
 from distckpt.parallel.handshake import guard_hangs
 from distckpt.parallel.mesh import mesh_group, resolve_mesh
 from distckpt.parallel.param_sync import SyncState, _Unit, param_owner
-from distckpt.parallel.watchdog import HANG_TIMEOUT, check_hang_timeout
 from distckpt.runtime.swap import _clean_fqn, is_checkpointed
 from distckpt.select.blocks import conditional_reason
 

@@ -34,27 +34,14 @@ from typing import Any
 import torch.distributed as dist
 
 from distckpt import _torch_compat as compat
-from distckpt.errors import ConfigError
+from distckpt.options import HANG_TIMEOUT
 
-__all__ = ["EXIT_HANG", "HANG_TIMEOUT", "Watchdog", "check_hang_timeout", "process_watchdog"]
+__all__ = ["EXIT_HANG", "Watchdog", "process_watchdog"]
 
 EXIT_HANG = 4  # the exit code of a rank the watchdog ended (launch/torchrun.py explains it)
-# Seconds: far above any healthy wait in one collective, below gloo's 30-minute default timeout (NCCL's is 10).
-HANG_TIMEOUT = 300.0
 logger = logging.getLogger("distckpt")
 
 _ALARM, _VERDICT = "alarm", "verdict"
-
-
-def check_hang_timeout(value: Any) -> None:
-    """Raises:
-    ConfigError: ``hang_timeout`` is neither None nor a number of seconds >= 0."""
-    ok = value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0)
-    if not ok:
-        raise ConfigError(
-            f"hang_timeout={value!r}: give the seconds a rank may wait in one place inside the model's phases before "
-            f"the hang watchdog ends the job (default {HANG_TIMEOUT:.0f}), or None (0) to turn the watchdog off."
-        )
 
 
 @dataclass
@@ -65,6 +52,7 @@ class _Phase:
     thread: int  # the thread that ran it (the autograd engine's own thread in a CUDA backward)
     limit: float
     entered: float
+    anchor: int | None  # id of the frame the phase lives in (its end: an exception may skip the hook that leaves)
 
 
 class Watchdog:
@@ -96,10 +84,17 @@ class Watchdog:
 
     # --- fed by the hooks (the main thread, or autograd's): attribute writes only -------------------------------
 
-    def enter(self, what: str, limit: float) -> None:
-        """The model entered a phase (a new one replaces the last)."""
+    def enter(self, what: str, limit: float, anchor: int | None = None) -> None:
+        """The model entered a phase (a new one replaces the last), which lasts while the frame whose id is ``anchor``
+        is on the thread's stack (None: until :meth:`leave`)."""
         now = time.monotonic()
-        self.phase = _Phase(what, "", now, threading.get_ident(), limit, now)
+        self.phase = _Phase(what, "", now, threading.get_ident(), limit, now, anchor)
+
+    def relabel(self, what: str) -> None:
+        """The current phase goes on as ``what`` (the end-of-step reduction inside a backward)."""
+        phase = self.phase
+        if phase is not None:
+            phase.what, phase.since = what, time.monotonic()
 
     def progress(self, unit: str) -> None:
         """A hook ran inside the current phase (``unit``'s forward began): it is moving."""
@@ -159,8 +154,20 @@ class Watchdog:
         if self._raised:
             self._judge(now)
 
-    def _stalled(self, now: float) -> bool:
+    def _live(self) -> _Phase | None:
+        """The current phase, or None when the frame it lives in has returned (an exception skipped its end)."""
         phase = self.phase
+        if phase is None or phase.anchor is None:
+            return phase
+        frame = sys._current_frames().get(phase.thread)  # noqa: SLF001
+        while frame is not None and id(frame) != phase.anchor:
+            frame = frame.f_back
+        if frame is None and self.phase is phase:
+            self.phase = None
+        return phase if frame is not None else None
+
+    def _stalled(self, now: float) -> bool:
+        phase = self._live()
         thread = phase.thread if phase is not None else threading.main_thread().ident
         # sys._current_frames: CPython's documented (underscored) way to see another thread's stack.
         frame = sys._current_frames().get(thread)  # noqa: SLF001
@@ -174,13 +181,13 @@ class Watchdog:
         self._seen = (thread, sig, cpu)
         if moved:
             self._still_since = now
-        if phase is None:
+        if phase is None or frame is None:  # outside the model; or no Python frame: an idle autograd engine thread
             return False
         limit = self.limit()
         return now - phase.since > limit and now - self._still_since > limit
 
     def _status(self, now: float) -> dict[str, Any]:
-        phase = self.phase
+        phase = self._live()
         thread = phase.thread if phase is not None else threading.main_thread().ident
         still = now - self._still_since
         return {

@@ -21,7 +21,7 @@ from distckpt.parallel.watchdog import EXIT_HANG
 
 pytestmark = pytest.mark.dist
 
-JOIN_S = 120  # spawning and importing on a loaded 2-core machine takes most of it; the watchdog's part is seconds
+JOIN_S = 240  # spawning and importing on a loaded 2-core machine takes most of it; the watchdog's part is seconds
 
 
 class Trap(nn.Module):
@@ -76,6 +76,25 @@ def _busy_peer(rank, world, port, log, out):
     out.put((rank, weights))
 
 
+def _after_an_error(rank, world, port, log):
+    """A ConfigError raised inside a backward (autograd.grad through reentrant blocks) skips the hook that ends the
+    phase; then both ranks sit still outside the model for twice hang_timeout. Not a hang: the phase ended with the
+    frame it lived in."""
+    init_rank(rank, world, port, threads=1)
+    logging.basicConfig(filename=log, level=logging.INFO)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4)), nn.Linear(4, 1))
+    distckpt.wrap(model, "full", blocks=["1"], reentrant=True)
+    pm = distckpt.parallelize(model, "ddp", hang_timeout=1.5)
+    x = torch.randn(2, 4, requires_grad=True)
+    try:
+        torch.autograd.grad(pm(x).sum(), x)
+    except distckpt.ConfigError:
+        pass
+    time.sleep(4.0)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _spawn(target, tmp_path, *args):
     """Start both ranks; (exit codes, log text per rank)."""
     store = host_store()
@@ -128,3 +147,9 @@ def test_busy_peer_outside_the_model_is_not_a_hang(tmp_path):
 def test_hang_timeout_checked():
     with pytest.raises(distckpt.ConfigError, match="hang_timeout=-1.*None"):
         distckpt.parallelize(nn.Linear(2, 2), "ddp", hang_timeout=-1)
+
+
+def test_phase_left_by_an_exception_is_not_watched(tmp_path):
+    codes, logs = _spawn(_after_an_error, tmp_path)
+    assert codes == [0, 0], (codes, logs)
+    assert "hang" not in logs[0] + logs[1], logs
