@@ -127,7 +127,7 @@ class Phases:
             for name, unit in units:
                 handles.append(unit.register_forward_pre_hook(lambda m, a, n=name: self._progress(n)))
         self.state.phases = self
-        self.state.on_reduce.append(self._reducing)
+        self.state.on_reduce.insert(0, self._reducing)  # the label first: the running statistics' sync is in it
 
     def _left(self) -> None:
         if self.watchdog is not None:
