@@ -62,10 +62,10 @@ class BufferSync:
 
 
 def ddp_buffer_plan(ddp: nn.Module, user_chose: bool) -> tuple[bool, Any]:
-    """(whether DDP still broadcasts the buffers at every forward, the once-per-step sync or None) for ``ddp``, whose
-    ``forward_sync_buffers`` is turned off here unless ``user_chose`` it."""
-    if not user_chose:
-        ddp.forward_sync_buffers = False  # DDP synced the buffers once when it was built
-    per_forward = bool(ddp.forward_sync_buffers) and any(True for _ in ddp.module.buffers())
-    once = BufferSync(ddp) if not ddp.forward_sync_buffers and keeps_running_stats(ddp.module) else None
-    return per_forward, once
+    """(whether DDP still broadcasts the buffers at every forward, the once-per-step sync or None) for ``ddp``. Unless
+    the user chose DDP's ``forward_sync_buffers`` (True: kept, guarded by the handshake; False: each rank keeps its
+    own statistics, as asked), it is turned off here and running statistics are synced once per step."""
+    if user_chose:
+        return bool(ddp.forward_sync_buffers) and any(True for _ in ddp.module.buffers()), None
+    ddp.forward_sync_buffers = False  # DDP synced the buffers once when it was built
+    return False, BufferSync(ddp) if keeps_running_stats(ddp.module) else None

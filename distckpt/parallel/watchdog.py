@@ -2,22 +2,24 @@
 a step takes inside one of the model's phases, and ends every rank with one diagnosis naming each rank's phase, step
 and where it waits, instead of gloo's (or NCCL's) raw timeout half an hour later.
 
-How it decides (no collective, nothing on the healthy path but an attribute write per phase):
+How it decides (no collective, nothing on the healthy path but an attribute write per phase and unit):
 
-- distckpt's hooks say which phase the model is in (``enter``: forward N of step S, backward of step S, the
-  end-of-step reduction, a guard check; ``progress``: the next unit; ``leave``: back in the user's loop). Outside
-  the phases (data loading, the optimizer, checkpoint saving, evaluation code) nothing is watched.
+- distckpt's hooks say which phase the model is in (``enter``: forward N of step S, backward N of step S, a guard
+  check; ``relabel``: the end-of-step reduction; ``progress``: the next unit; ``leave``: back in the user's loop).
+  Outside the phases (data loading, the optimizer, checkpoint saving, evaluation code) nothing is watched. A phase
+  lives in the frame that began it (the module call, the call into the autograd engine): when an exception skipped
+  the hook that ends it, it ends with that frame.
 - A rank is *stalled* when, inside a phase, no hook has run for ``limit`` seconds AND the thread that ran the last
   one has not moved all that time: the same innermost Python frame (``sys._current_frames``) and no CPU time spent
   (its per-thread clock): blocked in one wait. A slow step does not count: compilation and Python work move from
-  frame to frame, one long op spends CPU time. ``limit`` is
-  ``hang_timeout``, or ten times the longest phase seen so far if that is longer (a slow model adapts it).
+  frame to frame, one long op spends CPU time; a thread with no Python frame (an idle engine thread) never counts.
+  ``limit`` is ``hang_timeout``, or ten times the longest phase seen after the first two, if that is longer.
 - A stalled rank raises an alarm in the process group's c10d store. Every rank's watchdog (its thread still runs
   while its main thread blocks: c10d waits release the GIL) then publishes its own status there. Once every rank has
   answered and none is busy outside the model (a rank saving a checkpoint alone while the others wait for it
   postpones the verdict, by at most two more ``limit``), the diagnosis is logged (logger ``distckpt``) and every
-  rank exits with :data:`EXIT_HANG`, so torchrun tears the job down. gloo's ``abort()`` does not wake a blocked
-  wait in torch 2.13 (measured), hence the exit.
+  rank exits with :data:`EXIT_HANG` at one moment, so torchrun tears the job down. gloo's ``abort()`` does not wake
+  a blocked wait in torch 2.13 (measured), hence the exit.
 """
 
 from __future__ import annotations

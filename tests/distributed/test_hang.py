@@ -242,3 +242,13 @@ def test_ddp_buffer_sync_each_forward_asked_for_is_refused(dist_pool):
     assert all(o[0] == "refused" for o in out), out
     assert out[0][1] == out[1][1]
     assert "rank 1 began forward 2 of step 1" in out[0][1] and "drop forward_sync_buffers" in out[0][1], out[0][1]
+
+
+def test_ddp_buffer_sync_turned_off_by_the_user_is_kept_off(dist_pool):
+    """forward_sync_buffers=False, as the user asked: exact gradients, and each rank keeps its own statistics."""
+    out = dist_pool.run(_train_bn, BN_FORWARDS, {"forward_sync_buffers": False}, timeout=CALL_S)
+    (ref, _) = _bn_reference(BN_FORWARDS, 2)
+    assert all(o[0] == "ok" for o in out), out
+    assert_matches([o[1] for o in out], ref)
+    name = "blocks.0.norm.running_mean"
+    assert not torch.equal(out[0][2][name], out[1][2][name])
