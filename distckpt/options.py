@@ -117,12 +117,12 @@ def check_run(strategy: str, *, reentrant: bool = False, graph: str = "auto", ac
 HANG_TIMEOUT = 300.0
 
 
-def check_hang_timeout(value: object, name: str = "hang_timeout") -> None:
+def check_hang_timeout(value: object) -> None:
     """Raises:
     ConfigError: ``value`` is neither None nor a number of seconds >= 0 (0 and None turn the watchdog off)."""
     ok = value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0)
     if not ok:
         raise ConfigError(
-            f"{name}={value!r}: give the seconds a rank may wait in one place inside the model's forward or backward "
-            f"before the hang watchdog ends the run (default {HANG_TIMEOUT:.0f}), or None (null, 0) to turn it off."
+            f"hang_timeout={value!r}: give the seconds a rank may wait in one place inside the model's forward or "
+            f"backward before the hang watchdog ends the run (default {HANG_TIMEOUT:.0f}); None or 0 turns it off."
         )

@@ -16,10 +16,10 @@ How it decides (no collective, nothing on the healthy path but an attribute writ
   ``limit`` is ``hang_timeout``, or ten times the longest phase seen after the first two, if that is longer.
 - A stalled rank raises an alarm in the process group's c10d store. Every rank's watchdog (its thread still runs
   while its main thread blocks: c10d waits release the GIL) then publishes its own status there. Once every rank has
-  answered and none is busy outside the model (a rank saving a checkpoint alone while the others wait for it
-  postpones the verdict, by at most two more ``limit``), the diagnosis is logged (logger ``distckpt``) and every
-  rank exits with :data:`EXIT_HANG` at one moment, so torchrun tears the job down. gloo's ``abort()`` does not wake
-  a blocked wait in torch 2.13 (measured), hence the exit.
+  answered and none is still working (a rank computing a slow step, or saving a checkpoint alone, while the others
+  wait for it postpones the verdict, by at most two more ``limit``), the diagnosis is logged (logger ``distckpt``)
+  and every rank exits with :data:`EXIT_HANG` at one moment, so torchrun tears the job down. gloo's ``abort()`` does
+  not wake a blocked wait in torch 2.13 (measured), hence the exit.
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ class Watchdog:
         last = self._seen
         # Moving: another frame, or CPU time spent (one long op shows no new frame; a blocked wait spends none).
         moved = (
-            not last or last[:2] != (thread, sig) or (cpu is not None and last[2] is not None and cpu > last[2] + 0.01)
+            not last or last[:2] != (thread, sig) or (cpu is not None and last[2] is not None and cpu > last[2] + 1e-3)
         )
         self._seen = (thread, sig, cpu)
         if moved:
@@ -196,14 +196,14 @@ class Watchdog:
             "rank": self.rank,
             "phase": (phase.what + (f", unit {phase.unit}" if phase.unit else "")) if phase is not None else None,
             "idle": round(now - phase.since if phase is not None else still, 1),
-            # Outside the model and working (saving a checkpoint alone, evaluating): the others may wait for it.
-            "busy": phase is None and still < 2 * self._interval(),
+            # Still working (a slow step, a checkpoint saved alone, evaluation): the others may be waiting for it.
+            "busy": still < 2 * self._interval(),
             "where": _where(sys._current_frames().get(thread)),  # noqa: SLF001
         }
 
     def _judge(self, now: float) -> None:
-        """On a rank that raised the alarm: the verdict, once every rank answered and none is busy outside the model
-        (or after two more limits, or a few looks without an answer from some rank)."""
+        """On a rank that raised the alarm: the verdict, once every rank answered and none is still working (or after
+        two more limits, or a few looks without an answer from some rank)."""
         statuses = {}
         for r in range(self.world):
             if self.store.check([str(r)]):

@@ -56,11 +56,11 @@ def _deadlock(rank, world, port, log, strategy):
 
 
 def _busy_peer(rank, world, port, log, out):
-    """Rank 0 works outside the model (Python, as a checkpoint save does) for twice hang_timeout after step 0, while
-    rank 1 waits for it in step 1's handshake (FSDP2)."""
+    """Rank 0 works outside the model (Python, as a checkpoint save does) for 1.25 hang_timeout after step 0, while
+    rank 1 waits for it in step 1's handshake (FSDP2): rank 1's alarm stands, rank 0 answers that it is working."""
     init_rank(rank, world, port, threads=1)
     logging.basicConfig(filename=log, level=logging.INFO)
-    pm = distckpt.parallelize(_model(), "fsdp2", hang_timeout=1.5)
+    pm = distckpt.parallelize(_model(), "fsdp2", hang_timeout=4.0)
     opt = torch.optim.SGD(pm.parameters(), lr=0.1)
     for step in range(3):
         x = torch.randn(4, 4, generator=torch.Generator().manual_seed(10 * step + rank))
@@ -68,7 +68,7 @@ def _busy_peer(rank, world, port, log, out):
         opt.step()
         opt.zero_grad()
         if rank == 0 and step == 0:
-            end = time.monotonic() + 3.0
+            end = time.monotonic() + 5.0
             while time.monotonic() < end:
                 sum(i * i for i in range(1000))
     weights = [p.full_tensor().tolist() for p in pm.parameters()]  # lists: a tensor's memory dies with the process
