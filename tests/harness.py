@@ -74,9 +74,9 @@ def _hang_up() -> None:
     """Shut down every TCP connection of this rank: its process groups' (gloo's pairs), their stores'.
 
     Destroying a gloo group closes its connections only when the last reference to it goes, and torch keeps
-    references of its own: after an FSDP2 step, its parameter groups hold the group for the rest of the
-    process (measured, torch 2.13: ``gc.collect()`` does not free them; ``ProcessGroup.abort()`` and the
-    backend's ``shutdown()``/``abort()`` leave gloo's sockets open). The peer then waited out the call's 10 s
+    one of its own after an FSDP2 step, for the rest of the process (measured, torch 2.13: held from C++, no
+    Python object refers to it, ``gc.collect()`` does not free it; ``ProcessGroup.abort()`` and the backend's
+    ``shutdown()``/``abort()`` leave gloo's sockets open). The peer then waited out the call's 10 s
     after the failure and the pool restarted (test_harness's ``test_error_keeps_the_ranks`` failed when an
     earlier test on the same pytest-xdist worker had run FSDP2 on the ranks). A shut-down socket fails the
     peer's pending send or receive at once ("Connection closed by peer"), whoever still holds the group. The

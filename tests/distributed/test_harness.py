@@ -46,8 +46,8 @@ def _hold_the_group(rank, world_size):
 
 
 def _fsdp2_step(rank, world_size):
-    # torch keeps an FSDP2 model's group referenced after the job (its parameter groups stay alive: measured,
-    # torch 2.13), so destroying the group no longer closes its connections.
+    # torch keeps the group of an FSDP2 model referenced after the job (from C++: measured, torch 2.13), so
+    # destroying the group no longer closes its connections.
     from torch.distributed.fsdp import fully_shard
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
