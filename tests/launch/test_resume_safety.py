@@ -6,18 +6,15 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 import warnings
 from pathlib import Path
 
+import faults
 import pytest
 from launchkit import TINY, assert_checkpoints_equal, assert_params_equal, compose, final_params
 
 from distckpt.errors import ConfigError, ResumeError
 from launch.run import train
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import faults  # noqa: E402  (tests/faults.py)
 
 NONE = [*TINY, "strategy=none"]  # 6 steps, checkpoints step_3 and step_6
 

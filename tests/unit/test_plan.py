@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from plan_cases import compare, compare_dist, gpt_factory, hf_factory, make_llama_70b
 
-import benchmarks.ranks
-from benchmarks.plan_accuracy import compare, compare_dist, gpt_factory, hf_factory, make_llama_70b
 from distckpt.cli import main
 from distckpt.errors import ConfigError
 from distckpt.select.estimate import plan_at_scale
@@ -24,7 +23,7 @@ def test_predicted_peaks_within_5_percent_of_measured(name, factory):
 
 
 @pytest.mark.dist
-def test_per_rank_peaks_within_5_percent_on_two_ranks_ddp_and_fsdp2(dist_pool, monkeypatch):
+def test_per_rank_peaks_within_5_percent_on_two_ranks_ddp_and_fsdp2(dist_pool):
     # One run of 2 gloo ranks: each rank's steady-state step per policy under DDP (its C++ gradient
     # bucket counted from the step's start; the plan counts it as one more gradient-sized buffer) and FSDP2
     # (every block its own unit; the plan counts what is unsharded per phase: memory_terms._Sharded).
@@ -35,8 +34,7 @@ def test_per_rank_peaks_within_5_percent_on_two_ranks_ddp_and_fsdp2(dist_pool, m
         assert world == dist_pool.world_size
         return dict(enumerate(dist_pool.run(target, *args, timeout=timeout)))
 
-    monkeypatch.setattr(benchmarks.ranks, "run_ranks", pooled)
-    results = compare_dist("gpt", 4, ("ddp", "fsdp2"))
+    results = compare_dist("gpt", 4, ("ddp", "fsdp2"), run_ranks=pooled)
     assert set(results) == {"ddp", "fsdp2"}
     for strategy, rows in results.items():
         assert set(rows) == {"none", "full", "pointwise", "selective", "budget"}
@@ -83,7 +81,7 @@ def test_cli_plan_prints_each_policy_and_rejects_a_bad_budget(capsys):
             [
                 "plan",
                 "--factory",
-                "benchmarks.plan_accuracy:make_gpt",
+                "plan_cases:make_gpt",
                 "--strategy",
                 "ddp",
                 "--world-size",
@@ -109,7 +107,7 @@ def test_cli_plan_prints_each_policy_and_rejects_a_bad_budget(capsys):
         "budget:8.00MiB",
     ):
         assert word in out, word
-    assert main(["plan", "--factory", "benchmarks.plan_accuracy:make_gpt", "--budget", "lots"]) == 2
+    assert main(["plan", "--factory", "plan_cases:make_gpt", "--budget", "lots"]) == 2
     assert "not a size" in capsys.readouterr().err
 
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from models import hf_checkpointing_enable
 
 import distckpt
-from benchmarks.models import hf_checkpointing_enable
 from distckpt import ConfigError
 from distckpt.apply.wrap import is_checkpointed
 from distckpt.select.flops import flop_counter
