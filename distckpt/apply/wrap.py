@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import warnings
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 from distckpt import _torch_compat as compat
+from distckpt._log import notify
 from distckpt.errors import ConfigError
 from distckpt.runtime.recompute import (
     CheckpointOptions,
@@ -100,7 +100,7 @@ def _foreign_checkpointing(model: nn.Module) -> None:
                 # HF (reentrant) and peft make the embeddings' output require grad with a hook; distckpt's
                 # blocks need none, and it costs a backward through the embeddings (1.354x vs 1.329x FLOPs).
                 m.disable_input_require_grads()
-        warnings.warn(
+        notify(
             "distckpt.apply.wrap: the model had Hugging Face gradient checkpointing enabled "
             f"({len(hf)} modules); it was disabled so that no block is recomputed twice, and "
             "distckpt checkpoints the blocks instead.",
@@ -165,7 +165,7 @@ def wrap(
     candidates = find_blocks(model, blocks)
     replaced = unwrap(model, [m for _, m in candidates])
     if replaced:
-        logger.info("distckpt.apply.wrap: replacing the earlier checkpointing of %d blocks", replaced)
+        notify(f"distckpt.apply.wrap: replacing the earlier checkpointing of {replaced} blocks", warn=False)
     for name, block in candidates:
         if "forward" in vars(block):
             raise ConfigError(
@@ -347,12 +347,10 @@ def replan_budget(model: nn.Module, strategy: str, world_size: int, shard_size: 
     record.handed_over = facts
     if record.planned_for is None or record.planned_for == facts:
         return  # still to be planned (first forward: it will use these facts), or planned for them
-    logger.info(
-        "distckpt budget: planned for %s over %d ranks at wrap, redone for %s over %d ranks",
-        record.planned_for[0],
-        record.planned_for[1],
-        strategy,
-        world_size,
+    notify(
+        f"distckpt budget: planned for {record.planned_for[0]} over {record.planned_for[1]} ranks at wrap, "
+        f"redone for {strategy} over {world_size} ranks (parallelize's layout): the blocks checkpointed may change",
+        warn=False,  # parallelize's documented hand-over, not a mistake: logged
     )
     unwrap(model, [m for _, m in record.candidates])
     _apply_plan(model, pol, record.candidates, record.opts, record.example_inputs)

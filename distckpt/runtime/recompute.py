@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.utils.checkpoint as tuc
 
 from distckpt import _torch_compat as compat
+from distckpt._log import notify
 from distckpt.errors import ConfigError
 from distckpt.runtime.selective import bind
 
@@ -99,7 +100,7 @@ def without_cache(
         changed += hits
     if changed and type(module) not in _WARNED_CACHE:
         _WARNED_CACHE.add(type(module))
-        warnings.warn(
+        notify(
             f"distckpt: {module._distckpt_orig_class.__name__} is checkpointed, so in training it runs without a "
             f"KV cache, as with Hugging Face's gradient checkpointing ({', '.join(sorted(set(changed)))} ignored). "
             "Forwards under torch.no_grad() (generation) keep their cache.",

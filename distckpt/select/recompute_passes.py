@@ -57,7 +57,9 @@ def _all_checkpointed(
             m._distckpt_norms = stateful_norms(m)
             m._distckpt_cache_slots = cache_positions(orig)
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the wrapper's one-time "runs without a KV cache" notice
+            # The wrapper's one-time "runs without a KV cache" notice: not a warning from inside the profile (it
+            # is said once, through the log: distckpt._log.notify).
+            warnings.simplefilter("ignore")
             yield
     finally:
         unwrap(model, mods)

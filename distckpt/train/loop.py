@@ -13,7 +13,6 @@ import math
 import os
 import signal
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distckpt._dist import local_tensor, rank_world
+from distckpt._log import notify
 from distckpt.errors import ConfigError
 from distckpt.parallel.strategies import accumulate
 from distckpt.train.callbacks import Callback
@@ -432,7 +432,7 @@ def _optimizer_step(state: TrainState, step: int, bad: bool, opts: LoopOptions, 
             "trainer.max_consecutive_skips (0: no limit)."
         )
     if rank == 0:
-        warnings.warn(f"step {step}: non-finite loss or gradient norm on some rank; step skipped", stacklevel=3)
+        notify(f"step {step}: non-finite loss or gradient norm on some rank; step skipped", stacklevel=3)
 
 
 def _refuse_all_skipped(result: LoopResult, step: int) -> None:

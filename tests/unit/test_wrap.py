@@ -719,6 +719,21 @@ def test_hf_padded_batch_cache_off_in_training_exact(family, reentrant, monkeypa
     assert_same(ref, got, exact=True)
 
 
+def test_hf_cache_turned_off_is_said_with_warnings_ignored(monkeypatch, caplog):
+    """The cache turned off is said on the ``distckpt`` logger (rank 0's log under the launcher) even with every
+    warning ignored, as PYTHONWARNINGS=ignore does in many training scripts; once per layer class."""
+    import sys
+
+    monkeypatch.setattr(sys.modules["distckpt.runtime.recompute"], "_WARNED_CACHE", set())
+    model = distckpt.wrap(_tiny_decoder("gpt2"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _hf_step(model, _padded_batch())
+        _hf_step(model, _padded_batch())
+    said = [r for r in caplog.records if r.name == "distckpt" and "without a KV cache" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelname == "WARNING", caplog.messages
+
+
 def test_hf_generation_keeps_its_cache():
     """Under no_grad (generation) a checkpointed layer runs as is: the cache is written and used."""
     plain = _tiny_decoder("llama").eval()
