@@ -98,7 +98,9 @@ def without_cache(
     if hits:
         kwargs = {**kwargs, **{k: False if k == "use_cache" else None for k in hits}}
         changed += hits
-    if changed and type(module) not in _WARNED_CACHE:
+    # Said on the first training forward of a block a plan checkpoints, not in a profile's sample steps (before,
+    # the profile's forward took the one notice and silenced it: a budget's run never said it).
+    if changed and type(module) not in _WARNED_CACHE and not module.__dict__.get("_distckpt_profiling"):
         _WARNED_CACHE.add(type(module))
         notify(
             f"distckpt: {module._distckpt_orig_class.__name__} is checkpointed, so in training it runs without a "

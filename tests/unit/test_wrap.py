@@ -734,6 +734,25 @@ def test_hf_cache_turned_off_is_said_with_warnings_ignored(monkeypatch, caplog):
     assert len(said) == 1 and said[0].levelname == "WARNING", caplog.messages
 
 
+def test_hf_cache_notice_waits_for_training_after_a_profile(monkeypatch, caplog):
+    """A profile (a budget's, at wrap) runs every block checkpointed: it says nothing, and the first training
+    step says it. Before, the profile's forward took the one notice and silenced it: a budget's run never said it."""
+    import sys
+
+    from distckpt.select.blocks import find_blocks
+    from distckpt.select.profile import profile_model
+
+    monkeypatch.setattr(sys.modules["distckpt.runtime.recompute"], "_WARNED_CACHE", set())
+    model, batch = _tiny_decoder("gpt2"), _padded_batch()
+    profile_model(model, find_blocks(model, None), batch, modes=("full",))
+    assert not [m for m in caplog.messages if "without a KV cache" in m]
+    distckpt.wrap(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _hf_step(model, batch)
+    assert len([m for m in caplog.messages if "without a KV cache" in m]) == 1, caplog.messages
+
+
 def test_hf_generation_keeps_its_cache():
     """Under no_grad (generation) a checkpointed layer runs as is: the cache is written and used."""
     plain = _tiny_decoder("llama").eval()
