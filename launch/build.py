@@ -13,7 +13,9 @@ import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import Dataset, IterableDataset
 
-from distckpt.options import SHARDED
+from distckpt.layout import Layout
+from distckpt.options import Engine
+from distckpt.parallel import fsdp1
 from distckpt.train.data import (
     DIGITS_FEATURES,
     ShardedLoader,
@@ -172,15 +174,13 @@ def build_optimizer(o: DictConfig, model: nn.Module, max_steps: int) -> tuple[to
     return opt, sched
 
 
-def parallel_kwargs(p: DictConfig, strategy: str) -> dict[str, Any]:
+def parallel_kwargs(p: DictConfig, layout: Layout) -> dict[str, Any]:
     """Extra arguments for ``distckpt.parallelize``: FSDP's own mixed precision when ``precision.sharded``."""
     if not p.sharded or p.dtype == "fp32":
         return {}
     dtype = _DTYPES[p.dtype]
-    if strategy == "fsdp":
-        from torch.distributed.fsdp import MixedPrecision
-
-        return {"mixed_precision": MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32, buffer_dtype=dtype)}
+    if layout.engine is Engine.FSDP1:
+        return fsdp1.mixed_precision_kwargs(dtype)
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     return {"mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)}
@@ -193,21 +193,21 @@ def autocast_factory(p: DictConfig, device: torch.device) -> Callable[[], contex
     return functools.partial(torch.autocast, device_type=device.type, dtype=_DTYPES[p.dtype])
 
 
-def build_scaler(p: DictConfig, strategy: str, device: torch.device) -> Any:
+def build_scaler(p: DictConfig, layout: Layout, device: torch.device) -> Any:
     """A grad scaler for fp16 (the sharded one under FSDP/FSDP2), else ``None``."""
     if not p.grad_scaler:
         return None
-    if strategy in SHARDED:
+    if layout.sharded:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         return ShardedGradScaler(device=device.type)
     return torch.amp.GradScaler(device.type)
 
 
-def clip_fn(model: nn.Module, strategy: str) -> Callable[[float], torch.Tensor]:
+def clip_fn(model: nn.Module, layout: Layout) -> Callable[[float], torch.Tensor]:
     """``clip(max_norm) -> total norm`` over all ranks: FSDP1 shards flat params and needs its own method."""
-    if strategy == "fsdp":
-        return model.clip_grad_norm_
+    if layout.engine is Engine.FSDP1:
+        return functools.partial(fsdp1.clip_grad_norm, model)
 
     def clip(max_norm: float) -> torch.Tensor:
         norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,8 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from distckpt.errors import ConfigError
-from distckpt.options import GRAPHS, OPTIMIZERS, SHARDED, STRATEGIES, check_run, check_shard_size
+from distckpt.layout import Layout, default_shard_size
+from distckpt.options import GRAPHS, OPTIMIZERS, STRATEGIES, check_run
 
 CHOICES = {
     "strategy.name": STRATEGIES,
@@ -152,20 +152,31 @@ def _validate_compile(strategy: DictConfig) -> None:
         )
 
 
-def compile_kwargs(strategy: DictConfig) -> dict[str, Any]:
-    """``parallelize``'s ``compile=`` for ``strategy.compile`` (each block compiled with that backend), or nothing."""
+def layout_of(strategy: DictConfig, world_size: int) -> Layout:
+    """The run's parallel layout from the ``strategy`` group, checked: the one place the launcher reads
+    ``strategy.name``, ``strategy.shard_size`` (``hsdp``; null: ``LOCAL_WORLD_SIZE``, the ranks of one node, and
+    before torchrun sets it the whole job: one node) and ``strategy.compile`` (each block compiled with that
+    backend). Validation, training and ``plan`` all build it here.
+
+    Raises:
+        ConfigError: naming the override to fix.
+    """
+    shard = strategy.shard_size
+    if strategy.name == "hsdp" and shard is None:
+        shard = default_shard_size(fallback=world_size)
     backend = strategy.get("compile")
-    return {} if backend is None else {"compile": {"backend": backend}}
-
-
-def shard_size(strategy: DictConfig, world_size: int) -> int | None:
-    """``strategy.shard_size`` under ``strategy=hsdp``, by default ``LOCAL_WORLD_SIZE`` (the ranks of one
-    node; before torchrun sets it, the whole job: one node); None for the other strategies."""
-    if strategy.name != "hsdp":
-        return None
-    if strategy.shard_size is not None:
-        return int(strategy.shard_size)
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    try:
+        return Layout.of(
+            strategy.name,
+            world_size=world_size if strategy.name != "none" else 1,
+            shard_size=None if shard is None else int(shard),
+            compile=None if backend is None else {"backend": backend},
+        )
+    except ConfigError as e:
+        raise ConfigError(
+            f"strategy={strategy.name} strategy.shard_size={strategy.shard_size}: {e} Fix the override "
+            "strategy.shard_size=N (the ranks per node), or remove it."
+        ) from None
 
 
 def budget_facts(cfg: DictConfig, world_size: int) -> dict[str, Any]:
@@ -174,29 +185,13 @@ def budget_facts(cfg: DictConfig, world_size: int) -> dict[str, Any]:
     whether gradients accumulate over micro-batches."""
     o = cfg.optim
     optimizer = o.name if o.name != "sgd" else ("sgd_momentum" if o.momentum else "sgd")
+    layout = layout_of(cfg.strategy, world_size)
     return dict(
-        strategy=cfg.strategy.name,
+        strategy=layout.strategy,
         optimizer=optimizer,
         grad_accumulation=cfg.trainer.grad_accum > 1,
-        shard_size=shard_size(cfg.strategy, world_size),
+        shard_size=layout.shard_size,
     )
-
-
-def _validate_shard_size(strategy: DictConfig, world_size: int) -> None:
-    if strategy.name != "hsdp":
-        if strategy.shard_size is not None:
-            raise ConfigError(
-                f"strategy.shard_size={strategy.shard_size} is for strategy=hsdp (got "
-                f"strategy={strategy.name}); remove it, or use strategy=hsdp."
-            )
-        return
-    try:
-        check_shard_size(shard_size(strategy, world_size), world_size)
-    except ConfigError as e:
-        raise ConfigError(
-            f"strategy=hsdp strategy.shard_size={strategy.shard_size}: {e} Fix the override "
-            "strategy.shard_size=N (the ranks per node)."
-        ) from None
 
 
 def validate(cfg: DictConfig, world_size: int = 1) -> None:
@@ -291,12 +286,12 @@ def _check_combinations(cfg: DictConfig, world_size: int) -> None:
             "precision.dtype=fp16 without a grad scaler underflows; use precision=fp16 "
             "(which sets precision.grad_scaler=true) or precision=bf16."
         )
-    if cfg.precision.sharded and s not in SHARDED:
+    layout = layout_of(cfg.strategy, world_size)
+    if cfg.precision.sharded and not layout.sharded:
         raise ConfigError(
             f"precision.sharded=true needs strategy=fsdp, fsdp2 or hsdp (got strategy={s}); "
             "use precision=bf16 (autocast) instead."
         )
-    _validate_shard_size(cfg.strategy, world_size)
     _validate_compile(cfg.strategy)
     try:  # the library's own rule for these settings, so --check and parallelize agree
         check_run(s, reentrant=cfg.ac.reentrant, graph=cfg.strategy.graph, accumulate=t.grad_accum > 1)

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from distckpt import _torch_compat as compat
 from distckpt.errors import ConfigError
+from distckpt.layout import Layout
 from distckpt.runtime.recompute import (
     CheckpointOptions,
     cache_positions,
@@ -317,10 +318,10 @@ def _block_modes(pol: Policy, candidates: Candidates, opts: CheckpointOptions) -
     return modes
 
 
-def replan_budget(model: nn.Module, strategy: str, world_size: int, shard_size: int | None) -> None:
+def replan_budget(model: nn.Module, layout: Layout) -> None:
     """The hand-over point: ``parallelize`` says how the model will run. A budget planned (or still
     to be planned on the first forward) for another strategy, world size or shard size is redone for
-    this one; one whose explicit ``strategy``/``shard_size`` contradicts it is refused.
+    this ``layout``; one whose explicit ``strategy``/``shard_size`` contradicts it is refused.
 
     Raises:
         ConfigError: ``Budget(strategy=...)`` or ``Budget(shard_size=...)`` other than what
@@ -330,6 +331,7 @@ def replan_budget(model: nn.Module, strategy: str, world_size: int, shard_size: 
     if record is None:
         return
     pol = record.policy
+    strategy, world_size, shard_size = layout.strategy, layout.world_size, layout.shard_size
     # FSDP2 over a 2-D mesh is HSDP: a plan for "fsdp2" is redone for its shard groups, not refused.
     if pol.strategy is not None and pol.strategy != strategy and (pol.strategy, strategy) != ("fsdp2", "hsdp"):
         raise ConfigError(

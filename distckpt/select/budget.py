@@ -59,7 +59,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +66,7 @@ from typing import Any
 import torch
 
 from distckpt.errors import ConfigError
+from distckpt.layout import default_shard_size
 from distckpt.runtime import recompute
 from distckpt.runtime.selective import OP_MODES
 from distckpt.runtime.swap import CHECKPOINT_MODES
@@ -617,8 +617,8 @@ def select_for_budget(
 
         dtype = next((p.dtype for p in candidates.model.parameters() if p.is_floating_point()), torch.float32)
         offload_flops_per_byte = flops_per_byte(mp, device, dtype)
-    if strategy == "hsdp" and shard_size is None and os.environ.get("LOCAL_WORLD_SIZE"):
-        shard_size = int(os.environ["LOCAL_WORLD_SIZE"])
+    if strategy == "hsdp" and shard_size is None:
+        shard_size = default_shard_size()
     result = plan_budget(
         mp,
         budget_bytes,
