@@ -174,3 +174,46 @@ def test_guard_compares_the_tp_ranks_holding_the_same_part(pool4):
                 inject,
                 msgs,
             )
+
+
+# --- the memory plan of a tensor-parallel block ------------------------------------------------------------------
+
+
+def _measured_peaks(rank, world_size):
+    """MemTracker's peak of a steady-state AdamW step of the launcher's gpt, tensor-parallel over mesh["tp"] (its
+    plan: distckpt.parallel.tp) and FSDP2 over mesh["dp"], without and with checkpointing; and the budget profile's
+    parameter bytes of the tensor-parallel model (its local shards)."""
+    from benchmarks.plan_accuracy import _make_gpt, _steady_peak
+    from distckpt.parallel.tp import apply_tp
+    from distckpt.select.blocks import find_blocks
+    from distckpt.select.profile import profile_model
+
+    mesh, peaks = _mesh(), []
+    for policy in ("none", "full"):
+        torch.manual_seed(0)
+        model, loss_fn, batch_fn = _make_gpt(2)
+        batch = batch_fn(0, 0, 1)
+        apply_tp(model, mesh["tp"], find_blocks(model, None))
+        if policy == "none":
+            local_bytes = profile_model(model, find_blocks(model, None), (batch,), modes=()).param_bytes
+        else:
+            distckpt.wrap(model, policy)
+        peaks.append(_steady_peak(distckpt.parallelize(model, "fsdp2", device_mesh=mesh), loss_fn, batch))
+    return peaks, local_bytes
+
+
+def test_plan_counts_a_tensor_parallel_block_by_its_shards(pool4):
+    from benchmarks.plan_accuracy import gpt_factory
+    from distckpt.select.estimate import plan_at_scale
+
+    results = pool4.run(_measured_peaks, timeout=300)
+    measured = [max(r[0][k] for r in results) for k in range(2)]
+    # distckpt plan traces one tp rank's shapes (fake tensors, one process); FSDP2 shards over the 2 dp ranks.
+    tp = plan_at_scale(gpt_factory(2), strategy="fsdp2", world_size=WORLD, tp=2)
+    no_tp = plan_at_scale(gpt_factory(2), strategy="fsdp2", world_size=DP)
+    for k, policy in enumerate(("none", "full")):
+        pred = tp.policy(policy).peak_bytes
+        assert measured[k] <= pred < 1.05 * measured[k], (policy, pred, measured[k])
+        assert no_tp.policy(policy).peak_bytes > 1.2 * measured[k]  # the plan without tp: far over
+    # The budget's own profile of the tensor-parallel model counts the local shards, as the plan's trace does.
+    assert {r[1] for r in results} == {tp.profile.param_bytes}
