@@ -110,10 +110,18 @@ def task_data(node: DictConfig) -> DictConfig:
 
 
 def build_data(
-    d: DictConfig, m: DictConfig, device: torch.device | None = None, *, allow_reshuffle: bool = False
+    d: DictConfig,
+    m: DictConfig,
+    device: torch.device | None = None,
+    *,
+    allow_reshuffle: bool = False,
+    ranks: tuple[int, int] | None = None,
 ) -> ShardedLoader | TaskMixLoader:
     """This rank's loader for ``data=...``: sharded over the ranks, shuffled per epoch, resumable
-    (``allow_reshuffle``: ``trainer.allow_reshuffle``, see :class:`~distckpt.train.data.ShardedLoader`)."""
+    (``allow_reshuffle``: ``trainer.allow_reshuffle``, see :class:`~distckpt.train.data.ShardedLoader`).
+    ``ranks``: ``(this rank's index, ranks)`` among those that read different data (the data-parallel ranks under
+    tensor parallel: the tp ranks of one replica read the same batch); default: every rank."""
+    where = {} if ranks is None else {"rank": ranks[0], "world_size": ranks[1]}
     pin = bool(d.pin_memory) and device is not None and device.type == "cuda"
     if d.name == "multitask":
         datasets = {t: build_datasets(task_data(task.data), m) for t, task in d.tasks.items()}
@@ -127,6 +135,7 @@ def build_data(
             pin_memory=pin,
             drop_last=d.drop_last,
             allow_reshuffle=allow_reshuffle,
+            **where,
         )
     train_set, eval_set = build_datasets(d, m)
     return ShardedLoader(
@@ -139,6 +148,7 @@ def build_data(
         drop_last=d.drop_last,
         eval_dataset=eval_set,
         allow_reshuffle=allow_reshuffle,
+        **where,
     )
 
 
@@ -174,6 +184,26 @@ def build_optimizer(o: DictConfig, model: nn.Module, max_steps: int) -> tuple[to
     return opt, sched
 
 
+def tensor_parallel_mesh(layout: Layout, device: torch.device) -> Any:
+    """The ``("dp", "tp")`` mesh of ``strategy.tp`` > 1, or None."""
+    if layout.tp == 1:
+        return None
+    from distckpt.parallel.mesh import build_mesh
+
+    return build_mesh(layout, device.type)
+
+
+def apply_tensor_parallel(model: nn.Module, mesh: Any) -> None:
+    """Tensor parallel on the model's blocks over ``mesh["tp"]`` (the first step of the order: before
+    checkpointing), with the torchtitan-style plan of :func:`distckpt.parallel.tp.transformer_plan`."""
+    if mesh is None:
+        return
+    from distckpt.parallel.tp import apply_tp
+    from distckpt.select.blocks import find_blocks
+
+    apply_tp(model, mesh["tp"], find_blocks(model, None))
+
+
 def parallel_kwargs(p: DictConfig, layout: Layout) -> dict[str, Any]:
     """Extra arguments for ``distckpt.parallelize``: FSDP's own mixed precision when ``precision.sharded``."""
     if not p.sharded or p.dtype == "fp32":
@@ -205,9 +235,13 @@ def build_scaler(p: DictConfig, layout: Layout, device: torch.device) -> Any:
 
 
 def clip_fn(model: nn.Module, layout: Layout) -> Callable[[float], torch.Tensor]:
-    """``clip(max_norm) -> total norm`` over all ranks: FSDP1 shards flat params and needs its own method."""
+    """``clip(max_norm) -> total norm`` over all ranks: FSDP1 shards flat params and needs its own method; under
+    tensor parallel the gradients live on two meshes (FSDP2's "dp" for the replicated parameters, ("dp", "tp") for
+    the tensor-parallel ones), which one ``clip_grad_norm_`` cannot stack: each mesh's norm is taken apart."""
     if layout.engine is Engine.FSDP1:
         return functools.partial(fsdp1.clip_grad_norm, model)
+    if layout.tp > 1:
+        return functools.partial(_clip_by_mesh, model)
 
     def clip(max_norm: float) -> torch.Tensor:
         norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
@@ -215,3 +249,23 @@ def clip_fn(model: nn.Module, layout: Layout) -> Callable[[float], torch.Tensor]
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     return clip
+
+
+def _clip_by_mesh(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip gradients held as DTensors on several meshes: the total norm from each mesh's own (a collective over it,
+    in parameter order on every rank), then every gradient scaled by one factor."""
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
+    norms = []
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    total = torch.stack([n.float() for n in norms]).norm() if norms else torch.zeros(())
+    coef = min(1.0, max_norm / (float(total) + 1e-6))
+    if coef < 1.0:
+        for grads in groups.values():
+            for g in grads:
+                g.mul_(coef)
+    return total

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from distckpt.errors import ConfigError
 from distckpt.layout import Layout, default_shard_size
-from distckpt.options import GRAPHS, OPTIMIZERS, STRATEGIES, check_run
+from distckpt.options import GRAPHS, OPTIMIZERS, STRATEGIES, check_run, check_tp
 
 CHOICES = {
     "strategy.name": STRATEGIES,
@@ -87,6 +87,7 @@ RANGES: dict[str, Range] = {
     "data.noise": PROBABILITY,
     "data.shuffle_block": Range(1, why="windows shuffled together; 1: no shuffle"),
     "strategy.shard_size": Range(1, why="ranks per shard group; null: the ranks of one node"),
+    "strategy.tp": Range(1, why="tensor-parallel ranks per data-parallel rank; 1: no tensor parallel"),
     "ac.n": SIZE,
     "ac.offload_flops_per_byte": Range(0, lo_open=True),
     "optim.lr": Range(0, lo_open=True),
@@ -165,12 +166,18 @@ def layout_of(strategy: DictConfig, world_size: int) -> Layout:
     if strategy.name == "hsdp" and shard is None:
         shard = default_shard_size(fallback=world_size)
     backend = strategy.get("compile")
+    tp = int(strategy.get("tp", 1))
+    try:
+        check_tp(tp, strategy.name, world_size)
+    except ConfigError as e:
+        raise ConfigError(f"strategy={strategy.name} strategy.tp={tp}: {e} Fix the override strategy.tp=N.") from None
     try:
         return Layout.of(
             strategy.name,
-            world_size=world_size if strategy.name != "none" else 1,
+            world_size=world_size // tp if strategy.name != "none" else 1,
             shard_size=None if shard is None else int(shard),
             compile=None if backend is None else {"backend": backend},
+            tp=tp,
         )
     except ConfigError as e:
         raise ConfigError(
@@ -387,9 +394,26 @@ def check_model(cfg: DictConfig) -> None:
         raise ConfigError(
             f"model={cfg.model.name} cannot be built from these model.* values: {type(e).__name__}: {text}"
         ) from None
+    _check_tp_plan(cfg, model)
     blocks = list(c.blocks) if c.blocks else None
     try:
         distckpt.wrap(model, policy, blocks=blocks, reentrant=c.reentrant, offload="cpu" if c.offload else None)
     except ConfigError as e:
         where = f"ac.blocks=[{','.join(blocks)}]" if blocks else f"model={cfg.model.name} ac.policy={c.policy}"
         raise ConfigError(f"{where}: {e}" + ("" if blocks else " In the launcher: ac.blocks=[GLOB,...].")) from None
+
+
+def _check_tp_plan(cfg: DictConfig, model: Any) -> None:
+    """``strategy.tp`` > 1: the model has the tensor-parallel plan training will apply (Llama-style attention and MLP
+    linears in its blocks) and the tp divides its heads and widths (the model on the meta device)."""
+    tp = int(cfg.strategy.get("tp", 1))
+    if tp == 1:
+        return
+    from distckpt.select.blocks import find_blocks
+    from distckpt.select.tp_shapes import check_heads, tp_roles
+
+    try:
+        found = find_blocks(model, None)
+        check_heads(model, found, tp_roles(found), tp)
+    except ConfigError as e:
+        raise ConfigError(f"strategy.tp={tp} with model={cfg.model.name}: {e}") from None
