@@ -42,7 +42,7 @@ from distckpt._dist import grad_meta, zero_grad
 from distckpt.errors import ConfigError, GradDesyncError
 from distckpt.layout import Layout
 from distckpt.options import Engine
-from distckpt.parallel.deferred import defer
+from distckpt.parallel.deferred import deferred
 
 __all__ = ["SyncState"]
 
@@ -425,11 +425,7 @@ class SyncState:
             # Here, before any parameter's gradient is accumulated, DDP has not reduced anything, so a
             # changed graph raises this ConfigError instead of DDP's "graph has changed" or a desync.
             self._check_static(torch.tensor(self.used), torch.tensor(self.in_graph))
-        reduces = self._armed if self.engine is Engine.DDP else self.sync
-        if reduces and self.engine is Engine.FSDP2 and not compat.fsdp2_reduces_grads(u.module for u in self.units):
-            # FSDP2's own sync is off though distckpt.accumulate is not (pipelining's schedules): see deferred.py.
-            reduces = False
-            defer(self)
+        reduces = self._armed if self.engine is Engine.DDP else self.sync and not deferred(self)
         # Queued now, this runs before DDP's finalize (queued by the last bucket); it queues the real
         # work behind it, so that resetting grads happens after the reduction wrote them.
         compat.queue_after_backward(lambda: self._end_of_backward(reduces))
@@ -470,12 +466,8 @@ class SyncState:
         self._window_used |= used
         if self.reentrant and not self.join_reentrant:
             self._check_reentrant(fired)
-        if reduces:
-            self.close_window()
-
-    def close_window(self) -> None:
-        """The end of a reduction window: the used bits all-reduced, and the gradients of parameters no rank used
-        reset to None (after the reduction wrote them)."""
+        if not reduces:
+            return
         if self.engine is Engine.DDP:
             self._armed = False
             self.window += 1
@@ -597,7 +589,6 @@ class _Participate(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor | None) -> Any:
         skip = ctx.state.on_participate_backward(ctx.record, ctx.keys)
-        # A DTensor parameter (tensor parallel) gets a DTensor zero of its mesh and placements.
         zeros = [None if s else zero_grad(meta) for s, meta in zip(skip, ctx.meta)]
         return (None, None, None, grad, *zeros)
 

@@ -14,7 +14,19 @@ import pytest
 import torch
 import torch.nn as nn
 from harness import DistPool
-from patterns import PATTERNS, TASKS, MultiTask, _mse, make_optimizer, micro_batches, reference
+from patterns import (
+    PATTERNS,
+    TASKS,
+    MultiTask,
+    _mse,
+    assert_matches,
+    build,
+    full_grads,
+    full_params,
+    make_optimizer,
+    micro_batches,
+    reference,
+)
 
 import distckpt
 
@@ -155,3 +167,41 @@ RUNS = [
 
 def test_pipelining_matches_single_process(pool4):
     _check(pool4.run(_several, RUNS, timeout=600), RUNS)
+
+
+# --- FSDP2's own no-sync, as the schedules use it, in a plain loop ---------------------------------------------
+
+
+def _native_no_sync(rank, world_size, name):
+    """``pattern``'s micro-batches with FSDP2's own ``set_requires_gradient_sync(False)`` around all but the last
+    (instead of distckpt.accumulate): the windows of the unsynced backwards wait for the optimizer's step, and the
+    last, synced backward closes them first (closing again at the step would reset every gradient)."""
+    import contextlib
+
+    pattern = PATTERNS[name]
+    model = build(pattern)
+    distckpt.wrap(model, "full", blocks=pattern.blocks)
+    pm = distckpt.parallelize(model, "fsdp2")
+
+    @contextlib.contextmanager
+    def no_sync():
+        pm.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            pm.set_requires_gradient_sync(True)
+
+    opt = make_optimizer([p for p in pm.parameters() if p.requires_grad])
+    grads = []
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        pattern.schedule(pm, pattern.loss, micro_batches(pattern, step, rank, world_size), step, rank, no_sync, 1.0)
+        opt.step()
+        grads.append(full_grads(pm, "fsdp2"))
+    return grads, full_params(pm, "fsdp2")
+
+
+def test_fsdp2_native_no_sync_matches_single_process(pool4):
+    assert_matches(
+        pool4.run(_native_no_sync, "accumulate", timeout=300), reference(PATTERNS["accumulate"], WORLD, STEPS)
+    )
