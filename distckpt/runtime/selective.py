@@ -21,6 +21,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from distckpt import _torch_compat as compat
 from distckpt.errors import ConfigError
+from distckpt.runtime.routing import ROUTING_PACKETS
 
 __all__ = [
     "DEFAULT_SAVE_OPS",
@@ -197,15 +198,20 @@ def bind(context_fn: Callable[[], tuple[Any, Any]] | None, block: Any) -> Callab
     """``context_fn`` for checkpointing ``block``: one of distckpt's op-level policies gets the
     block's own :class:`_Reach` (what its recompute reads), any other is returned as it is, and
     ``None`` (full recompute) is torch's ``noop_context_fn``."""
+    compiling = torch.compiler.is_compiling()
+    # Routing replay under torch.compile (eagerly: distckpt.runtime.routing's dispatch modes): the routing ops'
+    # outputs are must-save, so the compiled backward reads the forward's decisions instead of deciding again.
+    replay = ROUTING_PACKETS if compiling and not getattr(block, "_distckpt_replay_off", 0) else frozenset()
     if context_fn is None:
-        return noop_context_fn
+        return functools.partial(_contexts, replay, False) if replay else noop_context_fn
     if not (isinstance(context_fn, functools.partial) and context_fn.func is _contexts):
         return context_fn
-    if torch.compiler.is_compiling():
+    if compiling:
         # Under torch.compile the partitioner saves only what backward reads, so the reach has no job there;
         # and dynamo takes a context_fn only as a constant: a _Reach in it broke the graph and ran the whole
         # checkpoint eagerly (measured, torch 2.13).
-        return functools.partial(_contexts, *context_fn.args[:2])
+        save, every_other = context_fn.args[:2]
+        return functools.partial(_contexts, save | replay, every_other)
     save, every_other = context_fn.args[:2]
     key = (tuple(sorted(str(p) for p in save)), every_other)
     reach = block.__dict__.setdefault(_REACH, {}).setdefault(key, _Reach())
