@@ -44,6 +44,7 @@ from distckpt import _torch_compat as compat
 
 __all__ = [
     "EPS",
+    "SOURCES",
     "MODELS",
     "HF_MODELS",
     "TOKENS",
@@ -61,6 +62,7 @@ __all__ = [
 MODELS = ("mixtral_grouped", "mixtral_eager", "qwen2_moe", "olmoe", "handmade")
 HF_MODELS = MODELS[:4]
 EPS = 1e-5  # the perturbation, relative to each router logit
+SOURCES = ("counter", "generator", "kernel")
 VOCAB, HIDDEN, LAYERS, EXPERTS, TOP_K = 64, 32, 2, 4, 2
 TOKENS = 512  # per batch: 8 rows of 64
 _ROWS = 8
@@ -68,25 +70,46 @@ _ROWS = 8
 # --- the perturbation ----------------------------------------------------------------------------
 
 
+_KERNEL_CALLS = [0]  # the "kernel" source's state: global, as a GPU kernel's non-determinism is
+
+
+@torch.library.custom_op("moe_sim::jitter", mutates_args=())
+def _jitter(x: torch.Tensor) -> torch.Tensor:
+    """An opaque op (torch.compile cannot see inside, and recomputes it in a compiled backward) whose result
+    depends on how often it ran: a non-deterministic kernel."""
+    _KERNEL_CALLS[0] += 1
+    phase = _KERNEL_CALLS[0] * 0.618 + torch.arange(x.shape[-1], dtype=x.dtype, device=x.device) * 1.37
+    return torch.sin(x * 1e3 + phase)
+
+
+@_jitter.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
 class _Noise:
     """A router's perturbation: ``logits * EPS * n`` with ``n`` in [-1, 1] per score, drawn anew at each call."""
 
     def __init__(self, source: str, seed: int) -> None:
-        if source not in ("counter", "generator"):
-            raise ValueError(f"noise source must be 'counter' or 'generator', got {source!r}")
+        if source not in SOURCES:
+            raise ValueError(f"noise source must be one of {SOURCES}, got {source!r}")
         self.source, self.seed, self.on = source, seed, True
         self.calls = 0
         self.gen = torch.Generator().manual_seed(seed) if source == "generator" else None
 
     def reset(self, state: int = 0) -> None:
         self.calls = state
+        if self.source == "kernel":
+            _KERNEL_CALLS[0] = state
         if self.gen is not None:
             self.gen.manual_seed(self.seed + state)
 
     def draw(self, logits: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         x = logits.detach()
-        if self.gen is not None:  # the module's own generator: its state advances at every call
+        if self.source == "kernel":
+            n = torch.ops.moe_sim.jitter(x)
+        elif self.gen is not None:  # the module's own generator: its state advances at every call
             n = torch.rand(x.shape, generator=self.gen, dtype=x.dtype).mul_(2).sub_(1).to(x.device)
         else:  # a function of the Python counter, the expert and the score itself (no torch RNG)
             phase = self.calls * 0.618 + torch.arange(x.shape[-1], dtype=x.dtype, device=x.device) * 1.37

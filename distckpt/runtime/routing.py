@@ -32,8 +32,10 @@ __all__ = [
     "replay_contexts",
     "replay_wrapped",
     "replaying",
+    "replays",
     "routes",
     "routing_replay_disabled",
+    "Stacked",
 ]
 
 aten = torch.ops.aten
@@ -62,6 +64,11 @@ _ROUTES = "_distckpt_routes"
 def routes(block: nn.Module) -> bool | None:
     """Whether ``block``'s checkpointed forwards run routing ops (``None``: none has run yet)."""
     return block.__dict__.get(_ROUTES)
+
+
+def replays(block: nn.Module) -> bool:
+    """Whether a checkpointed forward of ``block`` run now would record its routing (eagerly) for its recompute."""
+    return not getattr(block, "_distckpt_replay_off", 0) and routes(block) is not False
 
 
 @contextlib.contextmanager
@@ -159,18 +166,18 @@ def replay_wrapped(context_fn: Callable[[], tuple[Any, Any]], block: nn.Module) 
     """``context_fn`` for checkpointing ``block`` with routing replay under its own contexts (entered first, so
     that op-level policies, ``verify_recompute``'s recorder and MemTracker see the replayed outputs), when the
     block routes or is not known yet; ``context_fn`` itself when replay is off or the block runs no routing op."""
-    if getattr(block, "_distckpt_replay_off", 0) or routes(block) is False:
+    if not replays(block):
         return context_fn
 
     def pair() -> tuple[Any, Any]:
         fwd, rec = context_fn()
         mine_fwd, mine_rec = replay_contexts(block)
-        return _stacked(mine_fwd, fwd), _stacked(mine_rec, rec)
+        return Stacked(mine_fwd, fwd), Stacked(mine_rec, rec)
 
     return pair
 
 
-class _stacked:  # noqa: N801 - a context manager used like a function
+class Stacked:
     """``first`` then ``then``, entered again at every recompute of one forward (a generator context could not)."""
 
     def __init__(self, first: Any, then: Any) -> None:
@@ -191,7 +198,7 @@ class _stacked:  # noqa: N801 - a context manager used like a function
 def replaying(fn: Callable[..., Any], block: nn.Module) -> Callable[..., Any]:
     """``fn`` for one reentrant checkpoint of ``block`` (which takes no ``context_fn``): its first call (the forward)
     records the routing ops' outputs, every later one (the recompute in backward) replays them."""
-    if getattr(block, "_distckpt_replay_off", 0) or routes(block) is False:
+    if not replays(block):
         return fn
     fwd, rec = replay_contexts(block)
     calls = [0]

@@ -11,6 +11,9 @@ wrong or raise torch's CheckpointError: the issue's table, kept as the test that
 from __future__ import annotations
 
 import logging
+import warnings
+from collections.abc import Callable
+from typing import Any
 
 import moe_sim as sim
 import pytest
@@ -24,7 +27,7 @@ from distckpt.select.blocks import find_blocks
 from distckpt.select.budget import predicted_peak
 from distckpt.select.profile import profile_model
 
-SOURCES = ("counter", "generator")
+SOURCES = sim.SOURCES
 RTOL = 1e-5
 
 
@@ -55,18 +58,23 @@ def _pair(name: str, noise: str | None, policy: str) -> tuple[torch.nn.Module, t
         assert set(distckpt.checkpointed(model, modes=True).values()) - {"none"}, "the budget checkpoints nothing"
     else:
         distckpt.wrap(model, **_wrap_kwargs(policy))
-    if noise is not None:
-        sim.reset_noise(ref)
-        sim.reset_noise(model)
     return ref, model, b
 
 
-def _check(name: str, noise: str | None, policy: str) -> float:
+def _check(name: str, noise: str | None, policy: str, run: Callable[[torch.nn.Module], Any] | None = None) -> float:
+    """The largest relative gradient difference of the checkpointed step (``run(model)``: the module to call,
+    e.g. compiled) against the reference."""
     ref, model, b = _pair(name, noise, policy)
-    loss_ref, want = sim.step_grads(ref, b)
-    loss, got = sim.step_grads(model, b)
+    loss_ref, want = _step(ref, b, noise)
+    loss, got = _step(model if run is None else run(model), b, noise)
     assert torch.equal(loss, loss_ref)  # the forward is the reference's (same perturbation)
     return sim.rel_diff(got, want)
+
+
+def _step(model: torch.nn.Module, b: dict, noise: str | None) -> tuple[torch.Tensor, dict]:
+    if noise is not None:
+        sim.reset_noise(model)  # the "kernel" source's counter is global: reset right before each step
+    return sim.step_grads(model, b)
 
 
 # --- the simulation itself ------------------------------------------------------------------------
@@ -97,17 +105,16 @@ _SILENT = ("mixtral_grouped", "qwen2_moe", "olmoe")
 @pytest.mark.parametrize("name", sim.MODELS)
 def test_without_replay_the_recompute_routes_again(name):
     ref, model, b = _pair(name, "counter", "full")
-    _, want = sim.step_grads(ref, b)
+    _, want = _step(ref, b, "counter")
     with distckpt.routing_replay_disabled(model):
         if name in _SILENT:
-            _, got = sim.step_grads(model, b)
+            _, got = _step(model, b, "counter")
             assert sim.rel_diff(got, want) > 0.1  # silently wrong
         else:
             with pytest.raises(tuc.CheckpointError, match="different metadata"):
-                sim.step_grads(model, b)
+                _step(model, b, "counter")
     # The same model with replay back on (the default) is right.
-    sim.reset_noise(model)
-    _, got = sim.step_grads(model, b)
+    _, got = _step(model, b, "counter")
     assert sim.rel_diff(got, want) < RTOL
 
 
@@ -180,7 +187,9 @@ def test_a_block_without_routing_ops_is_not_watched_after_its_first_forward():
 def test_retained_graph_replays_in_every_backward():
     """A second backward of a retained graph recomputes again: it replays again (from the first decision)."""
     ref, model, b = _pair("mixtral_eager", "generator", "full")
+    sim.reset_noise(ref)
     want = torch.autograd.grad(sim.loss(ref, b), list(ref.parameters()))
+    sim.reset_noise(model)
     out = sim.loss(model, b)
     params = list(model.parameters())
     for _ in range(2):
@@ -208,3 +217,86 @@ def test_replay_keeps_only_the_routing_decisions(caplog):
     nbytes = sum(t.numel() * t.element_size() for _, _, out in log for t in out)
     # top-2 values (fp32) and indices (int64) per token, then the sort of the 2 ids per token (values, indices)
     assert nbytes == tokens * sim.TOP_K * (4 + 8) + tokens * sim.TOP_K * (8 + 8)
+
+
+# --- under torch.compile ----------------------------------------------------------------------------
+# The "kernel" source is an opaque custom op that a compiled backward runs again when it recomputes (the
+# Python-level sources are traced into the graph as constants: the compiled recompute cannot differ from them).
+
+
+@pytest.fixture
+def _fresh_dynamo():
+    torch.compiler.reset()
+    yield
+    torch.compiler.reset()
+
+
+def _compiled_blocks(model: torch.nn.Module, **kw: Any) -> torch.nn.Module:
+    from distckpt.apply.compile import compile_blocks
+
+    return compile_blocks(model, backend="aot_eager", **kw)
+
+
+@pytest.mark.usefixtures("_fresh_dynamo")
+@pytest.mark.parametrize("policy", ["full", pytest.param("selective", marks=pytest.mark.slow)])
+def test_compiled_blocks_replay_routing(policy):
+    """Per-block compile traces checkpoint and forward as one graph: the routing ops are must-save there, so the
+    compiled backward reads the forward's decisions. Without replay the compiled recompute routes again."""
+    from distckpt import _torch_compat as compat
+
+    with compat.compile_counts() as counts:
+        assert _check("mixtral_grouped", "kernel", policy, _compiled_blocks) < RTOL
+    assert counts["graphs"] == 1 and not counts["breaks"], counts
+
+    def without_replay(model):
+        _compiled_blocks(model)
+        return _ReplayOff(model)
+
+    assert _check("mixtral_grouped", "kernel", policy, without_replay) > 0.1
+
+
+class _ReplayOff(torch.nn.Module):
+    """Calls ``model`` with routing replay off."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, **kw: Any) -> Any:
+        with distckpt.routing_replay_disabled(self.model):
+            return self.model(**kw)
+
+
+@pytest.mark.usefixtures("_fresh_dynamo")
+def test_compiled_blocks_with_a_graph_break_in_the_checkpoint():
+    """Mixtral's expert loop breaks the graph inside the checkpoint (``nonzero``): dynamo runs that checkpoint
+    eagerly, with the context made for the compiled one; there replay runs eagerly too (torch's must-save would
+    fail on Mixtral's in-place division of the top-k values: "cached ... has been mutated")."""
+    assert _check("mixtral_eager", "kernel", "full", lambda m: _compiled_blocks(m, fullgraph=False)) < RTOL
+
+
+@pytest.mark.usefixtures("_fresh_dynamo")
+@pytest.mark.parametrize("policy", ["reentrant", pytest.param("offload_cpu", marks=pytest.mark.slow)])
+def test_compiled_forward_in_an_eager_checkpoint_runs_eagerly_where_it_routes(policy, monkeypatch):
+    """A compiled block whose checkpoint runs eagerly (reentrant, offload, BatchNorm) runs its forward eagerly
+    once it is seen to route (torch.compile runs no compiled frame under replay's dispatch mode), and says so."""
+    from distckpt.runtime import swap
+
+    monkeypatch.setattr(swap, "_WARNED_REPLAY", set())  # said once per block class and process
+    ref, model, b = _pair("mixtral_grouped", "kernel", policy)
+    _compiled_blocks(model)
+    _, want = _step(ref, b, "kernel")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            _, got = _step(model, b, "kernel")
+            assert sim.rel_diff(got, want) < RTOL
+    said = [str(w.message) for w in caught if "route tokens" in str(w.message)]
+    assert len(said) == 1 and "MixtralDecoderLayer" in said[0] and "reentrant=False" in said[0], said
+
+
+@pytest.mark.slow  # 20 s: HF's forward breaks dynamo's graph in several places
+@pytest.mark.usefixtures("_fresh_dynamo")
+@pytest.mark.parametrize("policy", ["full", "selective", "reentrant"])
+def test_whole_model_compile_replays_routing(policy):
+    assert _check("mixtral_grouped", "kernel", policy, lambda m: torch.compile(m, backend="aot_eager")) < RTOL
