@@ -117,8 +117,11 @@ def verify_recompute(
 
     Both runs start from the same CPU and CUDA RNG state and the same buffers. Compared: the loss,
     every gradient, every buffer (BatchNorm statistics), and, inside each checkpointed block, every
-    op of the recompute against the same op of the forward (sums of its outputs), which names the
-    first module whose recompute differs. Blocks checkpointed with ``reentrant=True`` are compared
+    op of the recompute against the same op of the forward (sums of its outputs, integer outputs
+    element by element), which names the first module whose recompute differs; a routing op (top-k,
+    sort, argmax) that decided otherwise comes first, as ``[routing]`` at its router (checkpointed
+    mixture-of-experts layers replay their forward's routing unless inside
+    :func:`distckpt.routing_replay_disabled`). Blocks checkpointed with ``reentrant=True`` are compared
     at the outputs of their submodules instead of op by op. When the model is wrapped in DDP or
     FSDP, each run synchronizes gradients: call it on all ranks (or pass the unwrapped model).
 
