@@ -99,6 +99,7 @@ CAUSES = {
 
 
 def storage_of(t: torch.Tensor) -> int:
+    """The address of ``t``'s storage (``-1`` for a tensor without one): buffers are told apart by it."""
     try:
         return t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):  # tensors without storage (subclasses)
@@ -108,7 +109,7 @@ def storage_of(t: torch.Tensor) -> int:
 _OUTPUT = " output"  # the name of a submodule's output record (reentrant blocks)
 # An integer output up to this size is kept whole and compared element by element (a permutation of top-k
 # indices has the same sum); a larger one by a position-weighted sum.
-_WHOLE = 1 << 22
+_WHOLE = 1 << 20
 
 
 class _Op(NamedTuple):
@@ -133,9 +134,11 @@ def _op_record(name: str, module: str, out: Any, state: frozenset[int] = frozens
         t64 = t.double()
         entry: tuple[Any, ...] = (tuple(t.shape), t.dtype, float(t64.sum()), float((t64 * t64).sum()))
         if not (t.is_floating_point() or t.is_complex()):
-            whole = t.numel() <= _WHOLE
-            weights = torch.arange(1, t.numel() + 1, dtype=torch.float64, device=t.device)
-            entry += (t.to("cpu", copy=True) if whole else float((t64.flatten() * weights).sum()),)
+            if t.numel() <= _WHOLE:
+                entry += (t.to("cpu", copy=True),)
+            else:
+                weights = torch.arange(1, t.numel() + 1, dtype=torch.float64, device=t.device)
+                entry += (float((t64.flatten() * weights).sum()),)
         values.append(entry)
     return _Op(name, module, values, routing)
 

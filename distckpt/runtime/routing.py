@@ -8,7 +8,8 @@ wrong gradients with no error, or torch's ``CheckpointError``. Eagerly, a dispat
 checkpoint contexts records those ops' outputs in the forward (cloned: Mixtral divides the top-k values in place)
 and hands them back, in call order, to the recompute; under ``torch.compile`` the same ops are marked must-save in
 the checkpoint's op policy, so the compiled backward reads them instead of recomputing them. What is kept is only
-what these ops return (indices and their values): for a top-2 router, 24 bytes per token and layer.
+what these ops return (indices and their values): for a top-2 router, 24 bytes per token and layer (56 with
+Mixtral's grouped experts, which also sort the expert ids).
 
 A block's first checkpointed forward tells whether it runs any routing op; one that runs none is not watched
 after it (a dispatch mode costs about 10 us per op on the host).

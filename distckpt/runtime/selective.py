@@ -22,7 +22,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from distckpt import _torch_compat as compat
 from distckpt.errors import ConfigError
-from distckpt.runtime.routing import ROUTING_PACKETS, Stacked, replay_contexts
+from distckpt.runtime.routing import ROUTING_PACKETS, Stacked, replay_contexts, replays
 
 __all__ = [
     "DEFAULT_SAVE_OPS",
@@ -215,7 +215,7 @@ def bind(context_fn: Callable[[], tuple[Any, Any]] | None, block: Any) -> Callab
     # Routing replay under torch.compile (eagerly: distckpt.runtime.routing's dispatch modes, added by the
     # checkpoint's caller): the routing ops' outputs are must-save (see _contexts), so the compiled backward reads
     # the forward's decisions instead of deciding again.
-    replay = compiling and not getattr(block, "_distckpt_replay_off", 0)
+    replay = compiling and replays(block)  # a block an eager forward showed to be dense: torch's plain compiled AC
     if context_fn is None:
         return functools.partial(_contexts, frozenset(), False, None, True) if replay else noop_context_fn
     if not (isinstance(context_fn, functools.partial) and context_fn.func is _contexts):

@@ -80,8 +80,10 @@ class _CheckpointedMixin:
         if compiled is not None:
             if eager_reason(self):
                 # Compiled forward only, in an eager checkpoint; eager too while routing replay may be needed.
-                fn = inner if replays(self) and _replay_runs_eagerly(self) else compiled.inner(self)
-                return run_checkpointed(self, fn, opts, args, kwargs)
+                if replays(self):
+                    _warn_eager_for_replay(self)
+                    return run_checkpointed(self, inner, opts, args, kwargs)
+                return run_checkpointed(self, compiled.inner(self), opts, args, kwargs)
             return compiled.traced(self, args, kwargs)  # checkpoint and forward in one graph
         return run_checkpointed(self, inner, opts, args, kwargs)
 
@@ -100,7 +102,7 @@ class _CheckpointedMixin:
 _WARNED_REPLAY: set[type] = set()
 
 
-def _replay_runs_eagerly(block: nn.Module) -> bool:
+def _warn_eager_for_replay(block: nn.Module) -> None:
     """A compiled block whose checkpoint runs eagerly (``eager_reason``) runs its forward eagerly where routing
     replay needs it: replay's dispatch mode must see the routing ops, and torch.compile runs no compiled frame under
     such a mode. Until the block's first forward tells whether it routes; for good, with one warning, if it does."""
@@ -113,7 +115,6 @@ def _replay_runs_eagerly(block: nn.Module) -> bool:
             "offload).",
             stacklevel=3,
         )
-    return True
 
 
 def _rebuild_checkpointed(constructor: Callable[..., Any], args: tuple[Any, ...]) -> Any:

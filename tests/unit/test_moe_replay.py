@@ -10,6 +10,8 @@ wrong or raise torch's CheckpointError: the issue's table, kept as the test that
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import logging
 import warnings
 from collections.abc import Callable
@@ -300,3 +302,59 @@ def test_compiled_forward_in_an_eager_checkpoint_runs_eagerly_where_it_routes(po
 @pytest.mark.parametrize("policy", ["full", "selective", "reentrant"])
 def test_whole_model_compile_replays_routing(policy):
     assert _check("mixtral_grouped", "kernel", policy, lambda m: torch.compile(m, backend="aot_eager")) < RTOL
+
+
+class _SampledRouter(torch.nn.Module):
+    """Top-1 routing by ``argmax`` (``how="argmax"``), ``max`` over a dim, ``sort``, or sampled by ``multinomial``
+    from a module-owned generator (which RNG preservation does not restore), each expert a linear map."""
+
+    def __init__(self, how: str, d: int = 8, n: int = 4) -> None:
+        super().__init__()
+        self.how = how
+        self.router = torch.nn.Linear(d, n)
+        self.experts = torch.nn.ModuleList([torch.nn.Linear(d, d) for _ in range(n)])
+        self.gen = torch.Generator().manual_seed(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = self.router(x).softmax(-1)
+        noise = torch.rand(probs.shape, generator=self.gen) * 1e-5  # another draw in the recompute
+        if self.how == "multinomial":
+            idx = torch.multinomial(probs, 1, generator=self.gen).squeeze(-1)
+        elif self.how == "argmax":
+            idx = (probs + noise).argmax(-1)
+        elif self.how == "max":
+            idx = (probs + noise).max(-1).indices
+        else:
+            idx = (probs + noise).argsort(-1, descending=True)[:, 0]
+        gate = probs.gather(-1, idx[:, None])
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            rows = (idx == e).nonzero().flatten()
+            if rows.numel():
+                out = out.index_add(0, rows, expert(x[rows]) * gate[rows])
+        return x + out
+
+
+@pytest.mark.parametrize("how", ["multinomial", "argmax", "max", "argsort"])
+def test_every_routing_op_is_replayed(how):
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(_SampledRouter(how), _SampledRouter(how))
+    with torch.no_grad():
+        for layer in ref:
+            layer.router.weight[1] = layer.router.weight[0]  # tied: the noise decides between experts 0 and 1
+            layer.router.bias[1] = layer.router.bias[0]
+    model = distckpt.wrap(copy.deepcopy(ref), "full", blocks=[_SampledRouter])
+    x = torch.randn(64, 8)
+
+    def grads(m: torch.nn.Module) -> dict:
+        for layer in m:
+            layer.gen.manual_seed(0)
+        m.zero_grad()
+        m(x).square().sum().backward()
+        return {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    want = grads(ref)
+    assert sim.rel_diff(grads(model), want) < RTOL
+    # Without replay: wrong, or torch's CheckpointError (other experts ran: other saved tensors).
+    with distckpt.routing_replay_disabled(model), contextlib.suppress(tuc.CheckpointError):
+        assert sim.rel_diff(grads(model), want) > 1e-3
