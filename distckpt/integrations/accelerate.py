@@ -29,7 +29,7 @@ from distckpt.options import accumulate_refusal, check_graph
 from distckpt.parallel.param_sync import SyncState
 from distckpt.parallel.strategies import _STATE, _reentrant_blocks, attach_ddp
 
-__all__ = ["guard", "install", "prepare"]
+__all__ = ["forget", "guard", "install", "prepare"]
 
 _HOOKS = "_distckpt_hooks"  # attribute of the Accelerator holding its _Hooks
 
@@ -161,6 +161,25 @@ def guard(accelerator: Accelerator, model: nn.Module) -> distckpt.GradSyncGuard 
     hooks: _Hooks | None = accelerator.__dict__.get(_HOOKS)
     inst = hooks.find(model) if hooks is not None else None
     return inst.guard if inst is not None else None
+
+
+def forget(accelerator: Accelerator, model: nn.Module) -> None:
+    """Undo :func:`install` for ``model`` on ``accelerator``: the hooks of the DDP built around it go, and Accelerate
+    prepares it as it would without distckpt. For a model that is replaced (HF Trainer's ``model_init`` builds a new
+    one in ``train()``), so the accelerator holds no reference to it. Nothing happens for a model not installed.
+
+    Args:
+        accelerator: the ``Accelerator`` :func:`install` was called with.
+        model: the plain model given to :func:`install`.
+    """
+    hooks: _Hooks | None = accelerator.__dict__.get(_HOOKS)
+    inst = hooks.models.get(id(model)) if hooks is not None else None
+    if inst is None or inst.model is not model:
+        return
+    state = inst.state()
+    if state is not None:
+        state.remove()
+    del hooks.models[id(model)]
 
 
 # --- refusals ----------------------------------------------------------------------------------------------------

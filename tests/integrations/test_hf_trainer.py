@@ -151,6 +151,40 @@ def test_verify_runs_once_on_the_first_batch_and_leaves_training_exact(dist_pool
     _exact([o for o, _ in out], reference_of("all_heads"))  # all_heads' loss does not depend on the step
 
 
+# --- Trainer(model_init=...): train() builds the model it trains ---------------------------------------------------
+
+
+def _model_init_cases(rank, world):
+    """by_rank (a head rank 0 leaves unused) with the model from Trainer(model_init=...): with distckpt, and
+    without it (Trainer's own DDP, find_unused_parameters=True for a plain nn.Module); and one trial of
+    hyperparameter_search's path (train(trial=...): model_init, then a new accelerator)."""
+    out = {how: hf.pattern_fit(rank, world, "by_rank", how, model_init=True) for how in ("distckpt", "none")}
+    out["trial"] = hf.pattern_fit(rank, world, "by_rank", model_init=True, trial={"logging_steps": 1})
+    return out
+
+
+@pytest.mark.dist
+def test_model_init_two_ranks_trains_the_checkpointed_model_exactly(dist_pool):
+    """train() calls model_init again: distckpt checkpoints and joins THAT model (before: an unwrapped model under
+    distckpt's find_unused_parameters=False, and gloo aborted with 'Received data size doesn't match')."""
+    out = dist_pool.run(_model_init_cases, timeout=300)
+    for how in ("distckpt", "none", "trial"):
+        _exact([o[how] for o in out], reference_of("by_rank"))
+    for how in ("distckpt", "trial"):
+        o0 = out[0][how]
+        assert o0["checkpointed"] == ["blocks.0", "blocks.1"] and o0["find_unused"] is False, (how, o0["checkpointed"])
+        _guard_logged_every_step(o0)
+    assert out[0]["none"]["checkpointed"] == []
+
+
+@pytest.mark.usefixtures("_accelerate_reset")
+def test_model_init_one_process_trains_the_checkpointed_model():
+    """One process: before, train() trained model_init's new model with no block checkpointed, and said nothing."""
+    o = hf.pattern_fit(0, 1, "by_rank", model_init=True)
+    _exact([o], reference_of("by_rank", world_size=1))
+    assert o["checkpointed"] == ["blocks.0", "blocks.1"]
+
+
 # --- refusals (one process: Trainer without DDP) -------------------------------------------------------------------
 
 
@@ -182,8 +216,10 @@ def _accelerate_reset():
 
 @pytest.mark.usefixtures("_accelerate_reset")
 def test_hf_checkpointing_alongside_is_refused_naming_the_one_to_drop():
-    with pytest.raises(distckpt.ConfigError, match="gradient_checkpointing"):
-        _trainer([DistckptCallback()], gradient_checkpointing=True)
+    """TrainingArguments' default is off, so True is the user's choice: refused, under the name this transformers has
+    (activation_checkpointing since 5.25), with the fix that also works in a TRL config."""
+    with pytest.raises(distckpt.ConfigError, match=re.escape(f"Pass {hf.HF_CKPT}=False (TrainingArguments or any TRL")):
+        _trainer([DistckptCallback()], **{hf.HF_CKPT: True})
 
 
 @pytest.mark.usefixtures("_accelerate_reset")
@@ -202,8 +238,10 @@ def test_prepare_refuses_what_distckpt_cannot_keep_exact():
     with pytest.raises(distckpt.ConfigError, match="reentrant=False"):
         prepare(_trainer([DistckptCallback(reentrant=True)], accumulate=2))
     gpt2 = hf.tiny_model("gpt2", lora=False)
-    gpt2.gradient_checkpointing_enable()
-    with pytest.raises(distckpt.ConfigError, match="gradient_checkpointing_disable"):
+    new = hasattr(gpt2, "activation_checkpointing_enable")  # transformers 5.25's name; 4.x: gradient_checkpointing_*
+    (gpt2.activation_checkpointing_enable if new else gpt2.gradient_checkpointing_enable)()
+    disable = "activation_checkpointing_disable" if new else "gradient_checkpointing_disable"
+    with pytest.raises(distckpt.ConfigError, match=disable):
         prepare(hf.LossTrainer(model=gpt2, args=hf.training_args(tempfile.mkdtemp()), loss=hf.seed_loss))
     trainer = prepare(_trainer([DistckptCallback()]))
     with pytest.raises(distckpt.ConfigError, match="once"):
