@@ -185,6 +185,37 @@ def test_model_init_one_process_trains_the_checkpointed_model():
     assert o["checkpointed"] == ["blocks.0", "blocks.1"]
 
 
+# --- the rest of Trainer's life cycle: evaluate/predict mid-training, save and resume -------------------------------
+
+
+def _life_cycle(rank, world, out):
+    """by_rank under distckpt: (1) evaluate after every step and predict after step 1, in the middle of train();
+    (2) saved at step 2 into ``out`` (shared by the ranks), then a new Trainer resumed from checkpoint-2 for step 3."""
+    ev = {"eval_data": hf.PatternData("by_rank", world, steps=1), "predict_at": 1}
+    evaluated = hf.pattern_fit(
+        rank, world, "by_rank", life=ev, eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=1
+    )
+    saved = hf.pattern_fit(rank, world, "by_rank", life={"output_dir": out}, save_strategy="steps", save_steps=2)
+    resumed = hf.pattern_fit(rank, world, "by_rank", life={"output_dir": out, "resume": "checkpoint-2"})
+    return {"evaluated": evaluated, "saved": saved, "resumed": resumed}
+
+
+@pytest.mark.dist
+def test_evaluate_predict_save_and_resume_stay_exact(dist_pool, tmp_path):
+    out = dist_pool.run(_life_cycle, str(tmp_path), timeout=300)
+    ref_grads, ref_params = reference_of("by_rank")
+    _exact([o["evaluated"] for o in out], (ref_grads, ref_params))
+    _exact([o["saved"] for o in out], (ref_grads, ref_params))
+    o0, o1 = out[0]["evaluated"], out[1]["evaluated"]
+    evals = [h["eval_loss"] for h in o0["log_history"] if "eval_loss" in h]
+    assert len(evals) == hf.STEPS and evals == [h["eval_loss"] for h in o1["log_history"] if "eval_loss" in h], evals
+    assert len(o0["predicted"]) == 1 and o0["predicted"] == o1["predicted"], (o0["predicted"], o1["predicted"])
+    # The resumed Trainer runs step 3 only, from checkpoint-2's weights, AdamW state and data position.
+    resumed = [o["resumed"] for o in out]
+    _exact(resumed, ([ref_grads[-1]], ref_params))
+    assert resumed[0]["checkpointed"] == ["blocks.0", "blocks.1"] and resumed[0]["find_unused"] is False
+
+
 # --- refusals (one process: Trainer without DDP) -------------------------------------------------------------------
 
 
