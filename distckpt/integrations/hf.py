@@ -4,7 +4,8 @@ Trainer builds to distckpt (``distckpt.integrations.accelerate.install``) before
 
 Why ``prepare(trainer)`` and not the callback alone: Trainer builds its ``Accelerator`` (with the DDP flags) in
 ``__init__`` and DDP in ``train()``, and no callback event receives the Trainer or its accelerator, so a callback
-cannot reach either. docs/integrations.md ("Hugging Face Trainer") says what holds, measured.
+cannot reach either. docs/integrations.md ("Hugging Face Trainer", "TRL") says what holds, measured; TRL's trainers
+are Trainer subclasses: ``with_distckpt(DPOTrainer)``.
 """
 
 from __future__ import annotations
@@ -53,8 +54,9 @@ class DistckptCallback(TrainerCallback):
             every step).
 
     Raises:
-        ConfigError: bad options; at ``Trainer(...)``: ``gradient_checkpointing=True`` alongside; at ``train()``:
-            :func:`prepare` was not called.
+        ConfigError: bad options; at ``Trainer(...)``: HF's checkpointing turned on by the user alongside
+            (``activation_checkpointing=True`` in ``TrainingArguments``; a TRL config's default ``True`` is turned
+            off instead, logged on rank 0); at ``train()``: :func:`prepare` was not called.
     """
 
     def __init__(

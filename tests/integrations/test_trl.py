@@ -61,23 +61,34 @@ def _exact(out, ref):
 
 # DPO runs chosen and rejected in one forward (and the reference forward under no_grad, outside DDP); SFT one forward
 # of the padded batch. Reentrant blocks: DDP's static graph, which both satisfy (the same forwards every step).
-CASES = [(kind, how, reentrant) for kind in trl_fit.KINDS for how in ("distckpt",) for reentrant in (False, True)]
-CASES.append(("dpo", "prepare", False))
+# The default tier: each trainer, each entry point (with_distckpt, prepare), reentrant off and on, once.
+CORE = [("dpo", "distckpt", False), ("sft", "prepare", True)]
+REST = [("dpo", "distckpt", True), ("sft", "distckpt", False), ("dpo", "prepare", False)]
 
 
-@pytest.mark.dist
-def test_dpo_and_sft_with_lora_are_exact_with_distckpt(dist_pool, references):
-    """with_distckpt(DPOTrainer / SFTTrainer) and TRL's default config (gradient_checkpointing=True, taken over):
-    exact against TRL's own trainer in one process without checkpointing, GradSyncGuard every step, distckpt's DDP
-    flags, HF's checkpointing off and distckpt's blocks on."""
-    out = dist_pool.run(trl_fit.sweep, CASES, timeout=600)
-    for case in CASES:
+def _check_exact(dist_pool, references, cases):
+    out = dist_pool.run(trl_fit.sweep, cases, timeout=600)
+    for case in cases:
         o0, o1 = out[0][case], out[1][case]
         _exact([o0, o1], references[case[0]])
         assert o0["checkpointed"] == BLOCKS and o0["hf_checkpointing"] is False, (case, o0["checkpointed"])
         assert o0["find_unused"] is False, case
         steps = [h for h in o0["log_history"] if "loss" in h]
         assert len(steps) == trl_fit.STEPS and all(h["distckpt_guard_checks"] == 1 for h in steps), case
+
+
+@pytest.mark.dist
+def test_dpo_and_sft_with_lora_are_exact_with_distckpt(dist_pool, references):
+    """with_distckpt(DPOTrainer) and SFTTrainer + prepare, with TRL's default config (gradient_checkpointing=True,
+    taken over): exact against TRL's own trainer in one process without checkpointing, GradSyncGuard every step,
+    distckpt's DDP flags, HF's checkpointing off and distckpt's blocks on."""
+    _check_exact(dist_pool, references, CORE)
+
+
+@pytest.mark.slow  # the other combinations of the same trainers, entry points and reentrant setting
+@pytest.mark.dist
+def test_dpo_and_sft_every_entry_point_and_reentrant_setting(dist_pool, references):
+    _check_exact(dist_pool, references, REST)
 
 
 # --- TRL's default, and the refusal when the user turned HF's checkpointing on --------------------------------------
@@ -130,6 +141,7 @@ def test_with_distckpt_makes_one_prepared_subclass_per_trainer():
 # --- the docs' example under torchrun --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # ~40 s of TRL imports in two torchrun processes; its DPO + with_distckpt case runs by default above
 @pytest.mark.dist
 def test_docs_trl_example_runs_under_torchrun(tmp_path):
     run = run_under_torchrun(docs_example("TRL"), tmp_path)
