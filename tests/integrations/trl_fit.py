@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 from accelerate_fit import kept_environ
-from hf_fit import Record, _name, _release_accelerate
+from hf_fit import HF_CKPT, Record, _name, _release_accelerate
 from torch import nn
 
 import distckpt
@@ -133,9 +133,9 @@ def fit(
     if how in ("distckpt", "prepare"):
         callbacks.append(DistckptCallback(guard_every=1, reentrant=reentrant))
     if how == "trl":
-        cfg["gradient_checkpointing_kwargs"] = {"use_reentrant": reentrant}  # TRL 1.16 declares the old name
+        cfg[f"{HF_CKPT}_kwargs"] = {"use_reentrant": reentrant}  # TRL's default turns HF's checkpointing on
     if how == "none":
-        cfg["activation_checkpointing"] = False
+        cfg[HF_CKPT] = False
     with tempfile.TemporaryDirectory() as out, kept_environ():
         try:
             trainer = trainer_class(kind, how == "distckpt")(
