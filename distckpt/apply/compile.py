@@ -27,7 +27,8 @@ import torch
 import torch.nn as nn
 
 from distckpt import _torch_compat as compat
-from distckpt.apply.wrap import candidate_blocks, parallel_kind, pending_plan
+from distckpt.apply.state import candidate_blocks, pending_plan
+from distckpt.apply.wrap import parallel_kind
 from distckpt.errors import ConfigError
 from distckpt.runtime.recompute import run_checkpointed
 from distckpt.runtime.swap import _COMPILE, _COMPILED, _clean_fqn, is_checkpointed

@@ -14,13 +14,14 @@ import torch.nn as nn
 
 from distckpt import _torch_compat as compat
 from distckpt.apply.compile import apply_compile, compile_options, compiled_blocks
-from distckpt.apply.wrap import candidate_blocks, parallel_kind, pending_plan, replan_budget
+from distckpt.apply.state import candidate_blocks, pending_plan
+from distckpt.apply.wrap import hand_over, parallel_kind
 from distckpt.errors import ConfigError
 from distckpt.options import SHARDED, accumulate_refusal, check_graph, check_strategy, reentrant_refusal
 from distckpt.parallel.mesh import mesh_group, resolve_mesh
 from distckpt.parallel.param_sync import SyncState, _Unit, param_owner
 from distckpt.runtime.swap import _clean_fqn, is_checkpointed
-from distckpt.select.blocks import conditional_reason
+from distckpt.select import Parallelism, conditional_reason
 
 __all__ = ["accumulate", "attach_ddp", "ddp_kwargs", "parallelize", "preflight"]
 
@@ -135,13 +136,13 @@ def parallelize(
     check_strategy(strategy)
     compiled = compile_options(kwargs.pop("compile", None))
     if strategy == "none":
-        replan_budget(model, "none", 1, None)
+        hand_over(model, Parallelism("none"))
         return model if compiled is None else apply_compile(model, compiled)
     shard_size = kwargs.pop("shard_size", None)
     _refuse_unready(model, strategy)
     device_mesh = resolve_mesh(strategy, device_mesh, shard_size, _device().type)
     # The hand-over point: a budget is planned for the strategy and mesh used here (before any unit exists).
-    replan_budget(model, *_placement(strategy, device_mesh))
+    hand_over(model, _placement(strategy, device_mesh))
     strategy = "fsdp2" if strategy == "hsdp" else strategy  # HSDP is FSDP2 on the 2-D mesh
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     owners = [param_owner(model, n) for n in names]
@@ -257,12 +258,12 @@ def attach_ddp(ddp: nn.Module, *, graph: str = "auto", keep_buffer_sync: bool = 
     return _attach_state(ddp, names, re_idx, units, ddp.process_group, strategy="ddp", graph=graph, compiled=set())
 
 
-def _placement(strategy: str, device_mesh: Any) -> tuple[str, int, int | None]:
+def _placement(strategy: str, device_mesh: Any) -> Parallelism:
     """(strategy, data-parallel ranks, shard size) as the budget counts them: FSDP2 over a 2-D mesh is HSDP."""
     world = dist.get_world_size() if device_mesh is None or device_mesh.ndim == 2 else device_mesh.size()
     if device_mesh is not None and device_mesh.ndim == 2:
-        return "hsdp", world, device_mesh.size(1)
-    return strategy, world, None
+        return Parallelism("hsdp", world, device_mesh.size(1))
+    return Parallelism(strategy, world)
 
 
 def _refuse_unready(model: nn.Module, strategy: str) -> None:

@@ -1,4 +1,4 @@
-"""``distckpt plan`` (distckpt.select.estimate): predictions on fake tensors against MemTracker's measured
+"""``distckpt plan`` (distckpt.cli.plan): predictions on fake tensors against MemTracker's measured
 peaks of real steps, the 70B-shaped plan, and the command."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import torch
 import benchmarks.ranks
 from benchmarks.plan_accuracy import compare, compare_dist, gpt_factory, hf_factory, make_llama_70b
 from distckpt.cli import main
+from distckpt.cli.plan import plan_at_scale
 from distckpt.errors import ConfigError
-from distckpt.select.estimate import plan_at_scale
 
 
 @pytest.mark.parametrize("name,factory", [("MultiTaskGPT", gpt_factory(4)), ("llama", hf_factory("llama"))])
@@ -63,14 +63,14 @@ def test_llama_70b_shaped_on_64_ranks_fsdp2():
 
 
 def test_hsdp_shards_over_the_shard_group_only(monkeypatch):
-    from distckpt.select import fake_profile
+    import distckpt.cli.plan as plan_mod
 
     f = gpt_factory(2)
     hsdp = plan_at_scale(f, strategy="hsdp", world_size=8, shard_size=2)
     fsdp = plan_at_scale(f, strategy="fsdp2", world_size=2)
     assert hsdp.param_bytes == fsdp.param_bytes and hsdp.policies == fsdp.policies
     # Bad arguments are refused before the model is traced (seconds).
-    monkeypatch.setattr(fake_profile, "_trace", lambda *a, **k: pytest.fail("traced before checking the arguments"))
+    monkeypatch.setattr(plan_mod, "profile_cut", lambda *a, **k: pytest.fail("traced before checking the arguments"))
     with pytest.raises(ConfigError, match="shard_size"):
         plan_at_scale(f, strategy="hsdp", world_size=8)
     with pytest.raises(ConfigError, match="optimizer"):

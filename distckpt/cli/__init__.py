@@ -1,6 +1,6 @@
 """The ``distckpt`` command: ``distckpt doctor`` checks that a model is safe to train with
 checkpointing under DDP/FSDP/FSDP2 (see :mod:`distckpt.check.doctor`); ``distckpt plan`` predicts
-per-rank memory of each checkpointing policy at any scale (see :mod:`distckpt.select.estimate`)."""
+per-rank memory of each checkpointing policy at any scale (see :mod:`distckpt.cli.plan`)."""
 
 from __future__ import annotations
 
@@ -112,9 +112,9 @@ def add_plan_flags(parser: argparse.ArgumentParser) -> None:
 
 def run_plan(args: argparse.Namespace) -> int:
     """``distckpt plan``: print the report. Returns 0, or 2 on a usage error (printed)."""
+    from distckpt.cli.plan import plan_at_scale, render
     from distckpt.errors import ConfigError
-    from distckpt.select.estimate import plan_at_scale, render
-    from distckpt.select.policies import parse_size
+    from distckpt.select import parse_size
 
     try:
         if args.world_size < 1:
@@ -187,7 +187,3 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"distckpt doctor: {e}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
