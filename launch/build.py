@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -57,6 +58,16 @@ def build_model(m: DictConfig, d: DictConfig) -> nn.Module:
     from launch.hf import build_hf  # transformers/peft: the "hf" extra
 
     return build_hf(m)
+
+
+def shard_size(strategy: DictConfig, world_size: int) -> int | None:
+    """``strategy.shard_size`` under ``strategy=hsdp``, by default ``LOCAL_WORLD_SIZE`` (the ranks of one
+    node; before torchrun sets it, the whole job: one node); None for the other strategies."""
+    if strategy.name != "hsdp":
+        return None
+    if strategy.shard_size is not None:
+        return int(strategy.shard_size)
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 
 
 def build_datasets(d: DictConfig, m: DictConfig) -> tuple[Any, Any]:

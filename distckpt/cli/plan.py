@@ -24,7 +24,7 @@ import torch.nn as nn
 from distckpt import _torch_compat as compat
 from distckpt.errors import ConfigError
 from distckpt.factory import load_factory
-from distckpt.select.blocks import find_blocks
+from distckpt.select import find_blocks
 from distckpt.select.budget import MODES, optimizer_terms, plan_budget, predicted_peak, shards, static_bytes
 from distckpt.select.profile import Call, ModelProfile, as_args, batch_tensors, profile_cut
 

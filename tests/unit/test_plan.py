@@ -3,6 +3,10 @@ peaks of real steps, the 70B-shaped plan, and the command."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -111,6 +115,24 @@ def test_cli_plan_prints_each_policy_and_rejects_a_bad_budget(capsys):
         assert word in out, word
     assert main(["plan", "--factory", "benchmarks.plan_accuracy:make_gpt", "--budget", "lots"]) == 2
     assert "not a size" in capsys.readouterr().err
+
+
+def test_console_script_plans_a_launcher_config_outside_the_checkout(tmp_path):
+    """The installed `distckpt` command, run in a directory that is not a checkout: the launcher's config of the
+    checkout it was installed from (measured before: exit 2, "launcher overrides need a distckpt checkout")."""
+    exe = os.path.join(os.path.dirname(sys.executable), "distckpt")
+    cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "distckpt.cli"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [*cmd, "plan", "model=gpt", "model.n_layer=2", "--world-size", "2"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("distckpt plan: ") and "2 blocks" in proc.stdout and "ddp, 2 ranks" in proc.stdout
 
 
 def test_launcher_config_plans_and_cli_delegates(capsys):
