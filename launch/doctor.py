@@ -2,8 +2,8 @@
 data and checkpointing of the launcher's config, built by the launcher's own builders.
 
 The library's doctor takes a factory (``distckpt doctor --factory pkg.mod:make``); this script is the
-factory of a Hydra config, so the library never imports the launcher. ``distckpt doctor <overrides>``,
-run from a checkout, delegates here. Exit 0 safe, 1 not safe, 2 bad usage or override.
+factory of a Hydra config, so the library never imports the launcher. ``distckpt doctor <overrides>``
+runs this script (distckpt/cli/launcher.py). Exit 0 safe, 1 not safe, 2 bad usage or override.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 
 The library's plan takes a factory; this script passes the doctor's factory of a Hydra config
 (:func:`launch.subject.build_subject`, unwrapped), so the library never imports the launcher.
-``distckpt plan <overrides>``, run from a checkout, delegates here. Exit 0, or 2 on a bad override.
+``distckpt plan <overrides>`` runs this script (distckpt/cli/launcher.py). Exit 0, or 2 on a bad override.
 """
 
 from __future__ import annotations
