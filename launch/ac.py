@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 import distckpt
 from distckpt.errors import ConfigError
 from distckpt.select import Budget, EveryN, Policy, parse_policy, parse_size
-from launch.build import shard_size
+from launch.build import layout_of
 
 __all__ = ["BudgetFacts", "WrapArgs", "budget_facts", "wrap_args"]
 
@@ -73,11 +73,12 @@ def budget_facts(cfg: DictConfig, world_size: int) -> BudgetFacts:
     """The :class:`BudgetFacts` of a config run on ``world_size`` ranks."""
     o = cfg.optim
     optimizer = o.name if o.name != "sgd" else ("sgd_momentum" if o.momentum else "sgd")
+    layout = layout_of(cfg.strategy, world_size)
     return BudgetFacts(
-        strategy=cfg.strategy.name,
+        strategy=layout.strategy,
         optimizer=optimizer,
         grad_accumulation=cfg.trainer.grad_accum > 1,
-        shard_size=shard_size(cfg.strategy, world_size),
+        shard_size=layout.shard_size,
     )
 
 

@@ -11,12 +11,12 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from distckpt.errors import ConfigError
-from distckpt.options import GRAPHS, OPTIMIZERS, SHARDED, STRATEGIES, check_run, check_shard_size
+from distckpt.options import GRAPHS, OPTIMIZERS, STRATEGIES, check_run
+from launch.build import layout_of
 
 CHOICES = {
     "strategy.name": STRATEGIES,
@@ -151,31 +151,6 @@ def _validate_compile(strategy: DictConfig) -> None:
         )
 
 
-def compile_kwargs(strategy: DictConfig) -> dict[str, Any]:
-    """``parallelize``'s ``compile=`` for ``strategy.compile`` (each block compiled with that backend), or nothing."""
-    backend = strategy.get("compile")
-    return {} if backend is None else {"compile": {"backend": backend}}
-
-
-def _validate_shard_size(strategy: DictConfig, world_size: int) -> None:
-    from launch.build import shard_size
-
-    if strategy.name != "hsdp":
-        if strategy.shard_size is not None:
-            raise ConfigError(
-                f"strategy.shard_size={strategy.shard_size} is for strategy=hsdp (got "
-                f"strategy={strategy.name}); remove it, or use strategy=hsdp."
-            )
-        return
-    try:
-        check_shard_size(shard_size(strategy, world_size), world_size)
-    except ConfigError as e:
-        raise ConfigError(
-            f"strategy=hsdp strategy.shard_size={strategy.shard_size}: {e} Fix the override "
-            "strategy.shard_size=N (the ranks per node)."
-        ) from None
-
-
 def validate(cfg: DictConfig, world_size: int = 1) -> None:
     """Check values and combinations of a composed config before anything is built or written.
 
@@ -268,12 +243,12 @@ def _check_combinations(cfg: DictConfig, world_size: int) -> None:
             "precision.dtype=fp16 without a grad scaler underflows; use precision=fp16 "
             "(which sets precision.grad_scaler=true) or precision=bf16."
         )
-    if cfg.precision.sharded and s not in SHARDED:
+    layout = layout_of(cfg.strategy, world_size)
+    if cfg.precision.sharded and not layout.sharded:
         raise ConfigError(
             f"precision.sharded=true needs strategy=fsdp, fsdp2 or hsdp (got strategy={s}); "
             "use precision=bf16 (autocast) instead."
         )
-    _validate_shard_size(cfg.strategy, world_size)
     _validate_compile(cfg.strategy)
     try:  # the library's own rule for these settings, so --check and parallelize agree
         check_run(s, reentrant=cfg.ac.reentrant, graph=cfg.strategy.graph, accumulate=t.grad_accum > 1)

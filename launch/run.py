@@ -32,10 +32,10 @@ from launch.build import (
     build_optimizer,
     build_scaler,
     clip_fn,
+    layout_of,
     parallel_kwargs,
-    shard_size,
 )
-from launch.config import compile_kwargs, validate
+from launch.config import validate
 from launch.hf import hf_inner, save_hf
 from launch.loggers import build_writers
 
@@ -170,15 +170,12 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None, *, val
     blocks = distckpt.checkpointed(model)  # before parallelize: the user's names, no wrapper prefixes
     verified = _optional_verify(model, example, t.verify_recompute)
     inner = hf_inner(model)  # the HF model before parallelize, for RUN_DIR/hf/ at the end
-    strategy = cfg.strategy.name
-    shards = shard_size(cfg.strategy, world)  # hsdp only: the mesh is (world // shards, shards)
-    extra = {"shard_size": shards} if shards else {}
-    extra.update(compile_kwargs(cfg.strategy))  # strategy.compile: each block compiled, before sharding
-    model = distckpt.parallelize(
-        model, strategy, graph=cfg.strategy.graph, **extra, **parallel_kwargs(cfg.precision, strategy)
-    )
+    # The layout says the strategy, hsdp's mesh (world // shard_size, shard_size) and strategy.compile (each block
+    # compiled, before sharding).
+    layout = layout_of(cfg.strategy, world)
+    model = distckpt.parallelize(model, layout, graph=cfg.strategy.graph, **parallel_kwargs(cfg.precision, layout))
     optimizer, scheduler = build_optimizer(cfg.optim, model, t.max_steps)
-    state = TrainState(model, optimizer, scheduler, build_scaler(cfg.precision, strategy, device), data=data)
+    state = TrainState(model, optimizer, scheduler, build_scaler(cfg.precision, layout, device), data=data)
     guard = _optional_guard(model, t.guard_every)
     torch.manual_seed(t.seed + 1 + rank)  # dropout: one stream per rank, restored on resume
     # Python's own RNG too (user code may draw from it; it is saved in checkpoints): unseeded, every launch
@@ -213,7 +210,7 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None, *, val
             sink=sink,
             device=device,
             autocast=autocast_factory(cfg.precision, device),
-            clip=clip_fn(model, strategy),
+            clip=clip_fn(model, layout),
             guard=guard,
             callbacks=callbacks,
         )
@@ -260,7 +257,7 @@ def _callbacks(entries: Any) -> list[Callback]:
 
 
 def _mesh(cfg: DictConfig, world: int) -> str:
-    shards = shard_size(cfg.strategy, world)
+    shards = layout_of(cfg.strategy, world).shard_size
     return f" (mesh {world // shards} replicate x {shards} shard)" if shards else ""
 
 

@@ -19,6 +19,7 @@ import torch.nn as nn
 from distckpt import _torch_compat as compat
 from distckpt.apply.state import WRAP_STATE, WrapState, wrap_state
 from distckpt.errors import ConfigError
+from distckpt.layout import Layout
 from distckpt.runtime.recompute import (
     CheckpointOptions,
     cache_positions,
@@ -303,7 +304,7 @@ def _block_modes(pol: Policy, candidates: Candidates, opts: CheckpointOptions) -
     return modes
 
 
-def hand_over(model: nn.Module, parallelism: Parallelism) -> None:
+def hand_over(model: nn.Module, layout: Layout) -> None:
     """The hand-over point: ``parallelize`` (or an integration that builds DDP itself) says how the model
     will run. A planned policy (``budget``) planned, or still to be planned on the first forward, for
     another strategy, world size or shard size is planned again for this one; one that contradicts it
@@ -311,7 +312,7 @@ def hand_over(model: nn.Module, parallelism: Parallelism) -> None:
 
     Args:
         model: the model after ``distckpt.wrap``, before any DDP/FSDP unit exists.
-        parallelism: the strategy, data-parallel ranks and (HSDP) shard size it runs under.
+        layout: how it runs: the strategy, data-parallel ranks and (HSDP) shard size count for the plan.
 
     Raises:
         ConfigError: the policy contradicts ``parallelism`` (see :meth:`~distckpt.select.PlannedPolicy.plans_for`).
@@ -320,6 +321,7 @@ def hand_over(model: nn.Module, parallelism: Parallelism) -> None:
     if state is None or not is_planned(state.policy):
         return
     assert state.policy is not None  # for the type checker: is_planned(None) is False
+    parallelism = Parallelism(layout.strategy, layout.world_size, layout.shard_size)
     state.policy.plans_for(parallelism)  # raises on a contradiction, before anything changes
     state.handed_over = parallelism
     if state.planned_for is None or state.planned_for == parallelism:

@@ -14,6 +14,7 @@ import distckpt
 from distckpt.apply.state import WRAP_STATE, pending_plan, wrap_state
 from distckpt.apply.wrap import hand_over
 from distckpt.errors import ConfigError
+from distckpt.layout import Layout
 from distckpt.select import Budget, Candidates, Parallelism, is_planned
 
 
@@ -68,13 +69,13 @@ def test_a_user_policy_is_planned_and_replanned_through_the_protocol():
     state = wrap_state(model)
     assert state is not None and state.planned_for == Parallelism("assumed", 1) and state.handed_over is None
     assert distckpt.checkpointed(model) == ["blocks.0"]
-    hand_over(model, Parallelism("ddp", 3))  # what parallelize says: planned again for it
+    hand_over(model, Layout.of("ddp", world_size=3))  # what parallelize says: planned again for it
     assert distckpt.checkpointed(model) == ["blocks.0", "blocks.1", "blocks.2"]
     assert state.planned_for == state.handed_over == Parallelism("ddp", 3)
     with pytest.raises(ConfigError, match="cannot plan for fsdp"):
         hand_over(
             distckpt.wrap(Stack(), OnePerRank(refuse="fsdp"), example_inputs=(torch.randn(2, 8),)),
-            Parallelism("fsdp", 2),
+            Layout.of("fsdp", world_size=2),
         )
 
 
@@ -82,7 +83,7 @@ def test_without_a_sample_batch_the_plan_waits_for_the_first_training_forward():
     model = distckpt.wrap(Stack(), OnePerRank())
     state = wrap_state(model)
     assert pending_plan(model) and state.planned_for is None and distckpt.checkpointed(model) == []
-    hand_over(model, Parallelism("ddp", 2))  # before the first forward: remembered, not planned yet
+    hand_over(model, Layout.of("ddp", world_size=2))  # before the first forward: remembered, not planned yet
     assert pending_plan(model) and distckpt.checkpointed(model) == []
     with torch.no_grad():
         model(torch.randn(2, 8))  # not a training forward: still waiting

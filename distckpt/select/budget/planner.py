@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 
 import torch
 
 from distckpt.errors import ConfigError
+from distckpt.layout import default_shard_size
 from distckpt.runtime import recompute
 from distckpt.select.budget.program import BudgetPlan, human_bytes, plan_budget
 from distckpt.select.candidates import Candidates
@@ -138,8 +138,8 @@ def select_for_budget(
     if offer and offload_flops_per_byte == "auto" and any(b.offload_held_bytes >= 0 for b in mp.blocks):
         dtype = next((p.dtype for p in candidates.model.parameters() if p.is_floating_point()), torch.float32)
         offload_flops_per_byte = flops_per_byte(mp, device, dtype)
-    if strategy == "hsdp" and shard_size is None and os.environ.get("LOCAL_WORLD_SIZE"):
-        shard_size = int(os.environ["LOCAL_WORLD_SIZE"])
+    if strategy == "hsdp" and shard_size is None:
+        shard_size = default_shard_size()
     result = plan_budget(
         mp,
         budget_bytes,
