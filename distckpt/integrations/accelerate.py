@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import distckpt
-from distckpt.apply.wrap import parallel_kind, replan_budget
+from distckpt.apply.wrap import hand_over, parallel_kind
 from distckpt.errors import ConfigError
 from distckpt.integrations._common import check_guard_every, checkpoint_blocks
 from distckpt.layout import Layout
@@ -322,7 +322,7 @@ class _Hooks:
         # Re-read here: the DDP kwargs may have changed since install (a Trainer, a user), and a budget policy is
         # planned for the world it runs in, before DDP exists (parallelize's hand-over point).
         _ddp_handler_flags(self.accelerator, model, inst.graph)
-        replan_budget(model, Layout.of("ddp", world_size=self.accelerator.num_processes))
+        hand_over(model, Layout.of("ddp", world_size=self.accelerator.num_processes))
         prepared = self._prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
         inst.built(self.accelerator, prepared)
         self._hook_optimizers()
