@@ -22,7 +22,7 @@ import distckpt
 from distckpt.errors import ConfigError
 from distckpt.integrations._common import check_guard_every
 from distckpt.integrations.accelerate import forget, install
-from distckpt.options import accumulate_refusal, check_graph
+from distckpt.options import Engine, accumulate_refusal, check_graph
 
 __all__ = ["DistckptCallback", "DistckptTrainer", "prepare", "with_distckpt"]
 
@@ -257,7 +257,7 @@ def _check_args(trainer: Trainer, cb: DistckptCallback) -> None:
             "Drop ddp_static_graph: distckpt sets it."
         )
     if args.gradient_accumulation_steps > 1 and static:
-        why = accumulate_refusal("ddp", reentrant=cb.reentrant, graph=cb.graph)
+        why = accumulate_refusal(Engine.DDP, reentrant=cb.reentrant, graph=cb.graph)
         raise ConfigError(
             f"TrainingArguments(gradient_accumulation_steps={args.gradient_accumulation_steps}): {why} "
             "(DistckptCallback(reentrant=False) is the default)."
