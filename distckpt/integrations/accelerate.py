@@ -32,7 +32,7 @@ from distckpt.parallel.state import sync_state
 from distckpt.parallel.strategies import attach_ddp
 from distckpt.parallel.units import reentrant_blocks
 
-__all__ = ["guard", "install", "prepare"]
+__all__ = ["forget", "guard", "install", "prepare"]
 
 _HOOKS = "_distckpt_hooks"  # attribute of the Accelerator holding its _Hooks
 
@@ -164,6 +164,25 @@ def guard(accelerator: Accelerator, model: nn.Module) -> distckpt.GradSyncGuard 
     hooks: _Hooks | None = accelerator.__dict__.get(_HOOKS)
     inst = hooks.find(model) if hooks is not None else None
     return inst.guard if inst is not None else None
+
+
+def forget(accelerator: Accelerator, model: nn.Module) -> None:
+    """Undo :func:`install` for ``model`` on ``accelerator``: the hooks of the DDP built around it go, and Accelerate
+    prepares it as it would without distckpt. For a model that is replaced (HF Trainer's ``model_init`` builds a new
+    one in ``train()``), so the accelerator holds no reference to it. Nothing happens for a model not installed.
+
+    Args:
+        accelerator: the ``Accelerator`` :func:`install` was called with.
+        model: the plain model given to :func:`install`.
+    """
+    hooks: _Hooks | None = accelerator.__dict__.get(_HOOKS)
+    inst = hooks.models.get(id(model)) if hooks is not None else None
+    if inst is None or inst.model is not model:
+        return
+    state = inst.state()
+    if state is not None:
+        state.remove()
+    del hooks.models[id(model)]
 
 
 # --- refusals ----------------------------------------------------------------------------------------------------
