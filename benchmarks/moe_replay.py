@@ -29,7 +29,7 @@ import distckpt
 from distckpt import _torch_compat as compat
 from distckpt.apply.wrap import is_checkpointed
 from distckpt.runtime import routing
-from distckpt.select.sample_step import memory_tracker
+from distckpt.select.profile import memory_tracker
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LAYERS, WIDTH, EXPERTS, TOP_K = 4, 256, 8, 2

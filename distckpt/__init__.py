@@ -11,9 +11,10 @@ from distckpt.apply.wrap import checkpointed, checkpointing_disabled, wrap
 from distckpt.check.recompute import verify_recompute
 from distckpt.check.sync_guard import GradSyncGuard
 from distckpt.errors import ConfigError, GradDesyncError, NoGradientError, RecomputeMismatchError
+from distckpt.layout import Layout
 from distckpt.parallel.strategies import accumulate, ddp_kwargs, parallelize, preflight
 from distckpt.runtime.routing import routing_replay_disabled
-from distckpt.select.policies import Budget, EveryN, FirstN, Fraction, Full, Selective, parse_policy
+from distckpt.select import Budget, EveryN, FirstN, Fraction, Full, Selective, parse_policy
 
 __version__ = "0.1.0"
 
@@ -26,6 +27,7 @@ __all__ = [
     "Full",
     "GradDesyncError",
     "GradSyncGuard",
+    "Layout",
     "NoGradientError",
     "RecomputeMismatchError",
     "Selective",

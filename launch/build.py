@@ -13,7 +13,10 @@ import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import Dataset, IterableDataset
 
-from distckpt.options import SHARDED
+from distckpt.errors import ConfigError
+from distckpt.layout import Layout, default_shard_size
+from distckpt.options import Engine
+from distckpt.parallel import fsdp1
 from distckpt.train.data import (
     DIGITS_FEATURES,
     ShardedLoader,
@@ -57,6 +60,33 @@ def build_model(m: DictConfig, d: DictConfig) -> nn.Module:
     from launch.hf import build_hf  # transformers/peft: the "hf" extra
 
     return build_hf(m)
+
+
+def layout_of(strategy: DictConfig, world_size: int) -> Layout:
+    """The run's parallel layout from the ``strategy`` group, checked: the one place the launcher reads
+    ``strategy.name``, ``strategy.shard_size`` (``hsdp``; null: ``LOCAL_WORLD_SIZE``, the ranks of one node, and
+    before torchrun sets it the whole job: one node) and ``strategy.compile`` (each block compiled with that
+    backend). Validation, training, the doctor and ``plan`` all build it here.
+
+    Raises:
+        ConfigError: naming the override to fix.
+    """
+    shard = strategy.shard_size
+    if strategy.name == "hsdp" and shard is None:
+        shard = default_shard_size(fallback=world_size)
+    backend = strategy.get("compile")
+    try:
+        return Layout.of(
+            strategy.name,
+            world_size=world_size if strategy.name != "none" else 1,
+            shard_size=None if shard is None else int(shard),
+            compile=None if backend is None else {"backend": backend},
+        )
+    except ConfigError as e:
+        raise ConfigError(
+            f"strategy={strategy.name} strategy.shard_size={strategy.shard_size}: {e} Fix the override "
+            "strategy.shard_size=N (the ranks per node), or remove it."
+        ) from None
 
 
 def build_datasets(d: DictConfig, m: DictConfig) -> tuple[Any, Any]:
@@ -172,15 +202,13 @@ def build_optimizer(o: DictConfig, model: nn.Module, max_steps: int) -> tuple[to
     return opt, sched
 
 
-def parallel_kwargs(p: DictConfig, strategy: str) -> dict[str, Any]:
+def parallel_kwargs(p: DictConfig, layout: Layout) -> dict[str, Any]:
     """Extra arguments for ``distckpt.parallelize``: FSDP's own mixed precision when ``precision.sharded``."""
     if not p.sharded or p.dtype == "fp32":
         return {}
     dtype = _DTYPES[p.dtype]
-    if strategy == "fsdp":
-        from torch.distributed.fsdp import MixedPrecision
-
-        return {"mixed_precision": MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32, buffer_dtype=dtype)}
+    if layout.engine is Engine.FSDP1:
+        return fsdp1.mixed_precision_kwargs(dtype)
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     return {"mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)}
@@ -193,21 +221,21 @@ def autocast_factory(p: DictConfig, device: torch.device) -> Callable[[], contex
     return functools.partial(torch.autocast, device_type=device.type, dtype=_DTYPES[p.dtype])
 
 
-def build_scaler(p: DictConfig, strategy: str, device: torch.device) -> Any:
+def build_scaler(p: DictConfig, layout: Layout, device: torch.device) -> Any:
     """A grad scaler for fp16 (the sharded one under FSDP/FSDP2), else ``None``."""
     if not p.grad_scaler:
         return None
-    if strategy in SHARDED:
+    if layout.sharded:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         return ShardedGradScaler(device=device.type)
     return torch.amp.GradScaler(device.type)
 
 
-def clip_fn(model: nn.Module, strategy: str) -> Callable[[float], torch.Tensor]:
+def clip_fn(model: nn.Module, layout: Layout) -> Callable[[float], torch.Tensor]:
     """``clip(max_norm) -> total norm`` over all ranks: FSDP1 shards flat params and needs its own method."""
-    if strategy == "fsdp":
-        return model.clip_grad_norm_
+    if layout.engine is Engine.FSDP1:
+        return functools.partial(fsdp1.clip_grad_norm, model)
 
     def clip(max_norm: float) -> torch.Tensor:
         norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)

@@ -44,7 +44,7 @@ def table(results: dict[str, dict]) -> str:
         '- **grads**: `policy="full"` gradients and loss bitwise equal (`torch.equal`) to the model without '
         "checkpointing (seeded dropout; `state_dict` keys unchanged).",
         "- **peak vs HF**: MemTracker peak of one forward/backward, distckpt `full` / Hugging Face "
-        "`gradient_checkpointing_enable(use_reentrant=False)` on the same layers / no checkpointing, in KiB.",
+        "`activation_checkpointing_enable(use_reentrant=False)` on the same layers / no checkpointing, in KiB.",
         "- **selective**, **budget**: bitwise exact (budget: at the midpoint of the full and no-checkpoint peaks); "
         "budget at 25%, 50% and 75% of the way from the full peak to the no-checkpoint one: the measured peak at or "
         "under each (KiB) and how many blocks the planner checkpointed.",
@@ -87,7 +87,7 @@ def table(results: dict[str, dict]) -> str:
             notes.append("cache dropped in training")
         if "peak_hf_note" in r:
             notes.append(
-                f"HF's peak is {r['peak_hf_note']} B higher: its gradient_checkpointing_enable also sets "
+                f"HF's peak is {r['peak_hf_note']} B higher: its activation_checkpointing_enable also sets "
                 "T5Attention.gradient_checkpointing, which makes the cross-attention's zero position bias "
                 "require grad (kept for backward, and its gradient computed); with that flag off, equal "
                 f"({_kib(r['peak_hf_without_bias_grad'])} KiB)"

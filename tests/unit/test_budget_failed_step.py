@@ -13,7 +13,7 @@ import torch.nn as nn
 
 import distckpt
 from distckpt import Budget, ConfigError
-from distckpt.select import recompute_passes
+from distckpt.select.profile import recompute_passes
 
 
 class _Narrowing(nn.Module):

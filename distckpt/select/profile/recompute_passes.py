@@ -21,9 +21,9 @@ from distckpt.runtime import recompute
 from distckpt.runtime.recompute import CheckpointOptions, cache_positions, stateful_norms
 from distckpt.runtime.selective import OP_MODES, bind, mode_context_fn
 from distckpt.runtime.swap import _checkpointed_class, unwrap
-from distckpt.select.flops import flop_counter
-from distckpt.select.recorder import _AfterOps, _Attribution, _BackwardWindows, _StepRecorder
-from distckpt.select.sample_step import (
+from distckpt.select.profile.flops import flop_counter
+from distckpt.select.profile.recorder import _AfterOps, _Attribution, _BackwardWindows, _StepRecorder
+from distckpt.select.profile.sample_step import (
     _act,
     _at,
     _preserved_state,
