@@ -25,7 +25,7 @@ import torch.nn as nn
 import distckpt
 from distckpt.select.blocks import find_blocks
 from distckpt.select.budget import predicted_peak
-from distckpt.select.profile import Call, _as_args, memory_tracker, profile_model, scalar_loss
+from distckpt.select.profile import Call, as_args, memory_tracker, profile_model, scalar_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -125,7 +125,7 @@ def _models() -> dict[str, tuple[Callable[[], nn.Module], Callable[[], Any], Any
 
 def steady_peak(model: nn.Module, inputs: Any) -> int:
     """MemTracker peak of one AdamW step after a first step created the optimizer state."""
-    args, kwargs = _as_args(inputs)
+    args, kwargs = as_args(inputs)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     for measure in (False, True):
         mt = memory_tracker(model, opt)
@@ -171,8 +171,9 @@ NOTES = [
     "after) is tracked as an external tensor from the step's start; MemTracker alone sees it only from the "
     "first gradient copied into it in backward. The prediction counts it as one more gradient-sized buffer.",
     "- FSDP/FSDP2: parallelize makes every block its own unit, checkpointed or not. The model counts, phase "
-    "by phase, what FSDP holds unsharded beside the shards (distckpt/select/memory_terms.py `_Sharded`, measured per "
-    "module and phase with MemTracker and read off torch's FSDP code): a block's parameters (FSDP2: and its "
+    "by phase, what FSDP holds unsharded beside the shards (distckpt/select/budget/memory_terms.py `_Sharded`, "
+    "measured per module and phase with MemTracker and read off torch's FSDP code): a block's parameters (FSDP2: "
+    "and its "
     "all-gather output) in its forward; in its backward its own and the prefetched previous block's parameters, "
     "FSDP2 the reduce-scatter input of the block whose backward came before, and the gradients made so far "
     "unsharded (the block's own and the root unit's); the last block's parameters during the head. Counting "
@@ -257,7 +258,7 @@ def dist_steady_peak(model: nn.Module, strategy: str, inputs: Any, micro_batches
     """This rank's MemTracker peak of a steady-state AdamW step under ``distckpt.parallelize(strategy)``
     (DDP's buckets counted from the step's start, see :func:`_ddp_buckets`); with ``micro_batches > 1``
     gradients are accumulated (``distckpt.accumulate`` around all but the last micro-batch)."""
-    args, kwargs = _as_args(inputs)
+    args, kwargs = as_args(inputs)
     pm = distckpt.parallelize(model, strategy)
     opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-4)
 

@@ -13,7 +13,7 @@ in steady state (the optimizer state exists), each quantity in its own pass:
 - recompute FLOPs: ``FlopCounterMode`` of forward+backward minus that of the run without
   checkpointing; for torch.compile rows a ``FlopCounterMode`` entered inside the compiled forward
   and backward graphs (around the call it would see the eager code, as MemTracker does). Every
-  counter is ``distckpt.select.flops.flop_counter()``, which adds FLOP formulas for the CPU attention
+  counter is ``distckpt.select.profile.flop_counter()``, which adds FLOP formulas for the CPU attention
   kernel (torch 2.13 has none); the compiled graphs keep that kernel too, so both count attention.
 - step time as a ratio to no checkpointing (all configurations interleaved round by round, medians).
 
@@ -42,8 +42,7 @@ import distckpt
 from benchmarks.models import GPT, SIZES, Block, GPTConfig, batch, hf_checkpointing_enable, hf_gpt2
 from distckpt import ConfigError
 from distckpt.apply.wrap import is_checkpointed
-from distckpt.select.flops import flop_counter
-from distckpt.select.profile import scalar_loss
+from distckpt.select.profile import flop_counter, scalar_loss
 
 RESULTS = Path(__file__).resolve().parent / "results"
 COMPILE_FRACTIONS = (0.1, 0.3, 0.5, 1.0)
@@ -629,7 +628,7 @@ def _write(
         "FlopCounterMode of forward+backward minus the run without checkpointing; for `compile F` rows a "
         "FlopCounterMode entered inside the compiled forward and backward graphs (around the compiled call "
         "it counts the eager code, as MemTracker does). Attention's FLOPs are counted on CPU too "
-        "(`distckpt.select.flops.flop_counter`: torch's CUDA formulas for the CPU kernel, which the compiled "
+        "(`distckpt.select.profile.flop_counter`: torch's CUDA formulas for the CPU kernel, which the compiled "
         "graphs keep as well).",
         "",
         f'`budget X MiB`: `wrap(model, "budget:SIZE")` at {args.budget_points} sizes from the smallest it '

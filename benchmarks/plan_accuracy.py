@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 import distckpt
-from distckpt.select.estimate import plan_at_scale
+from distckpt.cli.plan import plan_at_scale
 from distckpt.select.policies import Placement
 from distckpt.select.profile import memory_tracker
 
@@ -191,7 +191,7 @@ def compare_dist(
 DIST_NOTE = (
     "FSDP2: parallelize makes every block its own unit, checkpointed or not; the memory model counts "
     "what FSDP2 holds unsharded phase by phase (a block's parameters, the prefetched one's, the all-gather "
-    "output and reduce-scatter input, the gradients made so far: distckpt/select/memory_terms.py `_Sharded`). "
+    "output and reduce-scatter input, the gradients made so far: distckpt/select/budget/memory_terms.py `_Sharded`). "
     "Counting two blocks' unsharded parameters and one block's gradients at every peak (before) was up "
     "to 5.7% high."
 )

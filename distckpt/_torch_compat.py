@@ -149,6 +149,16 @@ def torch_dispatch_mode() -> type:
     return TorchDispatchMode
 
 
+def weak_id_dict() -> Any:
+    """A dictionary keyed by tensor identity that does not keep its keys alive
+    (``torch.utils.weak.WeakIdKeyDictionary``: tensors are not hashable by value, and ``id()`` is reused once a
+    tensor dies): verify_recompute's recorder remembers which module each op output came from, to name a
+    router. torch 2.13."""
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    return WeakIdKeyDictionary()
+
+
 class _NoHook:
     """Stands in for the gradient-hook handles MemTracker keeps per parameter."""
 

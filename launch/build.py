@@ -13,8 +13,9 @@ import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import Dataset, IterableDataset
 
-from distckpt.layout import Layout
-from distckpt.options import Engine
+from distckpt.errors import ConfigError
+from distckpt.layout import Layout, default_shard_size
+from distckpt.options import Engine, check_tp
 from distckpt.parallel import fsdp1
 from distckpt.train.data import (
     DIGITS_FEATURES,
@@ -59,6 +60,39 @@ def build_model(m: DictConfig, d: DictConfig) -> nn.Module:
     from launch.hf import build_hf  # transformers/peft: the "hf" extra
 
     return build_hf(m)
+
+
+def layout_of(strategy: DictConfig, world_size: int) -> Layout:
+    """The run's parallel layout from the ``strategy`` group, checked: the one place the launcher reads
+    ``strategy.name``, ``strategy.shard_size`` (``hsdp``; null: ``LOCAL_WORLD_SIZE``, the ranks of one node, and
+    before torchrun sets it the whole job: one node) and ``strategy.compile`` (each block compiled with that
+    backend). Validation, training, the doctor and ``plan`` all build it here.
+
+    Raises:
+        ConfigError: naming the override to fix.
+    """
+    shard = strategy.shard_size
+    if strategy.name == "hsdp" and shard is None:
+        shard = default_shard_size(fallback=world_size)
+    backend = strategy.get("compile")
+    tp = int(strategy.get("tp", 1))
+    try:
+        check_tp(tp, strategy.name, world_size)
+    except ConfigError as e:
+        raise ConfigError(f"strategy={strategy.name} strategy.tp={tp}: {e} Fix the override strategy.tp=N.") from None
+    try:
+        return Layout.of(
+            strategy.name,
+            world_size=world_size // tp if strategy.name != "none" else 1,
+            shard_size=None if shard is None else int(shard),
+            compile=None if backend is None else {"backend": backend},
+            tp=tp,
+        )
+    except ConfigError as e:
+        raise ConfigError(
+            f"strategy={strategy.name} strategy.shard_size={strategy.shard_size}: {e} Fix the override "
+            "strategy.shard_size=N (the ranks per node), or remove it."
+        ) from None
 
 
 def build_datasets(d: DictConfig, m: DictConfig) -> tuple[Any, Any]:

@@ -16,8 +16,8 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from distckpt.errors import ConfigError
-from distckpt.layout import Layout, default_shard_size
-from distckpt.options import GRAPHS, OPTIMIZERS, STRATEGIES, check_run, check_tp
+from distckpt.options import GRAPHS, OPTIMIZERS, STRATEGIES, check_run
+from launch.build import layout_of
 
 CHOICES = {
     "strategy.name": STRATEGIES,
@@ -153,54 +153,6 @@ def _validate_compile(strategy: DictConfig) -> None:
         )
 
 
-def layout_of(strategy: DictConfig, world_size: int) -> Layout:
-    """The run's parallel layout from the ``strategy`` group, checked: the one place the launcher reads
-    ``strategy.name``, ``strategy.shard_size`` (``hsdp``; null: ``LOCAL_WORLD_SIZE``, the ranks of one node, and
-    before torchrun sets it the whole job: one node) and ``strategy.compile`` (each block compiled with that
-    backend). Validation, training and ``plan`` all build it here.
-
-    Raises:
-        ConfigError: naming the override to fix.
-    """
-    shard = strategy.shard_size
-    if strategy.name == "hsdp" and shard is None:
-        shard = default_shard_size(fallback=world_size)
-    backend = strategy.get("compile")
-    tp = int(strategy.get("tp", 1))
-    try:
-        check_tp(tp, strategy.name, world_size)
-    except ConfigError as e:
-        raise ConfigError(f"strategy={strategy.name} strategy.tp={tp}: {e} Fix the override strategy.tp=N.") from None
-    try:
-        return Layout.of(
-            strategy.name,
-            world_size=world_size // tp if strategy.name != "none" else 1,
-            shard_size=None if shard is None else int(shard),
-            compile=None if backend is None else {"backend": backend},
-            tp=tp,
-        )
-    except ConfigError as e:
-        raise ConfigError(
-            f"strategy={strategy.name} strategy.shard_size={strategy.shard_size}: {e} Fix the override "
-            "strategy.shard_size=N (the ranks per node), or remove it."
-        ) from None
-
-
-def budget_facts(cfg: DictConfig, world_size: int) -> dict[str, Any]:
-    """What a memory plan (``ac=budget``'s Budget, ``launch/plan.py``) needs to know about the run: the
-    strategy and HSDP shard size, the optimizer's state (SGD with momentum keeps one, without none) and
-    whether gradients accumulate over micro-batches."""
-    o = cfg.optim
-    optimizer = o.name if o.name != "sgd" else ("sgd_momentum" if o.momentum else "sgd")
-    layout = layout_of(cfg.strategy, world_size)
-    return dict(
-        strategy=layout.strategy,
-        optimizer=optimizer,
-        grad_accumulation=cfg.trainer.grad_accum > 1,
-        shard_size=layout.shard_size,
-    )
-
-
 def validate(cfg: DictConfig, world_size: int = 1) -> None:
     """Check values and combinations of a composed config before anything is built or written.
 
@@ -229,7 +181,7 @@ def validate(cfg: DictConfig, world_size: int = 1) -> None:
     _check_ranges(cfg)
     _check_combinations(cfg, world_size)
     check_extras(cfg)
-    check_model(cfg)
+    check_model(cfg, world_size)
 
 
 def _check_combinations(cfg: DictConfig, world_size: int) -> None:
@@ -352,9 +304,9 @@ def _meta_buildable(m: DictConfig) -> bool:
     return m.name in META_BUILDABLE and not m.get("pretrained")  # from_pretrained reads a checkpoint
 
 
-def check_model(cfg: DictConfig) -> None:
-    """Parse the ``ac`` group; build a built-in model (:data:`META_BUILDABLE`) on the meta device and
-    apply the ``ac`` group to it, as training will.
+def check_model(cfg: DictConfig, world_size: int = 1) -> None:
+    """Build the ``ac`` group's arguments (:func:`launch.ac.wrap_args`, as training does); build a built-in
+    model (:data:`META_BUILDABLE`) on the meta device and wrap it with them, as training will.
 
     Raises:
         ConfigError: a bad ``ac.policy``/``ac.size``/``ac.blocks``, or a model that cannot be built.
@@ -362,19 +314,13 @@ def check_model(cfg: DictConfig) -> None:
     import torch
 
     import distckpt
-    from distckpt.select.policies import Budget, parse_policy, parse_size
+    from distckpt.select import Budget
+    from launch.ac import wrap_args
     from launch.build import build_model
 
     c = cfg.ac
-    if c.size != "auto":
-        try:
-            parse_size(c.size)
-        except ConfigError as e:
-            raise ConfigError(f"ac.size={c.size}: {e} Or ac.size=auto (the free CUDA memory).") from None
-    try:
-        policy = parse_policy(c.policy)
-    except ConfigError as e:
-        raise ConfigError(f"ac.policy={c.policy}: {e}") from None
+    args = wrap_args(cfg, world_size)
+    policy = args.policy
     cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
     if isinstance(policy, Budget) and policy.bytes is None and not cuda:
         raise ConfigError(
@@ -395,9 +341,9 @@ def check_model(cfg: DictConfig) -> None:
             f"model={cfg.model.name} cannot be built from these model.* values: {type(e).__name__}: {text}"
         ) from None
     _check_tp_plan(cfg, model)
-    blocks = list(c.blocks) if c.blocks else None
-    try:
-        distckpt.wrap(model, policy, blocks=blocks, reentrant=c.reentrant, offload="cpu" if c.offload else None)
+    blocks = list(args.blocks) if args.blocks else None
+    try:  # policy None (ac=none) too: ac.blocks must match the model whatever the policy
+        distckpt.wrap(model, policy, blocks=blocks, reentrant=args.reentrant, offload=args.offload)
     except ConfigError as e:
         where = f"ac.blocks=[{','.join(blocks)}]" if blocks else f"model={cfg.model.name} ac.policy={c.policy}"
         raise ConfigError(f"{where}: {e}" + ("" if blocks else " In the launcher: ac.blocks=[GLOB,...].")) from None

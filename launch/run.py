@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import random
@@ -22,9 +21,10 @@ import distckpt
 from distckpt._dist import broadcast_object, rank_world
 from distckpt._spawn import free_port
 from distckpt.errors import ConfigError, first_lines
-from distckpt.select.policies import CHECKPOINT_MODES
+from distckpt.select import CHECKPOINT_MODES
 from distckpt.train import Callback, LoopOptions, LoopResult, MetricSink, TrainState, fit, format_summary
 from distckpt.train.data import TaskBatches
+from launch.ac import wrap_args
 from launch.build import (
     apply_tensor_parallel,
     autocast_factory,
@@ -33,10 +33,11 @@ from launch.build import (
     build_optimizer,
     build_scaler,
     clip_fn,
+    layout_of,
     parallel_kwargs,
     tensor_parallel_mesh,
 )
-from launch.config import budget_facts, layout_of, validate
+from launch.config import validate
 from launch.hf import hf_inner, save_hf
 from launch.loggers import build_writers
 
@@ -99,28 +100,9 @@ def _run_dir(run_dir: str | os.PathLike[str] | None) -> str:
     return broadcast_object(str(Path(run_dir).resolve()))  # every rank uses rank 0's folder, whatever its own is
 
 
-def ac_policy(cfg: DictConfig, world: int) -> Any:
-    """``ac.policy`` as a policy object; a budget gets every run-level fact the memory plan needs (the
-    strategy and shard size, the optimizer's state, whether gradients accumulate over micro-batches), and
-    ``ac.offload_flops_per_byte`` (the offload mode's price; null: not offered)."""
-    policy = distckpt.parse_policy(cfg.ac.policy)
-    if not isinstance(policy, distckpt.Budget):
-        return policy
-    return dataclasses.replace(policy, **budget_facts(cfg, world), offload_flops_per_byte=cfg.ac.offload_flops_per_byte)
-
-
 def _wrap(model: torch.nn.Module, cfg: DictConfig, example: dict[str, torch.Tensor]) -> None:
-    c = cfg.ac
-    if c.policy == "none":  # nothing to checkpoint: a model without repeated blocks (model=custom) is fine
-        return
-    distckpt.wrap(
-        model,
-        ac_policy(cfg, rank_world()[1]),
-        blocks=list(c.blocks) if c.blocks else None,
-        reentrant=c.reentrant,
-        offload="cpu" if c.offload else None,
-        example_inputs=(example,),
-    )
+    """The ``ac`` group applied (nothing for ``ac=none``), a budget planned on this rank's micro-batch."""
+    wrap_args(cfg, rank_world()[1]).wrap(model, example_inputs=(example,))
 
 
 def _optional_guard(model: torch.nn.Module, every: int) -> Any:

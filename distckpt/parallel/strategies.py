@@ -15,7 +15,8 @@ import torch.nn as nn
 
 from distckpt import _torch_compat as compat
 from distckpt.apply.compile import apply_compile, compiled_blocks
-from distckpt.apply.wrap import parallel_kind, pending_plan, replan_budget
+from distckpt.apply.state import pending_plan
+from distckpt.apply.wrap import hand_over, parallel_kind
 from distckpt.errors import ConfigError
 from distckpt.layout import Layout
 from distckpt.options import Engine, accumulate_refusal, check_graph, engine_of, reentrant_refusal
@@ -105,7 +106,7 @@ def parallelize(
         _refuse_unready(model, name)
     layout, device_mesh = resolve_layout(strategy, device_mesh, shard_size, compile, _device().type, tp_mesh_of(model))
     # The hand-over point: a budget is planned for the layout used here (before any unit exists).
-    replan_budget(model, layout)
+    hand_over(model, layout)
     if layout.engine is Engine.NONE:
         return model if layout.compile is None else apply_compile(model, layout.compile)
     names = [n for n, p in model.named_parameters() if p.requires_grad]

@@ -204,7 +204,7 @@ def _measured_peaks(rank, world_size):
 
 def test_plan_counts_a_tensor_parallel_block_by_its_shards(pool4):
     from benchmarks.plan_accuracy import gpt_factory
-    from distckpt.select.estimate import plan_at_scale
+    from distckpt.cli.plan import plan_at_scale
 
     results = pool4.run(_measured_peaks, timeout=300)
     measured = [max(r[0][k] for r in results) for k in range(2)]

@@ -18,7 +18,7 @@ import distckpt  # noqa: E402
 from benchmarks.models import GPT, GPTConfig, batch  # noqa: E402
 from distckpt import Budget, ConfigError, parse_policy  # noqa: E402
 from distckpt.select.budget import plan_budget, predicted_peak, static_bytes  # noqa: E402
-from distckpt.select.memory_terms import _bounds  # noqa: E402
+from distckpt.select.budget.memory_terms import _bounds  # noqa: E402
 from distckpt.select.profile import BlockProfile, ModelProfile, profile_model  # noqa: E402
 
 CPU = torch.device("cpu")

@@ -24,8 +24,8 @@ import distckpt  # noqa: E402
 from benchmarks.memory import allocator_peak  # noqa: E402
 from distckpt import Budget  # noqa: E402
 from distckpt.apply.wrap import checkpoint_mode, is_checkpointed  # noqa: E402
-from distckpt.select.flops import flop_counter  # noqa: E402
 from distckpt.select.policies import Placement  # noqa: E402
+from distckpt.select.profile import flop_counter  # noqa: E402
 
 CPU = torch.device("cpu")
 

@@ -19,7 +19,7 @@ import distckpt  # noqa: E402
 from benchmarks.models import GPT, Block, GPTConfig, batch  # noqa: E402
 from distckpt import ConfigError, Selective  # noqa: E402
 from distckpt.runtime.selective import resolve_ops, selective_context_fn  # noqa: E402
-from distckpt.select.flops import flop_counter  # noqa: E402
+from distckpt.select.profile import flop_counter  # noqa: E402
 
 CPU = torch.device("cpu")
 

@@ -15,7 +15,7 @@ import distckpt
 from benchmarks.models import hf_checkpointing_enable
 from distckpt import ConfigError
 from distckpt.apply.wrap import is_checkpointed
-from distckpt.select.flops import flop_counter
+from distckpt.select.profile import flop_counter
 
 
 class Block(nn.Module):

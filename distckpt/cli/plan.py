@@ -6,7 +6,7 @@ How: the factory builds the model under ``FakeTensorMode``; the repeated blocks 
 that short model's sample step (saved tensors, ``MemTracker``, ``FlopCounterMode``: all work on fake
 tensors); the profile is stretched back to every block (a cut block takes the numbers of the kept
 block of its shape, its gradient counts shifted by the blocks it lost behind it: both in
-:mod:`distckpt.select.fake_profile`, which ``budget:auto`` plans on too); and the budget
+:mod:`distckpt.select.profile.fake_profile`, which ``budget:auto`` plans on too); and the budget
 module's memory model places parameters, gradients and optimizer state for the strategy and world size.
 """
 
@@ -24,11 +24,9 @@ import torch.nn as nn
 from distckpt import _torch_compat as compat
 from distckpt.errors import ConfigError
 from distckpt.factory import load_factory
-from distckpt.select import fake_profile
-from distckpt.select import profile as _profile
-from distckpt.select.budget import MODES, plan_budget, predicted_peak
-from distckpt.select.memory_terms import optimizer_terms, shards, static_bytes
-from distckpt.select.profile import ModelProfile
+from distckpt.select import find_blocks
+from distckpt.select.budget import MODES, optimizer_terms, plan_budget, predicted_peak, shards, static_bytes
+from distckpt.select.profile import Call, ModelProfile, as_args, batch_tensors, profile_cut
 
 __all__ = ["PlanReport", "PolicyEstimate", "plan_at_scale", "render"]
 
@@ -94,7 +92,7 @@ class PlanReport:
 def _resize(batch: Any, micro_batch: int | None, seq_len: int | None) -> Any:
     """``batch`` with its leading (batch) and second (sequence) sizes replaced, values left undefined:
     every tensor whose dim 0 has the batch's leading size, and dim 1 its first sequence length."""
-    leaves = [t for t in _profile._tensors(batch) if t.dim() > 0]
+    leaves = [t for t in batch_tensors(batch) if t.dim() > 0]
     if not leaves or (micro_batch is None and seq_len is None):
         return batch
     b0 = leaves[0].shape[0]
@@ -142,7 +140,7 @@ def _subject(factory: Any, example_inputs: Any) -> tuple[nn.Module, nn.Module, s
             batch = batch_fn(0, 0, 1)
     else:
         batch = example_inputs
-    return model, _LossModule(model, loss_fn), "m.", _profile.Call((batch,), {})
+    return model, _LossModule(model, loss_fn), "m.", Call((batch,), {})
 
 
 def _per_rank(
@@ -197,7 +195,6 @@ def plan_at_scale(
             values while it runs (it cannot run on fake tensors).
     """
     from distckpt.options import check_tp
-    from distckpt.select.blocks import find_blocks
     from distckpt.select.tp_shapes import shrink_for_tp
 
     # The strategy, shard size, tp and optimizer are checked (as _report checks them) before seconds of tracing.
@@ -206,12 +203,12 @@ def plan_at_scale(
     static_bytes(ModelProfile(blocks=()), strategy=strategy, world_size=dp, optimizer=optimizer, shard_size=shard_size)
     with compat.fake_mode():
         model, root, prefix, call = _subject(factory, example_inputs)
-        call = _profile.Call(*_resize(_profile._as_args(call), micro_batch, seq_len))
+        call = Call(*_resize(as_args(call), micro_batch, seq_len))
         root.train()
         found = find_blocks(model, blocks)
         if tp > 1:
             shrink_for_tp(model, found, tp)
-        mp, kept = fake_profile._trace(root, model, found, call, prefix=prefix)
+        mp, kept = profile_cut(root, model, found, call, prefix=prefix)
     report = _report(
         mp,
         found,
