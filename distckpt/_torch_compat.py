@@ -22,6 +22,7 @@ __all__ = [
     "dynamo_trace_errors",
     "forward_side_effects_once",
     "fake_mode",
+    "fsdp2_reduces_grads",
     "is_plain_backward",
     "mem_tracker",
     "mem_tracker_merge_peak",
@@ -94,6 +95,24 @@ def queue_after_backward(fn: Callable[[], None]) -> None:
     """
     engine = torch.autograd.Variable._execution_engine
     engine.queue_callback(lambda: engine.queue_callback(fn))
+
+
+def fsdp2_reduces_grads(modules: Iterable[torch.nn.Module]) -> bool:
+    """Whether FSDP2 will reduce the gradients of the next backward through ``modules`` (``fully_shard`` units):
+    False after ``set_requires_gradient_sync(False)``, which ``torch.distributed.pipelining`` sets for every
+    micro-batch's backward before reducing all of them at once, outside autograd (``perform_reduce_grad``).
+
+    FSDP2 has a setter and no getter; the flag is each ``FSDPParamGroup``'s ``reduce_grads`` (private,
+    ``torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py``). torch 2.13.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in modules:
+        if isinstance(m, FSDPModule):
+            for group in m._get_fsdp_state()._fsdp_param_groups:
+                if not group.reduce_grads:
+                    return False
+    return True
 
 
 def to_local(t: torch.Tensor) -> torch.Tensor:

@@ -117,7 +117,7 @@ def _refusal(rank, world_size, what):
     cases = {
         "shard_size_3": lambda: distckpt.parallelize(model, "hsdp", shard_size=3),
         "dim_names": lambda: distckpt.parallelize(
-            model, "fsdp2", device_mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+            model, "fsdp2", device_mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("x", "y"))
         ),
         "fsdp1_2d": lambda: distckpt.parallelize(model, "fsdp", device_mesh=_mesh()),
         "hsdp_1d": lambda: distckpt.parallelize(model, "hsdp", device_mesh=init_device_mesh("cpu", (4,))),

@@ -40,11 +40,12 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("", "cli", "integrations"),  # the public API, the commands (doctor, plan), optional framework integrations
 )
 
-# Inside distckpt/select/, bottom first: the profiler, what a policy sees (candidates) and the block finder, the
+# Inside distckpt/select/, bottom first: the profiler, what a policy sees (candidates), the block finder and the
+# tensor-parallel shapes (tp_shapes), the
 # memory planner, the policy objects, and the package's public names ("": select/__init__.py).
 SELECT_LAYERS: tuple[tuple[str, ...], ...] = (
     ("profile",),
-    ("candidates", "blocks"),
+    ("candidates", "blocks", "tp_shapes"),
     ("budget",),
     ("policies",),
     ("",),

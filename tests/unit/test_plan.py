@@ -81,6 +81,27 @@ def test_hsdp_shards_over_the_shard_group_only(monkeypatch):
         plan_at_scale(f, strategy="ddp", optimizer="lion")
 
 
+def test_tp_traces_one_tensor_parallel_rank(monkeypatch, capsys):
+    from distckpt.cli import plan as cli_plan
+    from distckpt.cli.plan import render
+
+    f = gpt_factory(2)
+    tp = plan_at_scale(f, strategy="fsdp2", world_size=4, tp=2)
+    dp_only = plan_at_scale(f, strategy="fsdp2", world_size=2)
+    # The same 2 dp ranks shard both; each tp rank holds half of every attention/MLP linear and of the
+    # activations between them (tests/distributed/test_tp.py: within 0.5% of a measured TP + FSDP2 step).
+    assert tp.param_bytes < dp_only.param_bytes and tp.activation_bytes < dp_only.activation_bytes
+    assert tp.policy("none").peak_bytes < dp_only.policy("none").peak_bytes
+    assert "fsdp2, 4 ranks (2 dp x 2 tp)" in render(tp)
+    assert main(["plan", "--factory", "benchmarks.plan_accuracy:make_gpt", "--world-size", "4", "--tp", "2"]) == 0
+    assert "(2 dp x 2 tp)" in capsys.readouterr().out
+    monkeypatch.setattr(cli_plan, "profile_cut", lambda *a, **k: pytest.fail("traced before checking the arguments"))
+    with pytest.raises(ConfigError, match="strategy='fsdp2' only"):
+        plan_at_scale(f, strategy="ddp", world_size=4, tp=2)
+    with pytest.raises(ConfigError, match="does not divide the 4 ranks"):
+        plan_at_scale(f, strategy="fsdp2", world_size=4, tp=3)
+
+
 def test_cli_plan_prints_each_policy_and_rejects_a_bad_budget(capsys):
     assert (
         main(
