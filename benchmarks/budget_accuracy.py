@@ -25,8 +25,9 @@ NOTES = [
     "after) is tracked as an external tensor from the step's start; MemTracker alone sees it only from the "
     "first gradient copied into it in backward. The prediction counts it as one more gradient-sized buffer.",
     "- FSDP/FSDP2: parallelize makes every block its own unit, checkpointed or not. The model counts, phase "
-    "by phase, what FSDP holds unsharded beside the shards (distckpt/select/memory_terms.py `_Sharded`, measured per "
-    "module and phase with MemTracker and read off torch's FSDP code): a block's parameters (FSDP2: and its "
+    "by phase, what FSDP holds unsharded beside the shards (distckpt/select/budget/memory_terms.py `_Sharded`, "
+    "measured per module and phase with MemTracker and read off torch's FSDP code): a block's parameters (FSDP2: "
+    "and its "
     "all-gather output) in its forward; in its backward its own and the prefetched previous block's parameters, "
     "FSDP2 the reduce-scatter input of the block whose backward came before, and the gradients made so far "
     "unsharded (the block's own and the root unit's); the last block's parameters during the head. Counting "

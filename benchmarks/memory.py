@@ -13,7 +13,7 @@ in steady state (the optimizer state exists), each quantity in its own pass:
 - recompute FLOPs: ``FlopCounterMode`` of forward+backward minus that of the run without
   checkpointing; for torch.compile rows a ``FlopCounterMode`` entered inside the compiled forward
   and backward graphs (around the call it would see the eager code, as MemTracker does). Every
-  counter is ``distckpt.select.flops.flop_counter()``, which adds FLOP formulas for the CPU attention
+  counter is ``distckpt.select.profile.flop_counter()``, which adds FLOP formulas for the CPU attention
   kernel (torch 2.13 has none); the compiled graphs keep that kernel too, so both count attention.
 - step time as a ratio to no checkpointing (all configurations interleaved round by round, medians).
 
@@ -408,7 +408,7 @@ def _write(
         "FlopCounterMode of forward+backward minus the run without checkpointing; for `compile F` rows a "
         "FlopCounterMode entered inside the compiled forward and backward graphs (around the compiled call "
         "it counts the eager code, as MemTracker does). Attention's FLOPs are counted on CPU too "
-        "(`distckpt.select.flops.flop_counter`: torch's CUDA formulas for the CPU kernel, which the compiled "
+        "(`distckpt.select.profile.flop_counter`: torch's CUDA formulas for the CPU kernel, which the compiled "
         "graphs keep as well).",
         "",
         f'`budget X MiB`: `wrap(model, "budget:SIZE")` at {args.budget_points} sizes from the smallest it '

@@ -2,7 +2,7 @@
 
 On a Hugging Face GPT-2 built from ``GPT2Config`` (random weights, no download; the same-shaped GPT of
 tests/models.py where transformers is not installed): the measured exchange
-rate ``flops_per_byte`` (matmul FLOP/s over pinned host-link bytes/s, :mod:`distckpt.select.transfer`),
+rate ``flops_per_byte`` (matmul FLOP/s over pinned host-link bytes/s, :mod:`distckpt.select.profile.transfer`),
 then for no checkpointing, ``full``, every block offloaded, and a budget halfway between ``full``'s and
 no checkpointing's predicted peaks planned with offload offered: the device peak of a forward+backward
 (``torch.cuda.max_memory_allocated``, parameters, gradients and batch included; no optimizer), its
@@ -27,8 +27,7 @@ import distckpt
 from distckpt.select.blocks import find_blocks
 from distckpt.select.budget import plan_budget, predicted_peak
 from distckpt.select.policies import Placement
-from distckpt.select.profile import profile_model
-from distckpt.select.transfer import flops_per_byte
+from distckpt.select.profile import flops_per_byte, profile_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -125,7 +124,7 @@ def main() -> None:
         f"{args.layers} layers, width {args.width}, seq {args.seq}, batch {args.batch}, fp32, no optimizer.",
         "",
         f"Measured exchange rate: **{ratio:.1f} FLOPs per byte** moved to host and back "
-        "(matmul FLOP/s over pinned-copy bytes/s, `distckpt.select.transfer.flops_per_byte`).",
+        "(matmul FLOP/s over pinned-copy bytes/s, `distckpt.select.profile.flops_per_byte`).",
         "",
         f"Budget plan: {', '.join(f'{m} x{plan.modes.count(m)}' for m in sorted(set(plan.modes)))}; "
         f"{plan.moved_bytes / 2**20:.1f} MiB moved per step; recompute {plan.recompute_flops / 1e9:.2f} GFLOP, "

@@ -25,7 +25,7 @@ RESULTS = Path(__file__).parent / "results" / "plan_accuracy.md"
 DIST_NOTE = (
     "FSDP2: parallelize makes every block its own unit, checkpointed or not; the memory model counts "
     "what FSDP2 holds unsharded phase by phase (a block's parameters, the prefetched one's, the all-gather "
-    "output and reduce-scatter input, the gradients made so far: distckpt/select/memory_terms.py `_Sharded`). "
+    "output and reduce-scatter input, the gradients made so far: distckpt/select/budget/memory_terms.py `_Sharded`). "
     "Counting two blocks' unsharded parameters and one block's gradients at every peak (before) was up "
     "to 5.7% high."
 )

@@ -27,6 +27,7 @@ import socket
 import stat
 import sys
 import traceback
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -107,8 +108,24 @@ def _hang_up() -> None:
             sock.detach()  # the descriptor stays its owner's (gloo, the store), to close in its own time
 
 
-def _worker(rank: int, world_size: int, port: int, path: list[str], inbox: Any, outbox: Any) -> None:
+def _error_filters() -> list[tuple[str, str, type, str, int]]:
+    """The "error" warning filters in force here (pyproject.toml's filterwarnings, which pytest installs around each
+    test and fixture), as ``warnings.filterwarnings`` arguments: the ranks apply them too, so a FutureWarning or
+    DeprecationWarning from our own code fails a distributed test as it fails a local one."""
+    return [
+        (action, msg.pattern if msg is not None else "", cat, mod.pattern if mod is not None else "", lineno)
+        for action, msg, cat, mod, lineno in warnings.filters
+        if action == "error"
+    ]
+
+
+def _worker(
+    rank: int, world_size: int, port: int, path: list[str], inbox: Any, outbox: Any, errors: list | None = None
+) -> None:
     import torch.distributed as dist
+
+    for action, message, category, module, lineno in reversed(errors or []):
+        warnings.filterwarnings(action, message, category, module, lineno)
     import torch.distributed.nn  # noqa: F401 - before the group exists: see below
 
     # torch.distributed.nn.functional's collectives take ``group=group.WORLD`` as a default argument, bound when
@@ -174,7 +191,7 @@ class DistPool:
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, self.world_size, port, list(sys.path), self._inboxes[r], self._outbox),
+                args=(r, self.world_size, port, list(sys.path), self._inboxes[r], self._outbox, _error_filters()),
                 daemon=True,
             )
             for r in range(self.world_size)

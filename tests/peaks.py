@@ -15,8 +15,7 @@ import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import distckpt
-from distckpt.select.flops import flop_counter
-from distckpt.select.profile import _as_args, memory_tracker, scalar_loss
+from distckpt.select.profile import as_args, flop_counter, memory_tracker, scalar_loss
 
 CPU = torch.device("cpu")
 
@@ -154,7 +153,7 @@ def fwd_bwd_flops(model: nn.Module, inputs: tuple, kwargs: dict) -> int:
 
 def steady_peak(model: nn.Module, inputs: Any) -> int:
     """MemTracker peak of one AdamW step after a first step created the optimizer state."""
-    args, kwargs = _as_args(inputs)
+    args, kwargs = as_args(inputs)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 
     def step() -> None:
@@ -207,7 +206,7 @@ def dist_steady_peak(model: nn.Module, strategy: str, inputs: Any, micro_batches
     """This rank's MemTracker peak of a steady-state AdamW step under ``distckpt.parallelize(strategy)``
     (DDP's buckets counted from the step's start, see :func:`ddp_buckets`); with ``micro_batches > 1``
     gradients are accumulated (``distckpt.accumulate`` around all but the last micro-batch)."""
-    args, kwargs = _as_args(inputs)
+    args, kwargs = as_args(inputs)
     pm = distckpt.parallelize(model, strategy)
     opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-4)
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 import distckpt
-from distckpt.select.estimate import plan_at_scale
+from distckpt.cli.plan import plan_at_scale
 from distckpt.select.policies import Placement
 from distckpt.select.profile import memory_tracker
 

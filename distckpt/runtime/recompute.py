@@ -23,6 +23,7 @@ import torch.utils.checkpoint as tuc
 from distckpt import _torch_compat as compat
 from distckpt._log import notify
 from distckpt.errors import ConfigError
+from distckpt.runtime.routing import replay_wrapped, replaying
 from distckpt.runtime.selective import bind
 
 __all__ = [
@@ -139,6 +140,12 @@ def _keep_running_stats(norms: list[nn.Module]) -> Iterator[None]:
 
 def _context_fn(opts: CheckpointOptions, module: nn.Module) -> Callable[[], tuple[Any, Any]]:
     own = bind(opts.context_fn, module)  # op-level: this block's own reach; full: torch's noop_context_fn
+    if torch.compiler.is_compiling():
+        return own  # routing replay there: bind marks the routing ops must-save
+    return replay_wrapped(_with_norms(own, module), module)
+
+
+def _with_norms(own: Callable[[], tuple[Any, Any]], module: nn.Module) -> Callable[[], tuple[Any, Any]]:
     norms = module._distckpt_norms
     if not norms:
         return own
@@ -310,7 +317,7 @@ def _run_reentrant(
             f"{', '.join(bad)} (keyword or nested arguments that require grad). "
             "Use distckpt.wrap(..., reentrant=False)."
         )
-    fn = functools.partial(inner, **kwargs) if kwargs else inner
+    fn = replaying(functools.partial(inner, **kwargs) if kwargs else inner, module)
     norms = module._distckpt_norms
     if norms:
         plain = fn

@@ -42,19 +42,19 @@ def run(saved, tmp_path):
 @pytest.mark.parametrize(
     "change,expect",
     [
-        ("model.n_layer=3", "missing from the checkpoint: 48 (12 model, 36 optimizer), e.g. model.blocks.2.fc.bias, "),
+        ("model.n_layer=3", "missing from the checkpoint: 64 (16 model, 48 optimizer), e.g. model.blocks.2.fc.bias, "),
         (
             "model.n_layer=1 ac.blocks=[blocks.*]",
-            "in the checkpoint but not in this run: 48 (12 model, 36 optimizer), e.g. model.blocks.1.fc.bias, ",
+            "in the checkpoint but not in this run: 64 (16 model, 48 optimizer), e.g. model.blocks.1.fc.bias, ",
         ),
         (
             "model.d_model=48",
-            "shape changed: 90 (30 model, 60 optimizer), e.g. model.blocks.0.fc.bias [128] in the "
+            "shape changed: 114 (38 model, 76 optimizer), e.g. model.blocks.0.fc.bias [128] in the "
             "checkpoint, [192] now",
         ),
         (
             "optim=sgd",
-            "missing from the checkpoint: 31 (0 model, 31 optimizer), e.g. optim.blocks.0.fc.bias.momentum_buffer",
+            "missing from the checkpoint: 39 (0 model, 39 optimizer), e.g. optim.blocks.0.fc.bias.momentum_buffer",
         ),
     ],
 )

@@ -14,7 +14,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 import distckpt
 from distckpt import Budget, ConfigError, parse_policy
 from distckpt.select.budget import plan_budget, predicted_peak, static_bytes
-from distckpt.select.memory_terms import _bounds
+from distckpt.select.budget.memory_terms import _bounds
 from distckpt.select.profile import BlockProfile, ModelProfile, profile_model
 
 CPU = torch.device("cpu")

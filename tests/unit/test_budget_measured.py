@@ -21,8 +21,8 @@ from peaks import allocator_peak
 import distckpt
 from distckpt import Budget
 from distckpt.apply.wrap import checkpoint_mode, is_checkpointed
-from distckpt.select.flops import flop_counter
 from distckpt.select.policies import Placement
+from distckpt.select.profile import flop_counter
 
 CPU = torch.device("cpu")
 

@@ -333,7 +333,7 @@ def test_near_optimal_against_measured_placements_with_offload():
 
 
 def test_transfer_probe_is_shaped_like_the_blocks_and_cuda_only():
-    from distckpt.select import transfer
+    from distckpt.select.profile import transfer
 
     torch.manual_seed(0)
     cfg = GPTConfig(vocab=64, seq=64, dim=128, heads=2, layers=2)

@@ -61,7 +61,7 @@ def test_cuda_offload_peak_predicted_within_three_percent_and_exact():
 
 
 def test_cuda_budget_offers_offload_and_fits():
-    from distckpt.select import transfer
+    from distckpt.select.profile import transfer
 
     base, inputs = _gpt()
     mp = profile_model(base, find_blocks(base), inputs, modes=("full", "offload"))

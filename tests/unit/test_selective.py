@@ -15,7 +15,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 import distckpt
 from distckpt import ConfigError, Selective
 from distckpt.runtime.selective import resolve_ops, selective_context_fn
-from distckpt.select.flops import flop_counter
+from distckpt.select.profile import flop_counter
 
 CPU = torch.device("cpu")
 

@@ -15,7 +15,7 @@ from models import hf_checkpointing_enable
 import distckpt
 from distckpt import ConfigError
 from distckpt.apply.wrap import is_checkpointed
-from distckpt.select.flops import flop_counter
+from distckpt.select.profile import flop_counter
 
 
 class Block(nn.Module):
@@ -198,6 +198,36 @@ def test_auto_blocks_prefers_finer_nested_blocks_and_resnet_stages():
     model = ResNetLike()
     distckpt.wrap(model)
     assert distckpt.checkpointed(model) == ["layer1.0", "layer1.1", "layer2.0", "layer2.1", "layer2.2"]
+
+
+def test_auto_blocks_in_a_module_dict_keyed_by_layer_numbers():
+    class Titan(nn.Module):  # torchtitan keeps layers in a ModuleDict "0", "1", ... (FQNs survive a pipeline split)
+        def __init__(self, keys=range(4)):
+            super().__init__()
+            self.embed = nn.Linear(4, 16)
+            self.layers = nn.ModuleDict({str(i): Block() for i in keys})
+            # Task heads keyed by name, larger than the layers together: never taken for blocks.
+            self.heads = nn.ModuleDict({t: nn.Linear(16, 2000) for t in ("lm", "cls")})
+
+        def forward(self, x):
+            h = self.embed(x)
+            for layer in self.layers.values():
+                h = layer(h)
+            return sum(head(h).sum() for head in self.heads.values())
+
+    model = Titan()
+    assert sum(p.numel() for p in model.heads.parameters()) > sum(p.numel() for p in model.layers.parameters())
+    ref = copy.deepcopy(model)
+    distckpt.wrap(model, "full")
+    assert distckpt.checkpointed(model) == [f"layers.{i}" for i in range(4)]
+    x = torch.randn(3, 4)
+    model(x).backward()
+    ref(x).backward()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=n)
+    stage = Titan(keys=range(2, 4))  # a pipeline stage keeps the layers it runs under their numbers
+    distckpt.wrap(stage, "full")
+    assert distckpt.checkpointed(stage) == ["layers.2", "layers.3"]
 
 
 def test_auto_blocks_hf_gpt2_and_llama():
