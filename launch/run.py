@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import distckpt
 from distckpt._dist import broadcast_object, rank_world
+from distckpt._log import Notice
 from distckpt._spawn import free_port
 from distckpt.errors import ConfigError, first_lines
 from distckpt.select import CHECKPOINT_MODES
@@ -144,6 +145,9 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None, *, val
     if not validated:
         validate(cfg, world)
     _quiet_torch_warnings()
+    # What a run's safety depends on (a checkpoint skipped, a logger's fallback, ...) distckpt logs on the
+    # `distckpt` logger, which Hydra's job logging shows, and also warns (distckpt._log.notify): said once here.
+    warnings.filterwarnings("ignore", category=Notice)
     t = cfg.trainer
     user_callbacks = _callbacks(t.callbacks)  # a bad entry is a ConfigError before anything is written
     device = _device(t.device)

@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.utils.checkpoint as tuc
 
 from distckpt import _torch_compat as compat
+from distckpt._log import notify
 from distckpt.errors import ConfigError
 from distckpt.runtime.routing import replay_wrapped, replaying
 from distckpt.runtime.selective import bind
@@ -98,9 +99,11 @@ def without_cache(
     if hits:
         kwargs = {**kwargs, **{k: False if k == "use_cache" else None for k in hits}}
         changed += hits
-    if changed and type(module) not in _WARNED_CACHE:
+    # Said on the first training forward of a block a plan checkpoints, not in a profile's sample steps (before,
+    # the profile's forward took the one notice and silenced it: a budget's run never said it).
+    if changed and type(module) not in _WARNED_CACHE and not module.__dict__.get("_distckpt_profiling"):
         _WARNED_CACHE.add(type(module))
-        warnings.warn(
+        notify(
             f"distckpt: {module._distckpt_orig_class.__name__} is checkpointed, so in training it runs without a "
             f"KV cache, as with Hugging Face's gradient checkpointing ({', '.join(sorted(set(changed)))} ignored). "
             "Forwards under torch.no_grad() (generation) keep their cache.",

@@ -183,7 +183,8 @@ def _measured_peaks(rank, world_size):
     """MemTracker's peak of a steady-state AdamW step of the launcher's gpt, tensor-parallel over mesh["tp"] (its
     plan: distckpt.parallel.tp) and FSDP2 over mesh["dp"], without and with checkpointing; and the budget profile's
     parameter bytes of the tensor-parallel model (its local shards)."""
-    from benchmarks.plan_accuracy import _make_gpt, _steady_peak
+    from plan_cases import _make_gpt, _steady_peak
+
     from distckpt.parallel.tp import apply_tp
     from distckpt.select.blocks import find_blocks
     from distckpt.select.profile import profile_model
@@ -203,7 +204,8 @@ def _measured_peaks(rank, world_size):
 
 
 def test_plan_counts_a_tensor_parallel_block_by_its_shards(pool4):
-    from benchmarks.plan_accuracy import gpt_factory
+    from plan_cases import gpt_factory
+
     from distckpt.cli.plan import plan_at_scale
 
     results = pool4.run(_measured_peaks, timeout=300)

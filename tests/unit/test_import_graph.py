@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # distckpt/'s layers, bottom first, by the first name under distckpt ("" is distckpt/__init__.py, the API).
 # A new package or top-level module goes in one of them; see the module docstring for what counts.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "_torch_compat", "_dist", "_spawn", "options", "layout", "factory"),  # no distckpt layer needed
+    ("errors", "_log", "_torch_compat", "_dist", "_spawn", "options", "layout", "factory"),  # no distckpt layer needed
     ("runtime",),  # the checkpointed block: class swap, recompute run-time, op-level contexts
     ("select",),  # what to checkpoint: policies over the budget planner over the profiler (SELECT_LAYERS)
     ("apply",),  # wrap: the policy resolved and the run-time placed on the chosen blocks; chunked FFN

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from models import hf_checkpointing_enable
 
 import distckpt
-from benchmarks.models import hf_checkpointing_enable
 from distckpt import ConfigError
 from distckpt.apply.wrap import is_checkpointed
 from distckpt.select.profile import flop_counter
@@ -747,6 +747,40 @@ def test_hf_padded_batch_cache_off_in_training_exact(family, reentrant, monkeypa
         _hf_step(wrapped, batch)
     assert sum("without a KV cache" in str(w.message) for w in rec) == 1  # once per layer class
     assert_same(ref, got, exact=True)
+
+
+def test_hf_cache_turned_off_is_said_with_warnings_ignored(monkeypatch, caplog):
+    """The cache turned off is said on the ``distckpt`` logger (rank 0's log under the launcher) even with every
+    warning ignored, as PYTHONWARNINGS=ignore does in many training scripts; once per layer class."""
+    import sys
+
+    monkeypatch.setattr(sys.modules["distckpt.runtime.recompute"], "_WARNED_CACHE", set())
+    model = distckpt.wrap(_tiny_decoder("gpt2"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _hf_step(model, _padded_batch())
+        _hf_step(model, _padded_batch())
+    said = [r for r in caplog.records if r.name == "distckpt" and "without a KV cache" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelname == "WARNING", caplog.messages
+
+
+def test_hf_cache_notice_waits_for_training_after_a_profile(monkeypatch, caplog):
+    """A profile (a budget's, at wrap) runs every block checkpointed: it says nothing, and the first training
+    step says it. Before, the profile's forward took the one notice and silenced it: a budget's run never said it."""
+    import sys
+
+    from distckpt.select.blocks import find_blocks
+    from distckpt.select.profile import profile_model
+
+    monkeypatch.setattr(sys.modules["distckpt.runtime.recompute"], "_WARNED_CACHE", set())
+    model, batch = _tiny_decoder("gpt2"), _padded_batch()
+    profile_model(model, find_blocks(model, None), batch, modes=("full",))
+    assert not [m for m in caplog.messages if "without a KV cache" in m]
+    distckpt.wrap(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _hf_step(model, batch)
+    assert len([m for m in caplog.messages if "without a KV cache" in m]) == 1, caplog.messages
 
 
 def test_hf_generation_keeps_its_cache():

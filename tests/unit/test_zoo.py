@@ -18,29 +18,25 @@ import importlib.util
 import itertools
 import json
 import os
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import zoo
+from models import hf_checkpointing_enable
+
+import distckpt
+from distckpt import Budget, ConfigError
+from distckpt.apply.wrap import is_checkpointed
+from distckpt.select.budget import plan_budget, predicted_peak
+from distckpt.select.policies import Placement
+from distckpt.select.profile import memory_tracker, profile_model
 
 # Skipped without transformers, which the zoo's builders import when they run, not at collection (by every
 # pytest-xdist worker).
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for zoo
-
-import zoo  # noqa: E402
-
-import distckpt  # noqa: E402
-from benchmarks.models import hf_checkpointing_enable  # noqa: E402
-from distckpt import Budget, ConfigError  # noqa: E402
-from distckpt.apply.wrap import is_checkpointed  # noqa: E402
-from distckpt.select.budget import plan_budget, predicted_peak  # noqa: E402
-from distckpt.select.policies import Placement  # noqa: E402
-from distckpt.select.profile import memory_tracker, profile_model  # noqa: E402
-
 CPU = torch.device("cpu")
 NAMES = list(zoo.FAMILIES)
 # Failures whose cause lies in the library, not in this test: (family, check) -> reason.

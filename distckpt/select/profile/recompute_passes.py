@@ -59,10 +59,13 @@ def _all_checkpointed(
             )
             m._distckpt_norms = stateful_norms(m)
             m._distckpt_cache_slots = cache_positions(orig)
+            m._distckpt_profiling = True  # the "runs without a KV cache" notice waits for a training forward
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the wrapper's one-time "runs without a KV cache" notice
+            warnings.simplefilter("ignore")  # what the sample steps warn (the model's own warnings) is not the run's
             yield
     finally:
+        for m in mods:
+            m.__dict__.pop("_distckpt_profiling", None)
         unwrap(model, mods)
         for p in model.parameters():
             p.grad = None
