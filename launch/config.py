@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,8 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from distckpt.errors import ConfigError
-from distckpt.options import GRAPHS, OPTIMIZERS, SHARDED, STRATEGIES, check_run, check_shard_size
+from distckpt.options import GRAPHS, OPTIMIZERS, STRATEGIES, check_run
+from launch.build import layout_of
 
 CHOICES = {
     "strategy.name": STRATEGIES,
@@ -88,6 +88,7 @@ RANGES: dict[str, Range] = {
     "data.shuffle_block": Range(1, why="windows shuffled together; 1: no shuffle"),
     "strategy.shard_size": Range(1, why="ranks per shard group; null: the ranks of one node"),
     "strategy.hang_timeout": Range(0, why="seconds a rank may wait in one place in the model; 0 or null: no watchdog"),
+    "strategy.tp": Range(1, why="tensor-parallel ranks per data-parallel rank; 1: no tensor parallel"),
     "ac.n": SIZE,
     "ac.offload_flops_per_byte": Range(0, lo_open=True),
     "optim.lr": Range(0, lo_open=True),
@@ -153,53 +154,6 @@ def _validate_compile(strategy: DictConfig) -> None:
         )
 
 
-def compile_kwargs(strategy: DictConfig) -> dict[str, Any]:
-    """``parallelize``'s ``compile=`` for ``strategy.compile`` (each block compiled with that backend), or nothing."""
-    backend = strategy.get("compile")
-    return {} if backend is None else {"compile": {"backend": backend}}
-
-
-def shard_size(strategy: DictConfig, world_size: int) -> int | None:
-    """``strategy.shard_size`` under ``strategy=hsdp``, by default ``LOCAL_WORLD_SIZE`` (the ranks of one
-    node; before torchrun sets it, the whole job: one node); None for the other strategies."""
-    if strategy.name != "hsdp":
-        return None
-    if strategy.shard_size is not None:
-        return int(strategy.shard_size)
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-
-
-def budget_facts(cfg: DictConfig, world_size: int) -> dict[str, Any]:
-    """What a memory plan (``ac=budget``'s Budget, ``launch/plan.py``) needs to know about the run: the
-    strategy and HSDP shard size, the optimizer's state (SGD with momentum keeps one, without none) and
-    whether gradients accumulate over micro-batches."""
-    o = cfg.optim
-    optimizer = o.name if o.name != "sgd" else ("sgd_momentum" if o.momentum else "sgd")
-    return dict(
-        strategy=cfg.strategy.name,
-        optimizer=optimizer,
-        grad_accumulation=cfg.trainer.grad_accum > 1,
-        shard_size=shard_size(cfg.strategy, world_size),
-    )
-
-
-def _validate_shard_size(strategy: DictConfig, world_size: int) -> None:
-    if strategy.name != "hsdp":
-        if strategy.shard_size is not None:
-            raise ConfigError(
-                f"strategy.shard_size={strategy.shard_size} is for strategy=hsdp (got "
-                f"strategy={strategy.name}); remove it, or use strategy=hsdp."
-            )
-        return
-    try:
-        check_shard_size(shard_size(strategy, world_size), world_size)
-    except ConfigError as e:
-        raise ConfigError(
-            f"strategy=hsdp strategy.shard_size={strategy.shard_size}: {e} Fix the override "
-            "strategy.shard_size=N (the ranks per node)."
-        ) from None
-
-
 def validate(cfg: DictConfig, world_size: int = 1) -> None:
     """Check values and combinations of a composed config before anything is built or written.
 
@@ -228,7 +182,7 @@ def validate(cfg: DictConfig, world_size: int = 1) -> None:
     _check_ranges(cfg)
     _check_combinations(cfg, world_size)
     check_extras(cfg)
-    check_model(cfg)
+    check_model(cfg, world_size)
 
 
 def _check_combinations(cfg: DictConfig, world_size: int) -> None:
@@ -292,12 +246,12 @@ def _check_combinations(cfg: DictConfig, world_size: int) -> None:
             "precision.dtype=fp16 without a grad scaler underflows; use precision=fp16 "
             "(which sets precision.grad_scaler=true) or precision=bf16."
         )
-    if cfg.precision.sharded and s not in SHARDED:
+    layout = layout_of(cfg.strategy, world_size)
+    if cfg.precision.sharded and not layout.sharded:
         raise ConfigError(
             f"precision.sharded=true needs strategy=fsdp, fsdp2 or hsdp (got strategy={s}); "
             "use precision=bf16 (autocast) instead."
         )
-    _validate_shard_size(cfg.strategy, world_size)
     _validate_compile(cfg.strategy)
     try:  # the library's own rule for these settings, so --check and parallelize agree
         check_run(s, reentrant=cfg.ac.reentrant, graph=cfg.strategy.graph, accumulate=t.grad_accum > 1)
@@ -351,9 +305,9 @@ def _meta_buildable(m: DictConfig) -> bool:
     return m.name in META_BUILDABLE and not m.get("pretrained")  # from_pretrained reads a checkpoint
 
 
-def check_model(cfg: DictConfig) -> None:
-    """Parse the ``ac`` group; build a built-in model (:data:`META_BUILDABLE`) on the meta device and
-    apply the ``ac`` group to it, as training will.
+def check_model(cfg: DictConfig, world_size: int = 1) -> None:
+    """Build the ``ac`` group's arguments (:func:`launch.ac.wrap_args`, as training does); build a built-in
+    model (:data:`META_BUILDABLE`) on the meta device and wrap it with them, as training will.
 
     Raises:
         ConfigError: a bad ``ac.policy``/``ac.size``/``ac.blocks``, or a model that cannot be built.
@@ -361,19 +315,13 @@ def check_model(cfg: DictConfig) -> None:
     import torch
 
     import distckpt
-    from distckpt.select.policies import Budget, parse_policy, parse_size
+    from distckpt.select import Budget
+    from launch.ac import wrap_args
     from launch.build import build_model
 
     c = cfg.ac
-    if c.size != "auto":
-        try:
-            parse_size(c.size)
-        except ConfigError as e:
-            raise ConfigError(f"ac.size={c.size}: {e} Or ac.size=auto (the free CUDA memory).") from None
-    try:
-        policy = parse_policy(c.policy)
-    except ConfigError as e:
-        raise ConfigError(f"ac.policy={c.policy}: {e}") from None
+    args = wrap_args(cfg, world_size)
+    policy = args.policy
     cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
     if isinstance(policy, Budget) and policy.bytes is None and not cuda:
         raise ConfigError(
@@ -393,9 +341,26 @@ def check_model(cfg: DictConfig) -> None:
         raise ConfigError(
             f"model={cfg.model.name} cannot be built from these model.* values: {type(e).__name__}: {text}"
         ) from None
-    blocks = list(c.blocks) if c.blocks else None
-    try:
-        distckpt.wrap(model, policy, blocks=blocks, reentrant=c.reentrant, offload="cpu" if c.offload else None)
+    _check_tp_plan(cfg, model)
+    blocks = list(args.blocks) if args.blocks else None
+    try:  # policy None (ac=none) too: ac.blocks must match the model whatever the policy
+        distckpt.wrap(model, policy, blocks=blocks, reentrant=args.reentrant, offload=args.offload)
     except ConfigError as e:
         where = f"ac.blocks=[{','.join(blocks)}]" if blocks else f"model={cfg.model.name} ac.policy={c.policy}"
         raise ConfigError(f"{where}: {e}" + ("" if blocks else " In the launcher: ac.blocks=[GLOB,...].")) from None
+
+
+def _check_tp_plan(cfg: DictConfig, model: Any) -> None:
+    """``strategy.tp`` > 1: the model has the tensor-parallel plan training will apply (Llama-style attention and MLP
+    linears in its blocks) and the tp divides its heads and widths (the model on the meta device)."""
+    tp = int(cfg.strategy.get("tp", 1))
+    if tp == 1:
+        return
+    from distckpt.select.blocks import find_blocks
+    from distckpt.select.tp_shapes import check_heads, tp_roles
+
+    try:
+        found = find_blocks(model, None)
+        check_heads(model, found, tp_roles(found), tp)
+    except ConfigError as e:
+        raise ConfigError(f"strategy.tp={tp} with model={cfg.model.name}: {e}") from None

@@ -18,85 +18,22 @@ and input shapes, not one per block), so a deep copy of the model calls them wit
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 from distckpt import _torch_compat as compat
-from distckpt.apply.wrap import candidate_blocks, parallel_kind, pending_plan
+from distckpt.apply.state import candidate_blocks, pending_plan
+from distckpt.apply.wrap import parallel_kind
 from distckpt.errors import ConfigError
+from distckpt.layout import CompileOptions, compile_options
 from distckpt.runtime.recompute import run_checkpointed
 from distckpt.runtime.swap import _COMPILE, _COMPILED, _clean_fqn, is_checkpointed
 
 __all__ = ["CompileOptions", "apply_compile", "compile_blocks", "compile_options", "compiled_blocks", "uncompiled"]
-
-
-@dataclasses.dataclass(frozen=True)
-class CompileOptions:
-    """The arguments of ``torch.compile`` for each block (hashable: one compiled function per set of options).
-
-    ``fullgraph=True`` (as torchtitan compiles its blocks): a block that dynamo cannot trace in one graph raises
-    :class:`ConfigError` at its first forward instead of running in pieces between graph breaks.
-    """
-
-    backend: str = "inductor"
-    fullgraph: bool = True
-    dynamic: bool | None = None
-    mode: str | None = None
-    options: tuple[tuple[str, Any], ...] = ()
-
-    def kwargs(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"backend": self.backend, "fullgraph": self.fullgraph, "dynamic": self.dynamic}
-        if self.mode is not None:
-            out["mode"] = self.mode
-        if self.options:
-            out["options"] = dict(self.options)
-        return out
-
-
-_KEYS = tuple(f.name for f in dataclasses.fields(CompileOptions))
-
-
-def compile_options(spec: Any) -> CompileOptions | None:
-    """``parallelize``'s ``compile=``: ``None``/``False`` (no compile), ``True`` (the defaults), a mapping of
-    ``torch.compile`` arguments (``{"backend": "aot_eager", "fullgraph": False}``) or a :class:`CompileOptions`.
-
-    Raises:
-        ConfigError: another type, or a key ``torch.compile`` takes that is not per block (``model``) or unknown.
-    """
-    if spec is None or spec is False:
-        return None
-    if spec is True:
-        return CompileOptions()
-    if isinstance(spec, CompileOptions):
-        return spec
-    if not isinstance(spec, Mapping):
-        raise ConfigError(
-            f"compile= takes True, False, or a dict of torch.compile arguments (backend, fullgraph, dynamic, mode, "
-            f"options), got {type(spec).__name__}."
-        )
-    bad = sorted(set(spec) - set(_KEYS))
-    if bad:
-        raise ConfigError(
-            f"compile= got unknown keys {bad}; each block is compiled with torch.compile({', '.join(_KEYS)})."
-        )
-    kw = dict(spec)
-    if kw.get("options") is not None:
-        kw["options"] = tuple(sorted(dict(kw["options"]).items()))
-    else:
-        kw.pop("options", None)
-    opts = CompileOptions(**kw)
-    try:
-        hash(opts)
-    except TypeError:
-        raise ConfigError(
-            f"compile= options must have hashable values (numbers, strings, booleans, tuples), got {spec['options']}."
-        ) from None
-    return opts
 
 
 def _forward(block: nn.Module, *args: Any, **kwargs: Any) -> Any:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,14 +21,18 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import distckpt
-from distckpt.apply.wrap import parallel_kind, replan_budget
+from distckpt._log import notify
+from distckpt.apply.wrap import hand_over, parallel_kind
 from distckpt.errors import ConfigError
 from distckpt.integrations._common import check_guard_every, checkpoint_blocks
-from distckpt.options import accumulate_refusal, check_graph
+from distckpt.layout import Layout
+from distckpt.options import Engine, accumulate_refusal, check_graph
 from distckpt.parallel.param_sync import SyncState
-from distckpt.parallel.strategies import _STATE, _reentrant_blocks, attach_ddp
+from distckpt.parallel.state import sync_state
+from distckpt.parallel.strategies import attach_ddp
+from distckpt.parallel.units import reentrant_blocks
 
-__all__ = ["guard", "install", "prepare"]
+__all__ = ["forget", "guard", "install", "prepare"]
 
 _HOOKS = "_distckpt_hooks"  # attribute of the Accelerator holding its _Hooks
 
@@ -82,7 +85,7 @@ def install(
     ``TrainingArguments(ddp_find_unused_parameters=False)``: ``install`` refuses it as a user's setting, so a caller
     that knows the value is Trainer's default (``args.ddp_find_unused_parameters is None``) resets
     ``trainer.accelerator.ddp_handler.find_unused_parameters = False`` first. The prepared DDP is
-    ``trainer.model_wrapped``; its state is ``getattr(ddp, distckpt.parallel.strategies._STATE)`` and its guard
+    ``trainer.model_wrapped``; its state is ``distckpt.parallel.state.sync_state(ddp)`` and its guard
     :func:`guard` (``None`` before prepare or without ``guard_every``).
 
     Why hooks on the instance (attributes that shadow ``Accelerator``'s methods on this object) rather than patching
@@ -122,7 +125,7 @@ def install(
     checkpoint_blocks(model, policy, blocks=blocks, reentrant=reentrant, owner="install")
     static = _ddp_handler_flags(accelerator, model, graph)
     if accelerator.gradient_accumulation_steps > 1 and static:
-        why = accumulate_refusal("ddp", reentrant=bool(_reentrant_blocks(model)), graph=graph)
+        why = accumulate_refusal(Engine.DDP, reentrant=bool(reentrant_blocks(model)), graph=graph)
         raise ConfigError(f"Accelerator(gradient_accumulation_steps={accelerator.gradient_accumulation_steps}): {why}")
     hooks = _Hooks.on(accelerator)
     hooks.models[id(model)] = _Installed(model, graph, guard_every)
@@ -161,6 +164,25 @@ def guard(accelerator: Accelerator, model: nn.Module) -> distckpt.GradSyncGuard 
     hooks: _Hooks | None = accelerator.__dict__.get(_HOOKS)
     inst = hooks.find(model) if hooks is not None else None
     return inst.guard if inst is not None else None
+
+
+def forget(accelerator: Accelerator, model: nn.Module) -> None:
+    """Undo :func:`install` for ``model`` on ``accelerator``: the hooks of the DDP built around it go, and Accelerate
+    prepares it as it would without distckpt. For a model that is replaced (HF Trainer's ``model_init`` builds a new
+    one in ``train()``), so the accelerator holds no reference to it. Nothing happens for a model not installed.
+
+    Args:
+        accelerator: the ``Accelerator`` :func:`install` was called with.
+        model: the plain model given to :func:`install`.
+    """
+    hooks: _Hooks | None = accelerator.__dict__.get(_HOOKS)
+    inst = hooks.models.get(id(model)) if hooks is not None else None
+    if inst is None or inst.model is not model:
+        return
+    state = inst.state()
+    if state is not None:
+        state.remove()
+    del hooks.models[id(model)]
 
 
 # --- refusals ----------------------------------------------------------------------------------------------------
@@ -206,7 +228,7 @@ def _refuse_accelerator(accelerator: Accelerator) -> None:
     if kind in _DDP_TYPES and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         # Measured (accelerate 1.16): Accelerator(cpu=True, fsdp_plugin=...) sets ACCELERATE_USE_FSDP, then picks
         # MULTI_CPU and builds DDP without a word (Accelerate selects FSDP for accelerator devices only).
-        warnings.warn(
+        notify(
             f"Accelerate ignored its FSDP plugin ({kind.value}: it builds DistributedDataParallel), so distckpt makes "
             "that DDP exact. For FSDP on CPU use distckpt.parallelize(model, 'fsdp') or 'fsdp2'.",
             stacklevel=3,
@@ -222,7 +244,7 @@ def _refuse_accelerator(accelerator: Accelerator) -> None:
 def _ddp_handler_flags(accelerator: Accelerator, model: nn.Module, graph: str) -> bool:
     """Set the accelerator's DDP kwargs to distckpt's flags, keeping the user's others; refuse contradictions.
     Returns whether DDP runs with ``static_graph=True``."""
-    static = graph == "static" or bool(_reentrant_blocks(model))
+    static = graph == "static" or bool(reentrant_blocks(model))
     handler = accelerator.ddp_handler or DistributedDataParallelKwargs()
     if handler.find_unused_parameters:
         raise ConfigError(_FUP)
@@ -249,7 +271,7 @@ class _Installed:
         self.guard: distckpt.GradSyncGuard | None = None
 
     def state(self) -> SyncState | None:
-        return getattr(self.ddp, _STATE, None) if self.ddp is not None else None
+        return sync_state(self.ddp) if self.ddp is not None else None
 
     def built(self, accelerator: Accelerator, prepared: nn.Module) -> None:
         """Attach distckpt's state (and guard) to the DDP Accelerate just built around the model."""
@@ -319,7 +341,7 @@ class _Hooks:
         # Re-read here: the DDP kwargs may have changed since install (a Trainer, a user), and a budget policy is
         # planned for the world it runs in, before DDP exists (parallelize's hand-over point).
         _ddp_handler_flags(self.accelerator, model, inst.graph)
-        replan_budget(model, "ddp", self.accelerator.num_processes, None)
+        hand_over(model, Layout.of("ddp", world_size=self.accelerator.num_processes))
         prepared = self._prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
         inst.built(self.accelerator, prepared)
         self._hook_optimizers()

@@ -20,7 +20,7 @@ import distckpt
 from distckpt.errors import ConfigError
 from distckpt.integrations._common import check_guard_every, checkpoint_blocks
 from distckpt.options import check_graph
-from distckpt.parallel.strategies import _STATE
+from distckpt.parallel.state import sync_state
 
 __all__ = ["DistckptDDPStrategy", "DistckptFSDPStrategy"]
 
@@ -66,7 +66,7 @@ class _Distckpt:
         return wrapped
 
     def _sync_state(self) -> Any:
-        return getattr(self.model, _STATE, None)
+        return sync_state(self.model)
 
     @contextlib.contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:

@@ -38,7 +38,11 @@ import torch.nn as nn
 from torch.autograd.graph import get_gradient_edge
 
 from distckpt import _torch_compat as compat
+from distckpt._dist import grad_meta, zero_grad
 from distckpt.errors import ConfigError, GradDesyncError
+from distckpt.layout import Layout
+from distckpt.options import Engine
+from distckpt.parallel.deferred import deferred
 
 __all__ = ["SyncState"]
 
@@ -92,11 +96,11 @@ class SyncState:
         mode: ``"join"`` (unused params join with zero gradients) or ``"static"`` (DDP static graph:
             no join).
         group: process group for the used-bits all-reduce.
-        strategy: ``"ddp"``, ``"fsdp"`` or ``"fsdp2"``.
+        layout: how the model runs (its engine: DDP, FSDP1 or FSDP2; its strategy name in messages).
         reentrant: indices of the params inside reentrant-checkpointed blocks.
         static_check: graph='static': raise ConfigError at the first step whose used set differs.
         ddp: the DDP wrapper (its ``require_backward_grad_sync`` says whether a forward arms a
-            reduction), under strategy ``"ddp"``.
+            reduction), under DDP.
     """
 
     def __init__(
@@ -105,7 +109,7 @@ class SyncState:
         registered: list[nn.Parameter],
         mode: str,
         group: Any,
-        strategy: str,
+        layout: Layout,
         reentrant: set[int],
         static_check: bool = False,
         ddp: nn.Module | None = None,
@@ -115,13 +119,15 @@ class SyncState:
         self.mode = mode
         self.static_check = static_check
         self.group = group
-        self.strategy = strategy
+        self.layout = layout
+        self.engine = layout.engine
+        self.strategy = layout.strategy  # the name the user chose, for messages
         self.reentrant = reentrant
         self.compiled: set[int] = set()  # indices of the params inside blocks compiled per block (set by parallelize)
         # FSDP2 accumulates a param's gradient over any number of autograd passes, so params inside
         # reentrant blocks join too (their nested backward adds the real gradient). DDP's static graph
         # counts each firing, so there they do not.
-        self.join_reentrant = strategy == "fsdp2"
+        self.join_reentrant = self.engine is Engine.FSDP2
         self._ddp = weakref.ref(ddp) if ddp is not None else None
         self._hooked: set[int] = set()
         self._delivered = [0] * len(names)
@@ -275,7 +281,7 @@ class SyncState:
             if closes:
                 rec.visited = set()
                 self._current = self._owner = None
-                if unit is self.units[-1] and self.strategy != "ddp":
+                if unit is self.units[-1] and self.engine is not Engine.DDP:
                     self._check_units_ran()
 
     def join_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -376,7 +382,7 @@ class SyncState:
                 "PyTorch's reentrant checkpoint cannot differentiate (gradient penalties, meta-learning). Use "
                 "distckpt.wrap(..., reentrant=False)."
             )
-        if self.strategy in ("fsdp", "fsdp2") and torch.is_grad_enabled():  # grad mode in backward: create_graph
+        if self.engine.sharded and torch.is_grad_enabled():  # grad mode in backward: create_graph
             raise ConfigError(
                 f"a backward with create_graph=True (a gradient penalty, a Hessian-vector product) ran under "
                 f"{self.strategy}: FSDP frees the unsharded parameters after each pass, and the double-backward "
@@ -386,7 +392,7 @@ class SyncState:
         if self.compiled and torch.is_grad_enabled():
             self._refuse_double_backward(passing)
         born, self.passes = self.passes, self.passes + 1
-        if self.strategy == "fsdp" and any(r.born != born for r in passing):
+        if self.engine is Engine.FSDP1 and any(r.born != born for r in passing):
             raise ConfigError(
                 "a backward ran through a forward that another backward followed (micro-batches interleaved, or "
                 "a second backward of a retained graph): FSDP1 (strategy='fsdp') frees the unsharded parameters "
@@ -396,7 +402,7 @@ class SyncState:
         self.accumulating = plain or compat.writes_grad(rec.param_keys)
         if not self.accumulating:
             return
-        if self.strategy == "ddp":
+        if self.engine is Engine.DDP:
             stale = [r for r in passing if r.window != self.window]
             if stale:
                 raise ConfigError(
@@ -419,7 +425,7 @@ class SyncState:
             # Here, before any parameter's gradient is accumulated, DDP has not reduced anything, so a
             # changed graph raises this ConfigError instead of DDP's "graph has changed" or a desync.
             self._check_static(torch.tensor(self.used), torch.tensor(self.in_graph))
-        reduces = self._armed if self.strategy == "ddp" else self.sync
+        reduces = self._armed if self.engine is Engine.DDP else self.sync and not deferred(self)
         # Queued now, this runs before DDP's finalize (queued by the last bucket); it queues the real
         # work behind it, so that resetting grads happens after the reduction wrote them.
         compat.queue_after_backward(lambda: self._end_of_backward(reduces))
@@ -462,7 +468,7 @@ class SyncState:
             self._check_reentrant(fired)
         if not reduces:
             return
-        if self.strategy == "ddp":
+        if self.engine is Engine.DDP:
             self._armed = False
             self.window += 1
         none_at_start, self._none_at_start = self._none_at_start, None
@@ -491,7 +497,7 @@ class SyncState:
         must agree across ranks (a unit run by some ranks only pairs the all-gathers of different
         units: silently wrong values, pytorch#158719)."""
         n = len(self.names)
-        calls = torch.tensor(self._calls + [self._order], dtype=torch.int64) if self.strategy != "ddp" else None
+        calls = torch.tensor(self._calls + [self._order], dtype=torch.int64) if self.engine is not Engine.DDP else None
         self._calls = [0] * len(self._calls)
         self._order = 0
         if calls is None:
@@ -576,7 +582,7 @@ class _Participate(torch.autograd.Function):
         ctx: Any, state: SyncState, rec: _Record, keys: list[_Key], out: torch.Tensor, *params: torch.Tensor
     ) -> Any:
         ctx.state, ctx.record, ctx.keys = state, rec, keys
-        ctx.meta = [(t.shape, t.dtype, t.device) for t in params]
+        ctx.meta = [grad_meta(t) for t in params]
         ctx.set_materialize_grads(False)
         # detach(): the same data without a view relation (FSDP2 warns about view outputs; an in-place
         # op on the result is still seen by autograd through the shared version counter).
@@ -585,10 +591,7 @@ class _Participate(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor | None) -> Any:
         skip = ctx.state.on_participate_backward(ctx.record, ctx.keys)
-        zeros = [
-            None if s else torch.zeros((), dtype=dt, device=dev).expand(shape)
-            for s, (shape, dt, dev) in zip(skip, ctx.meta)
-        ]
+        zeros = [None if s else zero_grad(meta) for s, meta in zip(skip, ctx.meta)]
         return (None, None, None, grad, *zeros)
 
 

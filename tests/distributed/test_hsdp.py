@@ -6,9 +6,6 @@ One pool of 4 ranks for the whole module (this machine has 2 cores): each test s
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from harness import DistPool
@@ -24,9 +21,6 @@ from patterns import (
 )
 
 import distckpt
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for benchmarks.models (the ranks get
-# this sys.path too)
 
 pytestmark = pytest.mark.dist
 
@@ -48,9 +42,12 @@ def _mesh():
 
 
 def _parallel(model, how):
-    """parallelize as ``how`` says: 'hsdp' (shard_size=2), 'fsdp2_mesh' or 'ddp_mesh' (a 2-D mesh built here)."""
+    """parallelize as ``how`` says: 'hsdp' (shard_size=2), 'layout' (the same as a distckpt.Layout), 'fsdp2_mesh' or
+    'ddp_mesh' (a 2-D mesh built here)."""
     if how == "hsdp":
         return distckpt.parallelize(model, "hsdp", shard_size=2)
+    if how == "layout":
+        return distckpt.parallelize(model, distckpt.Layout.of("hsdp", world_size=WORLD, shard_size=2))
     return distckpt.parallelize(model, how.split("_")[0], device_mesh=_mesh())
 
 
@@ -86,6 +83,7 @@ RUNS = [
     ("interleaved_accumulate", "hsdp", False),
     ("lora", "hsdp", True),
     ("two_forwards", "fsdp2_mesh", False),
+    ("two_forwards", "layout", False),
     ("sampled", "ddp_mesh", False),
 ]
 
@@ -113,11 +111,18 @@ def _refusal(rank, world_size, what):
     cases = {
         "shard_size_3": lambda: distckpt.parallelize(model, "hsdp", shard_size=3),
         "dim_names": lambda: distckpt.parallelize(
-            model, "fsdp2", device_mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+            model, "fsdp2", device_mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("x", "y"))
         ),
         "fsdp1_2d": lambda: distckpt.parallelize(model, "fsdp", device_mesh=_mesh()),
         "hsdp_1d": lambda: distckpt.parallelize(model, "hsdp", device_mesh=init_device_mesh("cpu", (4,))),
         "shard_size_ddp": lambda: distckpt.parallelize(model, "ddp", shard_size=2),
+        "layout_world": lambda: distckpt.parallelize(model, distckpt.Layout.of("hsdp", world_size=8, shard_size=2)),
+        "layout_twice": lambda: distckpt.parallelize(
+            model, distckpt.Layout.of("hsdp", world_size=4, shard_size=2), shard_size=2
+        ),
+        "layout_mesh": lambda: distckpt.parallelize(
+            model, distckpt.Layout.of("hsdp", world_size=4, shard_size=4), device_mesh=_mesh()
+        ),
     }
     try:
         cases[what]()
@@ -133,6 +138,10 @@ def test_refusals(pool4):
         "fsdp1_2d": "strategy='fsdp2'",
         "hsdp_1d": "2-D device_mesh",
         "shard_size_ddp": "strategy='hsdp'",
+        "layout_world": "the Layout says hsdp over 8 ranks (mesh 4 replicate x 2 shard), but parallelize runs hsdp "
+        "over 4 ranks",
+        "layout_twice": "the layout already says them",
+        "layout_mesh": "but parallelize runs hsdp over 4 ranks (mesh 2 replicate x 2 shard)",
     }
     for what, text in expect.items():
         msgs = pool4.run(_refusal, what, timeout=120)
@@ -233,9 +242,9 @@ def test_dcp_save_and_resume_bitwise(pool4, tmp_path):
 
 
 def _budget_peak(rank, world_size):
+    from models import GPT, GPTConfig, batch
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from benchmarks.models import GPT, GPTConfig, batch
     from distckpt.select.budget import predicted_peak
     from distckpt.select.profile import profile_model
 

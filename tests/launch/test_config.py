@@ -321,7 +321,7 @@ def test_every_extra_named_exists_in_pyproject():
         (["strategy=hsdp", "strategy.shard_size=3"], 4, None, "does not divide the world size 4"),
         (["strategy=hsdp"], 4, "3", "does not divide the world size 4"),
         (["strategy=hsdp", "strategy.shard_size=0"], 4, None, "is out of range: it must be an integer >= 1"),
-        (["strategy=fsdp2", "strategy.shard_size=2"], 4, None, "is for strategy=hsdp"),
+        (["strategy=fsdp2", "strategy.shard_size=2"], 4, None, "is for strategy='hsdp'"),
     ],
 )
 def test_hsdp_shard_size_is_validated(overrides, world, local, expect, monkeypatch):

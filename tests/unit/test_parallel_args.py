@@ -9,6 +9,7 @@ from patterns import PATTERNS, Block, build
 
 import distckpt
 from distckpt import ConfigError
+from distckpt.layout import Layout
 from distckpt.parallel.param_sync import _Participate
 
 
@@ -72,7 +73,7 @@ def test_end_of_step_check_names_a_unit_run_unequally_across_ranks(monkeypatch):
     from distckpt.parallel.param_sync import SyncState, _Unit
 
     block, root = nn.Linear(2, 2), nn.Linear(2, 2)
-    state = SyncState(["w"], [nn.Parameter(torch.zeros(1))], "join", None, "fsdp2", set())
+    state = SyncState(["w"], [nn.Parameter(torch.zeros(1))], "join", None, Layout.of("fsdp2", world_size=2), set())
     state.attach(_Unit(block, [], "layers.0.mlps.1"), True)
     state.attach(_Unit(root, [], ""), True)
     other_rank = torch.tensor([0, 2, 1, 5, -2, -1, -5])  # used bits, calls (unit, root, order), negated

@@ -435,3 +435,21 @@ def test_default_store_is_the_groups_store():
         assert got.get("distckpt-probe") == b"1" and got.add("distckpt-count", 2) == 2
     finally:
         dist.destroy_process_group()
+
+
+def _fsdp2_flag(rank, world_size):
+    from torch.distributed.fsdp import fully_shard
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fully_shard(model[0])
+    fully_shard(model)
+    seen = [compat.fsdp2_reduces_grads(model.modules())]
+    model.set_requires_gradient_sync(False)  # what torch.distributed.pipelining sets for each micro-batch
+    seen.append(compat.fsdp2_reduces_grads(model.modules()))
+    model.set_requires_gradient_sync(True)
+    seen.append(compat.fsdp2_reduces_grads(model.modules()))
+    return seen, compat.fsdp2_reduces_grads([nn.Linear(2, 2)])  # not FSDP2: nothing turned off
+
+
+def test_fsdp2_reduces_grads(dist_pool):
+    assert dist_pool.run(_fsdp2_flag) == [([True, False, True], True)] * 2
