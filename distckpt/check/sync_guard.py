@@ -21,7 +21,7 @@ from distckpt._dist import unwrap_ddp as _inner
 from distckpt._log import notify
 from distckpt.errors import ConfigError, GradDesyncError, NoGradientError
 from distckpt.parallel.handshake import watched
-from distckpt.parallel.strategies import _STATE
+from distckpt.parallel.state import sync_state
 from distckpt.runtime.swap import _clean_fqn
 
 __all__ = ["GradSyncGuard", "GuardReport", "NoGradientError"]
@@ -242,7 +242,7 @@ class GradSyncGuard:
         report = GuardReport(step=step)
         if step % self.every:
             return report
-        with watched(getattr(self.model, _STATE, None), f"the guard check of step {step}"):  # the hang watchdog
+        with watched(sync_state(self.model), f"the guard check of step {step}"):  # the hang watchdog
             return self._check(step, report)
 
     def _check(self, step: int, report: GuardReport) -> GuardReport:
