@@ -19,6 +19,7 @@ __all__ = [
     "composable_checkpoint_fqns",
     "cpu_flash_attention_ops",
     "current_graph_task_id",
+    "default_store",
     "dynamo_trace_errors",
     "forward_side_effects_once",
     "fake_mode",
@@ -440,3 +441,12 @@ def norm_base_class() -> type:
     sync ones included), the modules with running statistics (``track_running_stats``) that a recompute
     would update a second time (pytorch#96136). No public base class covers them all. torch 2.13."""
     return torch.nn.modules.batchnorm._NormBase
+
+
+def default_store() -> Any:
+    """The default process group's c10d store (``distributed_c10d._get_default_store``): the hang watchdog's
+    thread publishes a rank's status there when a wait stalls, where every other rank's watchdog can read it while
+    the main threads are blocked in collectives (a collective could not be used). No public accessor. torch 2.13."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()

@@ -13,10 +13,12 @@ from distckpt.errors import ConfigError
 __all__ = [
     "Engine",
     "GRAPHS",
+    "HANG_TIMEOUT",
     "OPTIMIZERS",
     "SHARDED",
     "STRATEGIES",
     "check_graph",
+    "check_hang_timeout",
     "check_run",
     "check_shard_size",
     "check_strategy",
@@ -155,3 +157,19 @@ def check_run(strategy: str, *, reentrant: bool = False, graph: str = "auto", ac
     )
     if why:
         raise ConfigError(why)
+
+
+# parallelize's hang_timeout (launcher: strategy.hang_timeout), seconds: far above any healthy wait in one collective,
+# below gloo's 30-minute default timeout (NCCL's is 10). See distckpt.parallel.watchdog.
+HANG_TIMEOUT = 300.0
+
+
+def check_hang_timeout(value: object) -> None:
+    """Raises:
+    ConfigError: ``value`` is neither None nor a number of seconds >= 0 (0 and None turn the watchdog off)."""
+    ok = value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0)
+    if not ok:
+        raise ConfigError(
+            f"hang_timeout={value!r}: give the seconds a rank may wait in one place inside the model's forward or "
+            f"backward before the hang watchdog ends the run (default {HANG_TIMEOUT:.0f}); None or 0 turns it off."
+        )

@@ -87,6 +87,7 @@ RANGES: dict[str, Range] = {
     "data.noise": PROBABILITY,
     "data.shuffle_block": Range(1, why="windows shuffled together; 1: no shuffle"),
     "strategy.shard_size": Range(1, why="ranks per shard group; null: the ranks of one node"),
+    "strategy.hang_timeout": Range(0, why="seconds a rank may wait in one place in the model; 0 or null: no watchdog"),
     "strategy.tp": Range(1, why="tensor-parallel ranks per data-parallel rank; 1: no tensor parallel"),
     "ac.n": SIZE,
     "ac.offload_flops_per_byte": Range(0, lo_open=True),

@@ -183,7 +183,12 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None, *, val
     verified = _optional_verify(model, example, t.verify_recompute)
     inner = hf_inner(model)  # the HF model before parallelize, for RUN_DIR/hf/ at the end
     model = distckpt.parallelize(
-        model, layout, graph=cfg.strategy.graph, device_mesh=tp_mesh, **parallel_kwargs(cfg.precision, layout)
+        model,
+        layout,
+        graph=cfg.strategy.graph,
+        device_mesh=tp_mesh,
+        hang_timeout=cfg.strategy.get("hang_timeout"),
+        **parallel_kwargs(cfg.precision, layout),
     )
     optimizer, scheduler = build_optimizer(cfg.optim, model, t.max_steps)
     state = TrainState(model, optimizer, scheduler, build_scaler(cfg.precision, layout, device), data=data)

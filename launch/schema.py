@@ -112,6 +112,9 @@ class StrategyConfig:
     # torch.compile backend for each block, after checkpointing and before sharding (parallelize's compile=), e.g.
     # inductor or aot_eager; None: no compile
     compile: Optional[str] = None
+    # seconds a rank may wait in one place inside the model's forward or backward before distckpt's hang watchdog ends
+    # every rank with a diagnosis of where each waits (parallelize's hang_timeout=); None or 0: off
+    hang_timeout: Optional[float] = 300.0
 
 
 @dataclass

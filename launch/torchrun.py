@@ -2,10 +2,9 @@
 
 Plain ``torchrun`` turns any worker failure into exit code 1 and a ``ChildFailedError`` report, even
 when the workers already said what is wrong in one line (a config or resume error: code 2; a run
-stopped by a non-finite loss: code 3). This runs torchrun's own launcher (``torch.distributed.run``,
-same arguments) and maps a failure back: the exit code of the first worker that failed, and
-torchrun's report only for a code the workers did not explain themselves (a crash). ``make train``
-uses it.
+stopped by a non-finite loss: code 3; a hang distckpt's watchdog diagnosed: code 4). This runs torchrun's own
+launcher (``torch.distributed.run``, same arguments) and maps a failure back: the exit code of the first worker that
+failed, and torchrun's report only for a code the workers did not explain themselves (a crash). ``make train`` uses it.
 """
 
 from __future__ import annotations
@@ -18,7 +17,10 @@ import sys
 # module with no heavy imports, and imported by launch/train.py and launch/check.py).
 EXIT_CONFIG = 2  # a config or resume error
 EXIT_NONFINITE = 3  # a non-finite loss stopped the run (trainer.on_nonfinite)
-EXPLAINED = {EXIT_CONFIG, EXIT_NONFINITE}
+EXIT_HANG = (
+    4  # distckpt's hang watchdog ended the run after logging where each rank waited (distckpt.parallel.watchdog)
+)
+EXPLAINED = {EXIT_CONFIG, EXIT_NONFINITE, EXIT_HANG}
 
 
 class _DropExplainedFailures(logging.Filter):

@@ -20,6 +20,8 @@ from distckpt._dist import shard_key as _shard_key
 from distckpt._dist import unwrap_ddp as _inner
 from distckpt._log import notify
 from distckpt.errors import ConfigError, GradDesyncError, NoGradientError
+from distckpt.parallel.handshake import watched
+from distckpt.parallel.state import sync_state
 from distckpt.runtime.swap import _clean_fqn
 
 __all__ = ["GradSyncGuard", "GuardReport", "NoGradientError"]
@@ -240,6 +242,10 @@ class GradSyncGuard:
         report = GuardReport(step=step)
         if step % self.every:
             return report
+        with watched(sync_state(self.model), f"the guard check of step {step}"):  # the hang watchdog
+            return self._check(step, report)
+
+    def _check(self, step: int, report: GuardReport) -> GuardReport:
         # Counted in checked steps, so that `every` and `params_every` need not divide each other.
         with_params = self.params_every > 0 and (step // self.every) % self.params_every == 0
         params = self._params()

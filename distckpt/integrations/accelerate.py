@@ -281,7 +281,7 @@ class _Installed:
         self.ddp, self.guard = None, None
         if isinstance(prepared, DistributedDataParallel) and prepared.module is self.model:
             # The buffer sync at every forward hangs when ranks run different numbers of forwards: attach_ddp turns
-            # it off for a model without running statistics unless the user set broadcast_buffers (to_kwargs holds
+            # it off (running statistics: synced once per step) unless the user set broadcast_buffers (to_kwargs holds
             # what differs from the defaults, so an explicit True reads as the default).
             handler = accelerator.ddp_handler
             chosen = handler is not None and "broadcast_buffers" in handler.to_kwargs()

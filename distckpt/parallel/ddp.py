@@ -8,13 +8,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from distckpt import _torch_compat as compat
 from distckpt.errors import ConfigError
 from distckpt.options import check_graph
 from distckpt.parallel.mesh import mesh_group
 from distckpt.parallel.units import reentrant_blocks
 
-__all__ = ["apply_ddp", "audit_ddp", "ddp_flags", "ddp_kwargs", "sync_buffers_each_forward"]
+__all__ = ["apply_ddp", "audit_ddp", "ddp_flags", "ddp_kwargs"]
 
 
 def ddp_kwargs(model: nn.Module, *, graph: str = "auto") -> dict[str, Any]:
@@ -86,29 +85,15 @@ def apply_ddp(
 
     flags = ddp_flags(kwargs, graph, bool(reentrant_blocks(model)))
     if "broadcast_buffers" not in flags and "forward_sync_buffers" not in flags:
-        # DDP's own name since torch 2.13 (broadcast_buffers is deprecated): the buffers are still synced at init.
-        flags["forward_sync_buffers"] = sync_buffers_each_forward(model)
+        # DDP's own name since torch 2.13 (broadcast_buffers is deprecated): the buffers are still synced at init, and
+        # running statistics once per step (distckpt.parallel.buffers), which pairs whatever forwards each rank runs.
+        flags["forward_sync_buffers"] = False
     if device_mesh is not None and device_mesh.ndim == 1:
         flags["device_mesh"] = device_mesh
     # A 2-D mesh spans the world (checked): DDP replicates over all of it, its default group.
     group = flags.get("process_group") or mesh_group(device_mesh)
     wrapped = DDP(model, device_ids=[device] if device.type == "cuda" else None, **flags)
     return wrapped, group
-
-
-def sync_buffers_each_forward(model: nn.Module) -> bool:
-    """DDP's ``forward_sync_buffers`` (``broadcast_buffers`` before torch 2.13) for ``model`` when the user does not
-    choose it: False unless a module keeps running statistics (BatchNorm and the other ``_NormBase`` modules with
-    ``track_running_stats``). DDP still syncs the buffers once, when it is built.
-
-    DDP broadcasts every buffer from rank 0 at the start of EVERY forward. A step whose forwards differ in number
-    across ranks (a second task's forward on some ranks and steps) pairs that broadcast with another collective on
-    the other rank: a hang (measured: HF Llama's rotary ``inv_freq``, a constant buffer in a multi-task model). DDP
-    already made the buffers equal when it was built, and a buffer the step does not change (rotary tables, masks,
-    constants) needs nothing more; running statistics do, so they keep DDP's default (docs/parallel.md: a model with
-    BatchNorm must run as many forwards on every rank)."""
-    norm = compat.norm_base_class()
-    return any(isinstance(m, norm) and m.track_running_stats for m in model.modules())
 
 
 def audit_ddp(model: nn.Module) -> None:

@@ -61,11 +61,8 @@ class _Unit:
 
 
 class _Record:
-    """What one forward of the model recorded, kept while its graph can still be backwarded.
-
-    The root unit's ``_Participate`` nodes hold it (``ctx.record``) and it holds weak references to
-    them: a record is alive while any of those nodes is, i.e. while the user holds the outputs.
-    """
+    """What one forward of the model recorded, kept while its graph can still be backwarded: the root unit's
+    ``_Participate`` nodes hold it (``ctx.record``), it holds weak references to them (alive with the outputs)."""
 
     __slots__ = ("born", "consumers", "param_keys", "roots", "visited", "window", "__weakref__")
 
@@ -138,6 +135,8 @@ class SyncState:
         self.handles: list[Any] = []
         self.sync = True  # False inside distckpt.accumulate: no reduction on this micro-batch (FSDP)
         self.step = 0
+        self.phases: Any = None  # distckpt.parallel.handshake.Phases: the handshake and the hang watchdog's feed
+        self.on_reduce: list[Any] = []  # run at each reducing backward, after DDP's/FSDP's reduction (every rank)
         self.records: list[_Record] = []
         self._current: _Record | None = None
         self._owner: _Unit | None = None  # the unit whose forward opened the current record
@@ -275,6 +274,8 @@ class SyncState:
                 flat[k] = _Participate.apply(self, rec, keys, flat[k], *tensors)
                 if closes:
                     rec.roots.append(weakref.ref(flat[k].grad_fn))
+            if closes and unit is self.units[-1] and self.phases is not None:
+                self.phases.watch_backward([flat[k] for k in idx])  # before FSDP's pre-backward hooks
             return compat.tree_unflatten(flat, spec)
         finally:
             if closes:
@@ -313,10 +314,9 @@ class SyncState:
         return self._post_forward(root, loss)
 
     def _check_units_ran(self) -> None:
-        """FSDP: every block unit runs in each forward. One that some forward skips while others run
-        (an expert, a routed or sampled module) makes ranks pair the all-gathers of different units:
-        wrong values, or a hang. Raised here, on the rank that sees it, before any backward (under
-        torchrun the other ranks are then stopped)."""
+        """FSDP: every block unit runs in each forward. One that some forward skips while others run (an expert, a
+        routed or sampled module) makes ranks pair the all-gathers of different units: wrong values, or a hang.
+        Raised here, on the rank that sees it, before any backward (under torchrun the others are then stopped)."""
         calls = self._fwd_calls[:-1]
         if calls and max(calls) > 0 and min(calls) == 0:
             skipped = self.units[calls.index(0)].name
@@ -485,6 +485,8 @@ class SyncState:
                     window[i] = bool(grad.numel() and grad.ne(0).any())
         self._window_used = torch.zeros(len(self.names), dtype=torch.bool)
         self.step += 1
+        for fn in self.on_reduce:
+            fn()
         any_used = self._reduce_window(window)
         for i in (~any_used).nonzero().flatten().tolist():
             if none_at_start is None or none_at_start[i]:

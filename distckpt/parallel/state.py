@@ -11,6 +11,7 @@ import torch.nn as nn
 from distckpt.layout import Layout
 from distckpt.options import Engine
 from distckpt.parallel.param_sync import SyncState, _Unit
+from distckpt.parallel.units import reentrant_blocks
 from distckpt.runtime.swap import _clean_fqn
 
 __all__ = ["STATE_ATTR", "attach_state", "sync_state"]
@@ -63,6 +64,8 @@ def attach_state(
         ddp=wrapped if ddp else None,
     )
     state.compiled = compiled
+    for block in reentrant_blocks(wrapped):
+        block._distckpt_synced = True  # the state refuses autograd.grad through it (no guard edges: they would fire)
     for unit, prepend in units:
         state.attach(unit, prepend)
     if re_idx and ddp:

@@ -19,10 +19,20 @@ from distckpt.apply.state import pending_plan
 from distckpt.apply.wrap import hand_over, parallel_kind
 from distckpt.errors import ConfigError
 from distckpt.layout import Layout
-from distckpt.options import Engine, accumulate_refusal, check_graph, engine_of, reentrant_refusal
-from distckpt.parallel.ddp import apply_ddp, audit_ddp, ddp_flags, ddp_kwargs, sync_buffers_each_forward
+from distckpt.options import (
+    HANG_TIMEOUT,
+    Engine,
+    accumulate_refusal,
+    check_graph,
+    check_hang_timeout,
+    engine_of,
+    reentrant_refusal,
+)
+from distckpt.parallel.buffers import ddp_buffer_plan
+from distckpt.parallel.ddp import apply_ddp, audit_ddp, ddp_flags, ddp_kwargs
 from distckpt.parallel.fsdp1 import apply_fsdp1, audit_fsdp1
 from distckpt.parallel.fsdp2 import apply_fsdp2
+from distckpt.parallel.handshake import guard_hangs
 from distckpt.parallel.mesh import resolve_layout
 from distckpt.parallel.param_sync import SyncState
 from distckpt.parallel.state import attach_state, sync_state
@@ -42,7 +52,6 @@ __all__ = [
     "ddp_kwargs",
     "parallelize",
     "preflight",
-    "sync_buffers_each_forward",
     "sync_state",
 ]
 
@@ -64,6 +73,7 @@ def parallelize(
     device_mesh: Any = None,
     shard_size: int | None = None,
     compile: Any = None,
+    hang_timeout: float | None = HANG_TIMEOUT,
     **kwargs: Any,
 ) -> nn.Module:
     """Wrap a model whose blocks ``distckpt.apply.wrap`` checkpointed in DDP, FSDP or FSDP2, correctly.
@@ -90,6 +100,9 @@ def parallelize(
             ``LOCAL_WORLD_SIZE``, the ranks of one node); distckpt builds the mesh.
         compile: compile each block (checkpoint included) before sharding: ``True``, a dict of
             ``torch.compile`` arguments or a ``CompileOptions`` (see ``distckpt.apply.compile``).
+        hang_timeout: seconds a rank may wait in one place inside the model's forward or backward before the hang
+            watchdog ends every rank with a diagnosis of where each one waits (``None`` or 0: off; default 300;
+            see distckpt.parallel.watchdog).
         **kwargs: passed to DDP / FSDP / ``fully_shard`` (mixed precision, ``bucket_cap_mb``, ...).
 
     Returns:
@@ -101,6 +114,7 @@ def parallelize(
             correctness needs.
     """
     check_graph(graph)
+    check_hang_timeout(hang_timeout)
     name = strategy.strategy if isinstance(strategy, Layout) else strategy
     if engine_of(name) is not Engine.NONE:  # engine_of checks the name first
         _refuse_unready(model, name)
@@ -120,8 +134,11 @@ def parallelize(
     # root last, or DDP wraps the root. Their hooks stay outside the compiled code.
     if layout.compile is not None:
         apply_compile(model, layout.compile)
+    per_forward, once = True, None  # FSDP's forwards all-gather; DDP's broadcast buffers only if the user chose it
     if layout.engine is Engine.DDP:
+        chose = "broadcast_buffers" in kwargs or "forward_sync_buffers" in kwargs
         wrapped, group = apply_ddp(model, graph, device_mesh, _device(), kwargs)
+        per_forward, once = ddp_buffer_plan(wrapped, chose)
         units = [(root_unit(model, names, owners), False)]
     elif layout.engine is Engine.FSDP1:
         wrapped, units, group = apply_fsdp1(model, names, owners, device_mesh, _device(), kwargs)
@@ -132,11 +149,19 @@ def parallelize(
     if layout.compile is not None:
         blocks = compiled_blocks(model)
         compiled_idx = {i for i, n in enumerate(names) if any(n.startswith(b + ".") for b in blocks)}
-    attach_state(wrapped, names, re_idx, units, group, layout=layout, graph=graph, compiled=compiled_idx)
+    state = attach_state(wrapped, names, re_idx, units, group, layout=layout, graph=graph, compiled=compiled_idx)
+    if once is not None:
+        state.on_reduce.append(once)  # running statistics: rank 0's, once per step (distckpt.parallel.buffers)
+    blocks = [(u.name, u.module) for u, _ in units[:-1]]
+    guard_hangs(
+        wrapped, state, blocks, name=layout.strategy, forward_collectives=per_forward, hang_timeout=hang_timeout
+    )
     return wrapped
 
 
-def attach_ddp(ddp: nn.Module, *, graph: str = "auto", keep_buffer_sync: bool = False) -> SyncState:
+def attach_ddp(
+    ddp: nn.Module, *, graph: str = "auto", keep_buffer_sync: bool = False, hang_timeout: float | None = HANG_TIMEOUT
+) -> SyncState:
     """Give a ``DistributedDataParallel`` that someone else built (Accelerate, HF Trainer) what ``parallelize``
     gives its own: the zero-weight join of unused parameters in every forward, the used-set checks, the firing
     counts of reentrant blocks and ``distckpt.accumulate``'s bookkeeping. Call it right after DDP is built,
@@ -147,9 +172,10 @@ def attach_ddp(ddp: nn.Module, *, graph: str = "auto", keep_buffer_sync: bool = 
             ``find_unused_parameters=False`` and ``static_graph=True`` exactly for ``graph='static'`` or reentrant
             blocks (what ``parallelize`` sets).
         graph: as ``parallelize``'s.
-        keep_buffer_sync: keep the DDP's buffer sync at every forward as built (the user chose it); otherwise it is
-            turned off for a model without running statistics, as ``parallelize`` builds it
-            (:func:`sync_buffers_each_forward`).
+        keep_buffer_sync: keep the DDP's buffer sync at every forward as built (the user chose it: its forwards are
+            then checked by the handshake); otherwise it is turned off, as ``parallelize`` builds it, and running
+            statistics are synced once per step (distckpt.parallel.buffers).
+        hang_timeout: as ``parallelize``'s.
 
     Returns:
         the state, also kept on ``ddp``: ``distckpt.accumulate(ddp)`` and ``GradSyncGuard`` work as after
@@ -162,6 +188,7 @@ def attach_ddp(ddp: nn.Module, *, graph: str = "auto", keep_buffer_sync: bool = 
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     check_graph(graph)
+    check_hang_timeout(hang_timeout)
     if not isinstance(ddp, DDP):
         raise ConfigError(
             f"distckpt attaches its gradient-sync state to a DistributedDataParallel only, got {type(ddp).__name__}. "
@@ -179,10 +206,9 @@ def attach_ddp(ddp: nn.Module, *, graph: str = "auto", keep_buffer_sync: bool = 
     preflight(model)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     units = [(root_unit(model, names, owners_of(model, names)), False)]
-    if not keep_buffer_sync and not sync_buffers_each_forward(model):
-        ddp.forward_sync_buffers = False  # after its init sync, as parallelize's DDP (sync_buffers_each_forward)
+    per_forward, once = ddp_buffer_plan(ddp, keep_buffer_sync)  # as parallelize's DDP, after its init sync
     layout = Layout.of("ddp", world_size=dist.get_world_size(ddp.process_group))
-    return attach_state(
+    state = attach_state(
         ddp,
         names,
         reentrant_params(model, names),
@@ -192,6 +218,10 @@ def attach_ddp(ddp: nn.Module, *, graph: str = "auto", keep_buffer_sync: bool = 
         graph=graph,
         compiled=set(),
     )
+    if once is not None:
+        state.on_reduce.append(once)
+    guard_hangs(ddp, state, [], name="ddp", forward_collectives=per_forward, hang_timeout=hang_timeout)
+    return state
 
 
 def _refuse_unready(model: nn.Module, strategy: str) -> None:

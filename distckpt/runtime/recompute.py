@@ -348,7 +348,45 @@ def _run_reentrant(
             f"reentrant checkpointing of {name} returns tensors inside a {type(out).__name__}; "
             "they would get no gradient. Use distckpt.wrap(..., reentrant=False)."
         )
-    return out
+    if not torch.is_grad_enabled():
+        return out
+    # A sync state (parallelize, attach_ddp) refuses such passes itself and counts each gradient firing: no edges.
+    params = [] if getattr(module, "_distckpt_synced", False) else [p for p in module.parameters() if p.requires_grad]
+    flat = tuple(
+        _ReentrantGuard.apply(module._distckpt_orig_class.__name__, o, *params)
+        if isinstance(o, torch.Tensor) and o.requires_grad
+        else o
+        for o in flat
+    )
+    return flat if isinstance(out, tuple) else flat[0]
+
+
+class _ReentrantGuard(torch.autograd.Function):
+    """Identity on a reentrant block's output that refuses any pass but a plain ``backward()``.
+
+    Reentrant checkpoint runs its backward as a nested plain backward, which ``torch.autograd.grad``,
+    ``backward(inputs=...)`` and pipeline schedules (``.grad()`` in their shape inference, ``backward(inputs=)`` in
+    zero-bubble ones) cannot give: torch raises a raw error when the pass reaches the block, and when it does not
+    (a frozen embedding below it, the block's parameters among the inputs) the block's gradients stay None,
+    silently. The block's parameters are extra inputs here so that any pass asking for their gradients reaches this
+    node, before the checkpoint's own backward; in a plain backward they get None (no gradient is added; their
+    post-accumulate hooks run once more, after their real gradient)."""
+
+    @staticmethod
+    def forward(ctx: Any, name: str, out: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        ctx.name, ctx.n = name, len(params)
+        ctx.set_materialize_grads(False)
+        return out.detach()  # the same data without a view relation, as distckpt's join
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor | None) -> Any:
+        if not compat.is_plain_backward():
+            raise ConfigError(
+                f"torch.autograd.grad, backward(inputs=...) or a pipeline schedule ran a pass through the "
+                f"reentrant-checkpointed {ctx.name}, which PyTorch's reentrant checkpoint cannot differentiate there "
+                "(its gradients would be missing or None). Use distckpt.wrap(..., reentrant=False)."
+            )
+        return (None, grad, *([None] * ctx.n))
 
 
 def run_checkpointed(

@@ -27,7 +27,7 @@ from patterns import (
 )
 
 import distckpt
-from distckpt.parallel.strategies import sync_buffers_each_forward
+from distckpt.parallel.buffers import keeps_running_stats
 from distckpt.runtime.swap import _clean_fqn
 
 STEPS = 3
@@ -491,7 +491,7 @@ def test_a_forward_one_rank_runs_alone_with_a_buffer(dist_pool):
     assert_matches(out, reference(RANK_FORWARDS, world_size=2, steps=STEPS))
 
 
-def test_buffers_synced_each_forward_only_for_running_statistics():
-    assert sync_buffers_each_forward(build(RANK_FORWARDS)) is False
-    assert sync_buffers_each_forward(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))) is True
-    assert sync_buffers_each_forward(torch.nn.BatchNorm1d(2, track_running_stats=False)) is False
+def test_running_statistics_found():
+    assert keeps_running_stats(build(RANK_FORWARDS)) is False
+    assert keeps_running_stats(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))) is True
+    assert keeps_running_stats(torch.nn.BatchNorm1d(2, track_running_stats=False)) is False

@@ -421,6 +421,22 @@ def test_pytree_and_norm_base():
     assert not isinstance(nn.LayerNorm(2), norm)
 
 
+def test_default_store_is_the_groups_store():
+    import torch.distributed as dist
+
+    from distckpt._spawn import host_store
+
+    store = host_store()  # a TCPStore on a port the kernel picks
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        got = compat.default_store()
+        assert isinstance(got, dist.Store)
+        got.set("distckpt-probe", "1")
+        assert got.get("distckpt-probe") == b"1" and got.add("distckpt-count", 2) == 2
+    finally:
+        dist.destroy_process_group()
+
+
 def _fsdp2_flag(rank, world_size):
     from torch.distributed.fsdp import fully_shard
 
