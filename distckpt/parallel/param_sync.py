@@ -565,8 +565,7 @@ class SyncState:
             )
 
     def _names(self, idx: list[int]) -> str:
-        shown = ", ".join(self.names[i] for i in idx[:3])
-        return shown + (f" and {len(idx) - 3} more" if len(idx) > 3 else "")
+        return ", ".join(self.names[i] for i in idx[:3]) + (f" and {len(idx) - 3} more" if len(idx) > 3 else "")
 
     def remove(self) -> None:
         for h in self.handles:
