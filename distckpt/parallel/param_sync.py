@@ -81,6 +81,12 @@ class _Record:
         """Whether the running autograd pass executes this forward's outputs."""
         return any(node is not None and compat.will_execute(node) for node in (r() for r in self.roots))
 
+    def on_root_freed(self, _ref: weakref.ref) -> None:
+        # The forward's outputs are gone, so no backward can reach its graph: clear now, not at the next forward,
+        # or a run's last forward keeps the cycle below (and the whole model) alive after training.
+        if not self.alive():
+            self.clear()
+
     def clear(self) -> None:
         # Consumer nodes can reach other units' _Participate nodes, which hold this record: a cycle
         # through C++ autograd nodes that Python's GC cannot see. Dropping the lists breaks it.
@@ -273,7 +279,7 @@ class SyncState:
             for k in idx:
                 flat[k] = _Participate.apply(self, rec, keys, flat[k], *tensors)
                 if closes:
-                    rec.roots.append(weakref.ref(flat[k].grad_fn))
+                    rec.roots.append(weakref.ref(flat[k].grad_fn, rec.on_root_freed))
             if closes and unit is self.units[-1] and self.phases is not None:
                 self.phases.watch_backward([flat[k] for k in idx])  # before FSDP's pre-backward hooks
             return compat.tree_unflatten(flat, spec)
@@ -592,9 +598,3 @@ class _Participate(torch.autograd.Function):
         skip = ctx.state.on_participate_backward(ctx.record, ctx.keys)
         zeros = [None if s else zero_grad(meta) for s, meta in zip(skip, ctx.meta)]
         return (None, None, None, grad, *zeros)
-
-
-def param_owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
-    """The submodule that holds parameter ``name`` and its attribute name."""
-    mod_name, _, attr = name.rpartition(".")
-    return (model.get_submodule(mod_name) if mod_name else model), attr

@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from distckpt.apply.state import candidate_blocks
 from distckpt.errors import ConfigError
-from distckpt.parallel.param_sync import _Unit, param_owner
+from distckpt.parallel.param_sync import _Unit
 from distckpt.runtime.swap import is_checkpointed
 from distckpt.select.blocks import conditional_reason
 
@@ -85,3 +85,9 @@ def block_units(
         owned[home].append(i)
     units = [_Unit(b, [(i, *owners[i]) for i in owned[bn]], bn) for bn, b in blocks]
     return blocks, units, _Unit(model, [(i, *owners[i]) for i in owned[""]])
+
+
+def param_owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """The submodule that holds parameter ``name`` and its attribute name."""
+    mod_name, _, attr = name.rpartition(".")
+    return (model.get_submodule(mod_name) if mod_name else model), attr

@@ -177,6 +177,38 @@ def _units(rank, world_size, strategy, policy):
     )
 
 
+def _trained_then_freed(rank, world_size, name, strategy):
+    """_train's run, then whether the model was freed once the run let go of it (gc.collect())."""
+    import gc
+    import weakref
+
+    held = []
+    real_wrap = distckpt.wrap
+
+    def wrap(model, *args, **kwargs):
+        held.append(weakref.ref(model))
+        return real_wrap(model, *args, **kwargs)
+
+    distckpt.wrap = wrap
+    try:
+        result = _train(rank, world_size, name, strategy, False, "auto")
+    finally:
+        distckpt.wrap = real_wrap
+    gc.collect()
+    return result, [r() is None for r in held]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "fsdp"])
+def test_a_finished_run_frees_its_model(dist_pool, strategy):
+    # The last forward's record (the graph nodes that consume each parameter) used to stay until a next forward:
+    # under FSDP/FSDP2 a cycle through C++ autograd nodes that kept the model, its graph and its sync state alive
+    # after training (a sweep that builds one model after another grew by a model each time).
+    out = dist_pool.run(_trained_then_freed, "by_rank", strategy, timeout=60)
+    _assert_matches([o[0] for o in out], "by_rank")
+    assert all(freed == [True] for _, freed in out), out
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("strategy", ["fsdp2", "fsdp"])
 def test_kept_blocks_are_units_and_exact(dist_pool, strategy):
