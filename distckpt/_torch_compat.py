@@ -74,6 +74,14 @@ def is_plain_backward() -> bool:
     return torch.autograd._is_checkpoint_valid()
 
 
+def inside_ddp_forward() -> bool:
+    """Whether a ``DistributedDataParallel`` forward is running (it sets this class attribute for its duration;
+    torch's own compiled-DDP support reads it). There is no public way to ask. torch 2.13."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return getattr(DistributedDataParallel, "_active_ddp_module", None) is not None
+
+
 def writes_grad(keys: Iterable[tuple[Any, int]]) -> bool:
     """In a pass that is not a plain backward: whether it accumulates into some ``.grad`` of these
     gradient edges (``backward(inputs=...)``) rather than returning gradients (``autograd.grad``).

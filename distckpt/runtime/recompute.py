@@ -351,7 +351,11 @@ def _run_reentrant(
     if not torch.is_grad_enabled():
         return out
     # A sync state (parallelize, attach_ddp) refuses such passes itself and counts each gradient firing: no edges.
-    params = [] if getattr(module, "_distckpt_synced", False) else [p for p in module.parameters() if p.requires_grad]
+    # Nor inside a DDP distckpt did not build (a user's own, HF Trainer's without prepare): the edges reach the
+    # parameters' accumulators in a plain backward, a second time, and DDP raises "Expected to mark a variable
+    # ready only once"; there the guard refuses only the passes that reach the block.
+    synced = getattr(module, "_distckpt_synced", False) or compat.inside_ddp_forward()
+    params = [] if synced else [p for p in module.parameters() if p.requires_grad]
     flat = tuple(
         _ReentrantGuard.apply(module._distckpt_orig_class.__name__, o, *params)
         if isinstance(o, torch.Tensor) and o.requires_grad

@@ -177,6 +177,32 @@ def _units(rank, world_size, strategy, policy):
     )
 
 
+def _users_own_ddp(rank, world_size, name):
+    """_train's loop on reentrant blocks (distckpt.wrap only) under a DDP the user built (torch's defaults)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    pattern = PATTERNS[name]
+    model = build(pattern)
+    distckpt.wrap(model, "full", blocks=pattern.blocks, reentrant=True)
+    pm = DDP(model)
+    opt = make_optimizer([p for p in pm.parameters() if p.requires_grad])
+    grads = []
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        xs = micro_batches(pattern, step, rank, world_size)
+        pattern.schedule(pm, pattern.loss, xs, step, rank, pm.no_sync, 1.0)
+        grads.append(full_grads(pm, "ddp"))
+        opt.step()
+    return grads, full_params(pm, "ddp")
+
+
+@pytest.mark.dist
+def test_reentrant_blocks_under_a_users_own_ddp(dist_pool):
+    # wrap(reentrant=True) and torch's DDP, one forward per step: the reentrant guard's parameter edges made DDP's
+    # hooks fire twice per parameter ("Expected to mark a variable ready only once"); none inside a foreign DDP.
+    _assert_matches(dist_pool.run(_users_own_ddp, "all_heads", timeout=60), "all_heads")
+
+
 def _trained_then_freed(rank, world_size, name, strategy):
     """_train's run, then whether the model was freed once the run let go of it (gc.collect())."""
     import gc
