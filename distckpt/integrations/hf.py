@@ -158,8 +158,9 @@ def prepare(trainer: Trainer) -> Trainer:
     Raises:
         ConfigError: ``gradient_checkpointing=True``, ``ddp_find_unused_parameters=True`` or
             ``ddp_static_graph`` against distckpt's choice, gradient accumulation with reentrant blocks or
-            ``graph='static'``, FSDP or DeepSpeed (Accelerate's own sharding), a model Trainer already prepared,
-            and what ``distckpt.wrap`` refuses.
+            ``graph='static'``, FSDP (Accelerate's own sharding), a model Trainer already prepared, and what
+            ``distckpt.wrap`` refuses; under ``TrainingArguments(deepspeed=...)`` what
+            ``distckpt.integrations.deepspeed.prepare_trainer`` refuses.
     """
     cb = _callback(trainer)
     if cb.prepared:
@@ -177,14 +178,15 @@ def prepare(trainer: Trainer) -> Trainer:
             "DistckptCallback would double and which is not kept in sync under DDP. Call "
             "model.gradient_checkpointing_disable() before Trainer(...): DistckptCallback checkpoints the blocks."
         )
-    if args.fsdp or trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
+    if trainer.is_deepspeed_enabled:
+        return _prepare_deepspeed(trainer, cb)
+    if args.fsdp or trainer.is_fsdp_enabled:
         # Refused on CPU too, where Accelerate runs plain DDP instead of the FSDP asked for (measured: fsdp_config
         # version 2 -> DistributedType.MULTI_CPU; version 1 -> "sync_module_states=True is not supported on cpu").
         raise ConfigError(
-            f"TrainingArguments({'deepspeed' if trainer.is_deepspeed_enabled else 'fsdp'}=...): Accelerate shards the "
-            "model in units distckpt does not choose, so its zero-weight join and checks cannot run inside them. Drop "
-            "it and train with DDP (this prepare), or build FSDP/FSDP2 with distckpt.parallelize in your own loop or "
-            "Lightning's DistckptFSDPStrategy."
+            "TrainingArguments(fsdp=...): Accelerate shards the model in units distckpt does not choose, so its "
+            "zero-weight join and checks cannot run inside them. Drop it and train with DDP (this prepare), or build "
+            "FSDP/FSDP2 with distckpt.parallelize in your own loop or Lightning's DistckptFSDPStrategy."
         )
     if args.ddp_find_unused_parameters:
         raise ConfigError(
@@ -230,6 +232,22 @@ def prepare(trainer: Trainer) -> Trainer:
     handler_cbs.insert(0, cb)
     if cb.verify:
         _verify_on_first_batch(trainer)
+    cb._trainer = trainer
+    cb.prepared = True
+    return trainer
+
+
+def _prepare_deepspeed(trainer: Trainer, cb: DistckptCallback) -> Trainer:
+    """``TrainingArguments(deepspeed=...)``: distckpt.integrations.deepspeed checkpoints the blocks now and attaches
+    its state to the engine ``train()`` builds; the callback's guard then runs on that engine."""
+    from distckpt.integrations.deepspeed import prepare_trainer
+
+    attach = prepare_trainer(
+        trainer, policy=cb.policy, blocks=cb.blocks, reentrant=cb.reentrant, graph=cb.graph, verify=cb.verify
+    )
+    handler_cbs = trainer.callback_handler.callbacks
+    handler_cbs.remove(cb)
+    handler_cbs[:0] = [attach, cb]  # the state is attached before the callback builds its guard on the engine
     cb._trainer = trainer
     cb.prepared = True
     return trainer
