@@ -57,7 +57,8 @@ def _engine(side: str, cfg: Any, stage: int, batch_size: int) -> Any:
 
 def _rank(rank: int, world: int, steps: int, batch_size: int, dim: int, layers: int) -> Any:
     os.environ["DS_ACCELERATOR"] = "cpu"
-    from benchmarks.models import GPTConfig, batch
+    from models import GPTConfig, batch
+
     from distckpt.integrations import deepspeed as dc_deepspeed
 
     dc_deepspeed.skip_cpu_comm_build()

@@ -1,4 +1,4 @@
-"""Hugging Face Trainer with distckpt against Trainer with its own ``gradient_checkpointing=True``.
+"""Hugging Face Trainer with distckpt against Trainer with its own ``activation_checkpointing=True``.
 
 Run: ``python -m benchmarks.integrations`` (Lightning's comparison: ``python -m benchmarks.integrations_lightning``;
 both write their own section of ``benchmarks/results/integrations.md``).
@@ -6,7 +6,7 @@ both write their own section of ``benchmarks/results/integrations.md``).
 Two gloo CPU ranks fine-tune a GPT-2 built from a config (no download; every parameter trains, one causal-LM loss:
 the pattern HF's own checkpointing trains right, so both sides do the same work) with ``Trainer.train``:
 
-- own: ``TrainingArguments(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})``
+- own: ``TrainingArguments(activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": False})``
   (Trainer then builds DDP with ``find_unused_parameters=False``);
 - distckpt: ``DistckptCallback("full")`` + ``distckpt.integrations.hf.prepare(trainer)`` (every block checkpointed,
   non-reentrant, DDP with distckpt's flags and its zero-weight join);
@@ -88,7 +88,13 @@ def _train(side: str, cfg: dict[str, int], batch_size: int, steps: int, guard_ev
     )
     world = int(os.environ.get("WORLD_SIZE", "1"))
     data = _Data(steps * batch_size * world, cfg["seq"], cfg["vocab"], seed=1)
-    own = {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": False}}
+    # transformers 5.25 renamed gradient_checkpointing* to activation_checkpointing* (the old names warn; gone in v6).
+    name = (
+        "activation_checkpointing"
+        if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+        else "gradient_checkpointing"
+    )
+    own = {name: True, f"{name}_kwargs": {"use_reentrant": False}}
     callbacks: list[Any] = [Clock()]
     if side != "own":
         callbacks.append(DistckptCallback("full", guard_every=guard_every if side == "guard" else 0))
@@ -177,8 +183,8 @@ def write(s: dict[str, dict[str, Any]], args: argparse.Namespace, load: str) -> 
         "|---|---|---|---|---|---|---|",
     ]
     label = {
-        "own": '`gradient_checkpointing=True`, `gradient_checkpointing_kwargs={"use_reentrant": False}` (HF\'s own; '
-        "Trainer's DDP: `find_unused_parameters=False`)",
+        "own": '`activation_checkpointing=True`, `activation_checkpointing_kwargs={"use_reentrant": False}` '
+        "(HF's own; Trainer's DDP: `find_unused_parameters=False`)",
         "distckpt": '`DistckptCallback("full")` + `prepare(trainer)`',
         "guard": f'`DistckptCallback("full", guard_every={args.guard_every})` + `prepare(trainer)`',
     }

@@ -16,8 +16,8 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from distckpt.errors import ConfigError
-from distckpt.layout import Layout, default_shard_size
 from distckpt.options import GRAPHS, OPTIMIZERS, STRATEGIES, check_run
+from launch.build import layout_of
 
 CHOICES = {
     "strategy.name": STRATEGIES,
@@ -87,6 +87,7 @@ RANGES: dict[str, Range] = {
     "data.noise": PROBABILITY,
     "data.shuffle_block": Range(1, why="windows shuffled together; 1: no shuffle"),
     "strategy.shard_size": Range(1, why="ranks per shard group; null: the ranks of one node"),
+    "strategy.tp": Range(1, why="tensor-parallel ranks per data-parallel rank; 1: no tensor parallel"),
     "ac.n": SIZE,
     "ac.offload_flops_per_byte": Range(0, lo_open=True),
     "optim.lr": Range(0, lo_open=True),
@@ -152,48 +153,6 @@ def _validate_compile(strategy: DictConfig) -> None:
         )
 
 
-def layout_of(strategy: DictConfig, world_size: int) -> Layout:
-    """The run's parallel layout from the ``strategy`` group, checked: the one place the launcher reads
-    ``strategy.name``, ``strategy.shard_size`` (``hsdp``; null: ``LOCAL_WORLD_SIZE``, the ranks of one node, and
-    before torchrun sets it the whole job: one node) and ``strategy.compile`` (each block compiled with that
-    backend). Validation, training and ``plan`` all build it here.
-
-    Raises:
-        ConfigError: naming the override to fix.
-    """
-    shard = strategy.shard_size
-    if strategy.name == "hsdp" and shard is None:
-        shard = default_shard_size(fallback=world_size)
-    backend = strategy.get("compile")
-    try:
-        return Layout.of(
-            strategy.name,
-            world_size=world_size if strategy.name != "none" else 1,
-            shard_size=None if shard is None else int(shard),
-            compile=None if backend is None else {"backend": backend},
-        )
-    except ConfigError as e:
-        raise ConfigError(
-            f"strategy={strategy.name} strategy.shard_size={strategy.shard_size}: {e} Fix the override "
-            "strategy.shard_size=N (the ranks per node), or remove it."
-        ) from None
-
-
-def budget_facts(cfg: DictConfig, world_size: int) -> dict[str, Any]:
-    """What a memory plan (``ac=budget``'s Budget, ``launch/plan.py``) needs to know about the run: the
-    strategy and HSDP shard size, the optimizer's state (SGD with momentum keeps one, without none) and
-    whether gradients accumulate over micro-batches."""
-    o = cfg.optim
-    optimizer = o.name if o.name != "sgd" else ("sgd_momentum" if o.momentum else "sgd")
-    layout = layout_of(cfg.strategy, world_size)
-    return dict(
-        strategy=layout.strategy,
-        optimizer=optimizer,
-        grad_accumulation=cfg.trainer.grad_accum > 1,
-        shard_size=layout.shard_size,
-    )
-
-
 def validate(cfg: DictConfig, world_size: int = 1) -> None:
     """Check values and combinations of a composed config before anything is built or written.
 
@@ -222,7 +181,7 @@ def validate(cfg: DictConfig, world_size: int = 1) -> None:
     _check_ranges(cfg)
     _check_combinations(cfg, world_size)
     check_extras(cfg)
-    check_model(cfg)
+    check_model(cfg, world_size)
 
 
 def _check_combinations(cfg: DictConfig, world_size: int) -> None:
@@ -345,9 +304,9 @@ def _meta_buildable(m: DictConfig) -> bool:
     return m.name in META_BUILDABLE and not m.get("pretrained")  # from_pretrained reads a checkpoint
 
 
-def check_model(cfg: DictConfig) -> None:
-    """Parse the ``ac`` group; build a built-in model (:data:`META_BUILDABLE`) on the meta device and
-    apply the ``ac`` group to it, as training will.
+def check_model(cfg: DictConfig, world_size: int = 1) -> None:
+    """Build the ``ac`` group's arguments (:func:`launch.ac.wrap_args`, as training does); build a built-in
+    model (:data:`META_BUILDABLE`) on the meta device and wrap it with them, as training will.
 
     Raises:
         ConfigError: a bad ``ac.policy``/``ac.size``/``ac.blocks``, or a model that cannot be built.
@@ -355,19 +314,13 @@ def check_model(cfg: DictConfig) -> None:
     import torch
 
     import distckpt
-    from distckpt.select.policies import Budget, parse_policy, parse_size
+    from distckpt.select import Budget
+    from launch.ac import wrap_args
     from launch.build import build_model
 
     c = cfg.ac
-    if c.size != "auto":
-        try:
-            parse_size(c.size)
-        except ConfigError as e:
-            raise ConfigError(f"ac.size={c.size}: {e} Or ac.size=auto (the free CUDA memory).") from None
-    try:
-        policy = parse_policy(c.policy)
-    except ConfigError as e:
-        raise ConfigError(f"ac.policy={c.policy}: {e}") from None
+    args = wrap_args(cfg, world_size)
+    policy = args.policy
     cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
     if isinstance(policy, Budget) and policy.bytes is None and not cuda:
         raise ConfigError(
@@ -387,9 +340,26 @@ def check_model(cfg: DictConfig) -> None:
         raise ConfigError(
             f"model={cfg.model.name} cannot be built from these model.* values: {type(e).__name__}: {text}"
         ) from None
-    blocks = list(c.blocks) if c.blocks else None
-    try:
-        distckpt.wrap(model, policy, blocks=blocks, reentrant=c.reentrant, offload="cpu" if c.offload else None)
+    _check_tp_plan(cfg, model)
+    blocks = list(args.blocks) if args.blocks else None
+    try:  # policy None (ac=none) too: ac.blocks must match the model whatever the policy
+        distckpt.wrap(model, policy, blocks=blocks, reentrant=args.reentrant, offload=args.offload)
     except ConfigError as e:
         where = f"ac.blocks=[{','.join(blocks)}]" if blocks else f"model={cfg.model.name} ac.policy={c.policy}"
         raise ConfigError(f"{where}: {e}" + ("" if blocks else " In the launcher: ac.blocks=[GLOB,...].")) from None
+
+
+def _check_tp_plan(cfg: DictConfig, model: Any) -> None:
+    """``strategy.tp`` > 1: the model has the tensor-parallel plan training will apply (Llama-style attention and MLP
+    linears in its blocks) and the tp divides its heads and widths (the model on the meta device)."""
+    tp = int(cfg.strategy.get("tp", 1))
+    if tp == 1:
+        return
+    from distckpt.select.blocks import find_blocks
+    from distckpt.select.tp_shapes import check_heads, tp_roles
+
+    try:
+        found = find_blocks(model, None)
+        check_heads(model, found, tp_roles(found), tp)
+    except ConfigError as e:
+        raise ConfigError(f"strategy.tp={tp} with model={cfg.model.name}: {e}") from None

@@ -2,8 +2,8 @@
 data and checkpointing of the launcher's config, built by the launcher's own builders.
 
 The library's doctor takes a factory (``distckpt doctor --factory pkg.mod:make``); this script is the
-factory of a Hydra config, so the library never imports the launcher. ``distckpt doctor <overrides>``,
-run from a checkout, delegates here. Exit 0 safe, 1 not safe, 2 bad usage or override.
+factory of a Hydra config, so the library never imports the launcher. ``distckpt doctor <overrides>``
+runs this script (distckpt/cli/launcher.py). Exit 0 safe, 1 not safe, 2 bad usage or override.
 """
 
 from __future__ import annotations
@@ -12,30 +12,12 @@ import argparse
 import functools
 import sys
 from pathlib import Path
-from typing import Any
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `launch` and `distckpt` from a checkout
+    # `python launch/X.py` puts launch/, not the checkout, first on the path: `launch` and `distckpt` from the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from distckpt.errors import ConfigError  # noqa: E402
-
-
-def _validate(cfg: Any, args: argparse.Namespace) -> None:
-    """The launcher's own validation (ranges, combinations, the ``ac`` group on a meta model), for the
-    job doctor runs: ``--nproc`` ranks under the config's (or ``--strategy``'s) strategy.
-
-    Raises:
-        ConfigError: naming the override to fix.
-    """
-    from omegaconf import DictConfig, open_dict
-
-    from launch.config import validate
-
-    job = DictConfig({k: v for k, v in cfg.items() if k != "hydra"})
-    if args.strategy:
-        with open_dict(job):
-            job.strategy.name = args.strategy
-    validate(job, world_size=1 if job.strategy.name == "none" else args.nproc)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,18 +37,26 @@ def main(argv: list[str] | None = None) -> int:
     """
     from distckpt.check.doctor import doctor
     from distckpt.cli import doctor_options
-    from launch.subject import _compose, build_subject
+    from launch.config import validate
+    from launch.subject import build_subject, compose_job, job_world
 
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        cfg = _compose(args.overrides)
-        _validate(cfg, args)
+        # The job doctor runs: --nproc ranks under the config's (or --strategy's) strategy, validated as
+        # launch/train.py validates it (ranges, combinations, the ac group on a meta model).
+        cfg = compose_job(args.overrides, args.strategy)
+        validate(cfg, world_size=job_world(cfg, args.nproc))
         opts = doctor_options(args, label=" ".join(args.overrides), policy_label=str(cfg.ac.policy))
-        opts.strategy = opts.strategy or cfg.strategy.name
+        opts.strategy = cfg.strategy.name
         opts.graph = opts.graph or cfg.strategy.graph
-        # The config's checkpointing, unless --policy overrides it (then the doctor wraps).
+        # The config's checkpointing, as training applies it, unless --policy overrides it (then the doctor wraps).
         opts.factory = functools.partial(
-            build_subject, tuple(args.overrides), opts.policy is None, opts.nproc, opts.preserve_rng_state
+            build_subject,
+            tuple(args.overrides),
+            opts.policy is None,
+            opts.nproc,
+            opts.preserve_rng_state,
+            args.strategy,
         )
         return doctor(opts)
     except ConfigError as e:

@@ -209,19 +209,27 @@ def test_hydra_config_mode(capsys, monkeypatch):
     assert launch_doctor(["model=no_such_model"]) == 2
 
 
-def test_overrides_delegate_to_the_launcher(capfd, monkeypatch):
-    """`distckpt doctor <overrides>` in a checkout runs `python launch/doctor.py` with the same arguments."""
+def test_overrides_delegate_to_the_launcher_from_any_directory(capfd, monkeypatch, tmp_path):
+    """`distckpt doctor <overrides>` runs `launch/doctor.py` of the checkout distckpt was installed from (pip
+    install -e) with the same arguments, wherever it is run (measured before: only from the checkout's root)."""
     pytest.importorskip("hydra")
-    monkeypatch.chdir(ROOT)
+    monkeypatch.chdir(tmp_path)  # no launch/ here
     assert main(["doctor", "model=no_such_model", "--steps", "1"]) == 2  # the launcher's own error, exit 2
     assert "bad launcher overrides model=no_such_model" in capfd.readouterr().err
 
 
-def test_overrides_outside_a_checkout_exit_2(capsys, monkeypatch, tmp_path):
-    monkeypatch.chdir(tmp_path)  # no launch/ here
+def test_overrides_without_a_checkout_exit_2(capsys, monkeypatch, tmp_path):
+    """A distckpt installed from a wheel has no launcher: one line that says what to do."""
+    import distckpt.cli.launcher as launcher
+
+    monkeypatch.setattr(launcher, "PACKAGE_ROOT", tmp_path / "site-packages")
+    monkeypatch.chdir(tmp_path)  # not a checkout either
     assert main(["doctor", "model=gpt"]) == 2
     err = capsys.readouterr().err
-    assert "python launch/doctor.py" in err and len(err.strip().splitlines()) == 1
+    assert len(err.strip().splitlines()) == 1, err
+    assert "pip install -e CHECKOUT" in err and "python CHECKOUT/launch/doctor.py" in err and "--factory" in err
+    monkeypatch.chdir(ROOT)  # run from a checkout, a wheel's command uses that checkout's launcher
+    assert launcher.checkout() == launcher.Path(ROOT)
 
 
 def test_nan_loss_is_not_safe(capsys):

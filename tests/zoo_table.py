@@ -11,9 +11,7 @@ import platform
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import zoo  # noqa: E402
+import zoo  # tests/, the script's own folder: first on the path
 
 
 def _mark(r: dict, check: str) -> str:
@@ -44,7 +42,7 @@ def table(results: dict[str, dict]) -> str:
         '- **grads**: `policy="full"` gradients and loss bitwise equal (`torch.equal`) to the model without '
         "checkpointing (seeded dropout; `state_dict` keys unchanged).",
         "- **peak vs HF**: MemTracker peak of one forward/backward, distckpt `full` / Hugging Face "
-        "`gradient_checkpointing_enable(use_reentrant=False)` on the same layers / no checkpointing, in KiB.",
+        "`activation_checkpointing_enable(use_reentrant=False)` on the same layers / no checkpointing, in KiB.",
         "- **selective**, **budget**: bitwise exact (budget: at the midpoint of the full and no-checkpoint peaks); "
         "budget at 25%, 50% and 75% of the way from the full peak to the no-checkpoint one: the measured peak at or "
         "under each (KiB) and how many blocks the planner checkpointed.",
@@ -64,7 +62,9 @@ def table(results: dict[str, dict]) -> str:
             else _mark(r, "blocks")
         )
         if "peak" in r:
-            same = "=" if r["peak"] == r["peak_hf"] else ("< (explained in notes)" if "peak_hf_note" in r else "**!=**")
+            explained = "< (explained in notes)" if "peak_hf_note" in r else "> (routing replay, in notes)"
+            noted = "peak_hf_note" in r or "peak_replay_note" in r
+            same = "=" if r["peak"] == r["peak_hf"] else (explained if noted else "**!=**")
             peak = f"{_kib(r['peak'])} {same} {_kib(r['peak_hf'])} / {_kib(r['peak_none'])}"
         else:
             peak = _mark(r, "peak")
@@ -85,10 +85,15 @@ def table(results: dict[str, dict]) -> str:
             notes.append("cache dropped in training")
         if "peak_hf_note" in r:
             notes.append(
-                f"HF's peak is {r['peak_hf_note']} B higher: its gradient_checkpointing_enable also sets "
+                f"HF's peak is {r['peak_hf_note']} B higher: its activation_checkpointing_enable also sets "
                 "T5Attention.gradient_checkpointing, which makes the cross-attention's zero position bias "
                 "require grad (kept for backward, and its gradient computed); with that flag off, equal "
                 f"({_kib(r['peak_hf_without_bias_grad'])} KiB)"
+            )
+        if "peak_replay_note" in r:
+            notes.append(
+                f"{r['peak_replay_note']} B over HF's peak: routing replay keeps a layer's routing (56 B per token) "
+                "until its backward ([moe.md](moe.md)); without it (`routing_replay_disabled`), equal"
             )
         notes += [f"known failure, {k[len('xfail_') :]}: {v}" for k, v in sorted(r.items()) if k.startswith("xfail_")]
         if "prediction_choices" in r:

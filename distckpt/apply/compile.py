@@ -26,7 +26,8 @@ import torch
 import torch.nn as nn
 
 from distckpt import _torch_compat as compat
-from distckpt.apply.wrap import candidate_blocks, parallel_kind, pending_plan
+from distckpt.apply.state import candidate_blocks, pending_plan
+from distckpt.apply.wrap import parallel_kind
 from distckpt.errors import ConfigError
 from distckpt.layout import CompileOptions, compile_options
 from distckpt.runtime.recompute import run_checkpointed

@@ -1,20 +1,23 @@
 """Apply activation checkpointing to a model's blocks in place, keeping every parameter name: resolve the
-policy (a ``budget`` plans on a profile), then give the chosen blocks the checkpointed class
-(:mod:`distckpt.runtime.swap`, which keeps each block's object and FQN). ``checkpointed``,
-``checkpointing_disabled``, ``unwrap``, ``is_checkpointed`` and ``checkpoint_mode`` are importable from here too.
+policy (a planned one, such as ``budget``, plans on a profile), then give the chosen blocks the checkpointed
+class (:mod:`distckpt.runtime.swap`, which keeps each block's object and FQN); what was decided stays on the
+model as its :class:`~distckpt.apply.state.WrapState`, which :func:`hand_over` (called by ``parallelize``)
+reads. ``checkpointed``, ``checkpointing_disabled``, ``unwrap``, ``is_checkpointed`` and ``checkpoint_mode``
+are importable from here too.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import warnings
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 from distckpt import _torch_compat as compat
+from distckpt._log import notify
+from distckpt.apply.state import WRAP_STATE, WrapState, wrap_state
 from distckpt.errors import ConfigError
 from distckpt.layout import Layout
 from distckpt.runtime.recompute import (
@@ -29,17 +32,32 @@ from distckpt.runtime.swap import (
     _COMPILE,
     CHECKPOINT_MODES,
     _checkpointed_class,
-    _clean_fqn,
     checkpoint_mode,
     checkpointed,
     checkpointing_disabled,
     is_checkpointed,
     unwrap,
 )
-from distckpt.select.blocks import BlockSpec, find_blocks
-from distckpt.select.policies import Budget, Candidates, Policy, parse_policy, select_blocks
+from distckpt.select import (
+    BlockSpec,
+    Candidates,
+    Parallelism,
+    Policy,
+    find_blocks,
+    is_planned,
+    parse_policy,
+    select_blocks,
+)
 
-__all__ = ["checkpoint_mode", "checkpointed", "checkpointing_disabled", "is_checkpointed", "unwrap", "wrap"]
+__all__ = [
+    "checkpoint_mode",
+    "checkpointed",
+    "checkpointing_disabled",
+    "hand_over",
+    "is_checkpointed",
+    "unwrap",
+    "wrap",
+]
 
 logger = logging.getLogger("distckpt")
 
@@ -101,7 +119,7 @@ def _foreign_checkpointing(model: nn.Module) -> None:
                 # HF (reentrant) and peft make the embeddings' output require grad with a hook; distckpt's
                 # blocks need none, and it costs a backward through the embeddings (1.354x vs 1.329x FLOPs).
                 m.disable_input_require_grads()
-        warnings.warn(
+        notify(
             "distckpt.apply.wrap: the model had Hugging Face gradient checkpointing enabled "
             f"({len(hf)} modules); it was disabled so that no block is recomputed twice, and "
             "distckpt checkpoints the blocks instead.",
@@ -136,10 +154,11 @@ def wrap(
         offload: ``"cpu"`` keeps the tensors saved at block boundaries in host memory
             (pinned on CUDA).
         example_inputs: a sample batch (tuple of args or dict of kwargs) for policies that profile
-            the model (``budget``). Without it, ``budget`` profiles the first training forward
-            (grad enabled, ``model.training``) with that forward's inputs and chooses its blocks
-            then, identically on every rank; under FSDP/FSDP2, which shard each block at
-            ``parallelize`` time (a block's checkpointing cannot change after), pass it.
+            the model (``budget``, any :class:`~distckpt.select.PlannedPolicy`). Without it, such a
+            policy profiles the first training forward (grad enabled, ``model.training``) with that
+            forward's inputs and chooses its blocks then, identically on every rank; under FSDP/FSDP2,
+            which shard each block at ``parallelize`` time (a block's checkpointing cannot change
+            after), pass it.
 
     Returns:
         ``model``.
@@ -155,8 +174,6 @@ def wrap(
     context_fn = context_fn() if context_fn is not None else None
     if reentrant and context_fn is not None:
         raise ConfigError("selective (op-level) checkpointing needs reentrant=False.")
-    if reentrant and isinstance(pol, Budget) and pol.selective:
-        pol = dataclasses.replace(pol, selective=False)  # reentrant checkpoint takes no op-level policy
     _refuse_parallel(model)
     _foreign_checkpointing(model)
     compiled = model.__dict__.get(_COMPILE)  # compile_blocks ran before: compile again after this choice
@@ -166,7 +183,7 @@ def wrap(
     candidates = find_blocks(model, blocks)
     replaced = unwrap(model, [m for _, m in candidates])
     if replaced:
-        logger.info("distckpt.apply.wrap: replacing the earlier checkpointing of %d blocks", replaced)
+        notify(f"distckpt.apply.wrap: replacing the earlier checkpointing of {replaced} blocks", warn=False)
     for name, block in candidates:
         if "forward" in vars(block):
             raise ConfigError(
@@ -184,56 +201,23 @@ def wrap(
                 "twice. Choose blocks that do not contain each other."
             )
     _cancel_first_forward_plan(model)
-    model.__dict__.pop(_BUDGET, None)
-    # FSDP/FSDP2 make every candidate block a unit, checkpointed or not (parallelize reads this).
-    model.__dict__[_BLOCKS] = tuple(m for _, m in candidates)
+    # Replaces an earlier call's state. FSDP/FSDP2 make every candidate block a unit, checkpointed or not.
+    state = model.__dict__[WRAP_STATE] = WrapState(candidates, pol, example_inputs=example_inputs)
     if pol is None:
         if compiled is not None:
             compiled.apply(model)
         return model
-    opts = CheckpointOptions(reentrant, preserve_rng_state, offload, context_fn)
-    if isinstance(pol, Budget):
-        # Kept so that parallelize can redo the plan for the strategy and mesh it really uses.
-        model.__dict__[_BUDGET] = _BudgetRecord(pol, candidates, opts, example_inputs)
-    if example_inputs is None and isinstance(pol, Budget):
+    state.options = CheckpointOptions(reentrant, preserve_rng_state, offload, context_fn)
+    if example_inputs is None and is_planned(pol):
         # No sample batch: profile on the first training forward, with its inputs.
         # Disabled for dynamo: under torch.compile(model) the plan (a profile of the model) runs eagerly, a graph
         # break before the first forward; traced, it crashed dynamo (measured, torch 2.13).
-        handle = model.register_forward_pre_hook(torch.compiler.disable(_plan_on_first_forward), with_kwargs=True)
-        model._distckpt_pending_plan = handle
+        state.pending = model.register_forward_pre_hook(
+            torch.compiler.disable(_plan_on_first_forward), with_kwargs=True
+        )
         return model
-    _apply_plan(model, pol, candidates, opts, example_inputs)
+    _apply_plan(model, state)
     return model
-
-
-_BUDGET = "_distckpt_budget"  # the model's _BudgetRecord, when its policy is a Budget
-_BLOCKS = "_distckpt_blocks"  # the candidate blocks wrap found (module references, not submodules)
-
-
-def candidate_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The blocks ``wrap`` chose among (checkpointed or not), in forward order; for a model ``wrap``
-    never saw, the repeated blocks found automatically, or none when there are no such blocks."""
-    recorded = model.__dict__.get(_BLOCKS)
-    if recorded is None:
-        try:
-            return find_blocks(model)
-        except ConfigError:
-            return []
-    mine = {id(m) for m in recorded}
-    return [(_clean_fqn(n), m) for n, m in model.named_modules() if id(m) in mine]
-
-
-@dataclasses.dataclass
-class _BudgetRecord:
-    """A budget policy as given, what it planned on, and the (strategy, world size, shard size) it
-    planned for (``None`` until planned)."""
-
-    policy: Budget
-    candidates: list[tuple[str, nn.Module]]
-    opts: CheckpointOptions
-    example_inputs: Any
-    planned_for: tuple[str, int, int | None] | None = None
-    handed_over: tuple[str, int, int | None] | None = None  # set by parallelize
 
 
 def _world_size() -> int:
@@ -242,20 +226,22 @@ def _world_size() -> int:
     return get_world_size() if is_initialized() else 1
 
 
-def _apply_plan(
-    model: nn.Module, pol: Policy, candidates: list[tuple[str, nn.Module]], opts: CheckpointOptions, example_inputs: Any
-) -> None:
+def _apply_plan(model: nn.Module, state: WrapState) -> None:
+    """Choose the blocks (a planned policy: for the placement handed over, else for what it assumes) and
+    give them the checkpointed class in their modes."""
     compiled = model.__dict__.get(_COMPILE)
     if compiled is not None:
         compiled.remove(model)  # a plan profiles the blocks uncompiled; compiled again below, in their new modes
-    record: _BudgetRecord | None = model.__dict__.get(_BUDGET)
-    world = _world_size()
-    if record is not None and record.handed_over is not None:
-        strategy, world, shard_size = record.handed_over
-        pol = dataclasses.replace(record.policy, strategy=strategy, shard_size=shard_size)
-    modes = _block_modes(pol, Candidates(model, candidates, example_inputs, world, opts.preserve_rng_state), opts)
-    if record is not None and isinstance(pol, Budget):
-        record.planned_for = (pol.strategy_for(world), world, pol.shard_size)
+    pol, opts, candidates = state.policy, state.options, state.candidates
+    assert pol is not None and opts is not None  # internal invariant: wrap plans only a policy
+    target = None
+    if is_planned(pol):
+        target = state.handed_over or pol.plans_for(Parallelism(None, _world_size()))
+        pol = pol.placed(target) if state.handed_over is not None else pol
+    world = target.world_size if target is not None else _world_size()
+    found = Candidates(model, candidates, state.example_inputs, world, opts.preserve_rng_state, not opts.reentrant)
+    modes = _block_modes(pol, found, opts)
+    state.planned_for = target
     made: dict[str, Any] = {}  # one context_fn per op-level mode, shared by its blocks
     for i, mode in sorted(modes.items()):
         block = candidates[i][1]
@@ -318,66 +304,53 @@ def _block_modes(pol: Policy, candidates: Candidates, opts: CheckpointOptions) -
     return modes
 
 
-def replan_budget(model: nn.Module, layout: Layout) -> None:
-    """The hand-over point: ``parallelize`` says how the model will run. A budget planned (or still
-    to be planned on the first forward) for another strategy, world size or shard size is redone for
-    this ``layout``; one whose explicit ``strategy``/``shard_size`` contradicts it is refused.
+def hand_over(model: nn.Module, layout: Layout) -> None:
+    """The hand-over point: ``parallelize`` (or an integration that builds DDP itself) says how the model
+    will run. A planned policy (``budget``) planned, or still to be planned on the first forward, for
+    another strategy, world size or shard size is planned again for this one; one that contradicts it
+    (``Budget(strategy=...)``) is refused. Nothing happens for other policies or a model ``wrap`` never saw.
+
+    Args:
+        model: the model after ``distckpt.wrap``, before any DDP/FSDP unit exists.
+        layout: how it runs: the strategy, data-parallel ranks and (HSDP) shard size count for the plan.
 
     Raises:
-        ConfigError: ``Budget(strategy=...)`` or ``Budget(shard_size=...)`` other than what
-            ``parallelize`` uses.
+        ConfigError: the policy contradicts ``parallelism`` (see :meth:`~distckpt.select.PlannedPolicy.plans_for`).
     """
-    record: _BudgetRecord | None = model.__dict__.get(_BUDGET)
-    if record is None:
+    state = wrap_state(model)
+    if state is None or not is_planned(state.policy):
         return
-    pol = record.policy
-    strategy, world_size, shard_size = layout.strategy, layout.world_size, layout.shard_size
-    # FSDP2 over a 2-D mesh is HSDP: a plan for "fsdp2" is redone for its shard groups, not refused.
-    if pol.strategy is not None and pol.strategy != strategy and (pol.strategy, strategy) != ("fsdp2", "hsdp"):
-        raise ConfigError(
-            f"distckpt.wrap(model, Budget(..., strategy={pol.strategy!r})) planned memory for {pol.strategy}, but "
-            f"parallelize uses {strategy!r} (which places parameters, gradients and optimizer state differently). "
-            f"Pass strategy={strategy!r} to Budget, or leave it out (as budget:SIZE does) so the plan follows "
-            "parallelize."
-        )
-    if pol.shard_size is not None and shard_size is not None and pol.shard_size != shard_size:
-        raise ConfigError(
-            f"Budget(shard_size={pol.shard_size}) planned for shard groups of {pol.shard_size} ranks, but parallelize "
-            f"shards over {shard_size}. Pass the same shard_size to both, or leave it out of Budget."
-        )
-    facts = (strategy, world_size, shard_size)
-    record.handed_over = facts
-    if record.planned_for is None or record.planned_for == facts:
+    assert state.policy is not None  # for the type checker: is_planned(None) is False
+    parallelism = Parallelism(layout.strategy, layout.world_size, layout.shard_size)
+    state.policy.plans_for(parallelism)  # raises on a contradiction, before anything changes
+    state.handed_over = parallelism
+    if state.planned_for is None or state.planned_for == parallelism:
         return  # still to be planned (first forward: it will use these facts), or planned for them
-    logger.info(
-        "distckpt budget: planned for %s over %d ranks at wrap, redone for %s over %d ranks",
-        record.planned_for[0],
-        record.planned_for[1],
-        strategy,
-        world_size,
+    notify(
+        f"distckpt budget: planned for {state.planned_for.strategy} over {state.planned_for.world_size} ranks at "
+        f"wrap, redone for {parallelism.strategy} over {parallelism.world_size} ranks (parallelize's layout): the "
+        "blocks checkpointed may change",
+        warn=False,  # parallelize's documented hand-over, not a mistake: logged
     )
-    unwrap(model, [m for _, m in record.candidates])
-    _apply_plan(model, pol, record.candidates, record.opts, record.example_inputs)
+    unwrap(model, [m for _, m in state.candidates])
+    _apply_plan(model, state)
 
 
 def _plan_on_first_forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Forward pre-hook: plan a budget on the first training forward's inputs, then go away."""
+    """Forward pre-hook: plan on the first training forward's inputs, then go away."""
     if not (torch.is_grad_enabled() and model.training):
         return  # evaluation forwards say nothing about training memory
     _cancel_first_forward_plan(model)
     from distckpt.select.profile import Call
 
-    record: _BudgetRecord = model.__dict__[_BUDGET]
-    record.example_inputs = Call(args, kwargs)
-    _apply_plan(model, record.policy, record.candidates, record.opts, record.example_inputs)
+    state = wrap_state(model)
+    assert state is not None  # internal invariant: the hook is the state's own
+    state.example_inputs = Call(args, kwargs)
+    _apply_plan(model, state)
 
 
 def _cancel_first_forward_plan(model: nn.Module) -> None:
-    handle = model.__dict__.pop("_distckpt_pending_plan", None)
-    if handle is not None:
-        handle.remove()
-
-
-def pending_plan(model: nn.Module) -> bool:
-    """Whether a ``budget`` policy still waits for the first training forward to choose its blocks."""
-    return "_distckpt_pending_plan" in model.__dict__
+    state = wrap_state(model)
+    if state is not None and state.pending is not None:
+        state.pending.remove()
+        state.pending = None

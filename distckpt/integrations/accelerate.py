@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,7 +21,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import distckpt
-from distckpt.apply.wrap import parallel_kind, replan_budget
+from distckpt._log import notify
+from distckpt.apply.wrap import hand_over, parallel_kind
 from distckpt.errors import ConfigError
 from distckpt.integrations._common import check_guard_every, checkpoint_blocks
 from distckpt.layout import Layout
@@ -32,7 +32,7 @@ from distckpt.parallel.state import sync_state
 from distckpt.parallel.strategies import attach_ddp
 from distckpt.parallel.units import reentrant_blocks
 
-__all__ = ["guard", "install", "prepare"]
+__all__ = ["forget", "guard", "install", "prepare"]
 
 _HOOKS = "_distckpt_hooks"  # attribute of the Accelerator holding its _Hooks
 
@@ -166,6 +166,25 @@ def guard(accelerator: Accelerator, model: nn.Module) -> distckpt.GradSyncGuard 
     return inst.guard if inst is not None else None
 
 
+def forget(accelerator: Accelerator, model: nn.Module) -> None:
+    """Undo :func:`install` for ``model`` on ``accelerator``: the hooks of the DDP built around it go, and Accelerate
+    prepares it as it would without distckpt. For a model that is replaced (HF Trainer's ``model_init`` builds a new
+    one in ``train()``), so the accelerator holds no reference to it. Nothing happens for a model not installed.
+
+    Args:
+        accelerator: the ``Accelerator`` :func:`install` was called with.
+        model: the plain model given to :func:`install`.
+    """
+    hooks: _Hooks | None = accelerator.__dict__.get(_HOOKS)
+    inst = hooks.models.get(id(model)) if hooks is not None else None
+    if inst is None or inst.model is not model:
+        return
+    state = inst.state()
+    if state is not None:
+        state.remove()
+    del hooks.models[id(model)]
+
+
 # --- refusals ----------------------------------------------------------------------------------------------------
 
 _FUP = (
@@ -209,7 +228,7 @@ def _refuse_accelerator(accelerator: Accelerator) -> None:
     if kind in _DDP_TYPES and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         # Measured (accelerate 1.16): Accelerator(cpu=True, fsdp_plugin=...) sets ACCELERATE_USE_FSDP, then picks
         # MULTI_CPU and builds DDP without a word (Accelerate selects FSDP for accelerator devices only).
-        warnings.warn(
+        notify(
             f"Accelerate ignored its FSDP plugin ({kind.value}: it builds DistributedDataParallel), so distckpt makes "
             "that DDP exact. For FSDP on CPU use distckpt.parallelize(model, 'fsdp') or 'fsdp2'.",
             stacklevel=3,
@@ -322,7 +341,7 @@ class _Hooks:
         # Re-read here: the DDP kwargs may have changed since install (a Trainer, a user), and a budget policy is
         # planned for the world it runs in, before DDP exists (parallelize's hand-over point).
         _ddp_handler_flags(self.accelerator, model, inst.graph)
-        replan_budget(model, Layout.of("ddp", world_size=self.accelerator.num_processes))
+        hand_over(model, Layout.of("ddp", world_size=self.accelerator.num_processes))
         prepared = self._prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
         inst.built(self.accelerator, prepared)
         self._hook_optimizers()

@@ -4,11 +4,13 @@ Trainer builds to distckpt (``distckpt.integrations.accelerate.install``) before
 
 Why ``prepare(trainer)`` and not the callback alone: Trainer builds its ``Accelerator`` (with the DDP flags) in
 ``__init__`` and DDP in ``train()``, and no callback event receives the Trainer or its accelerator, so a callback
-cannot reach either. docs/integrations.md ("Hugging Face Trainer") says what holds, measured.
+cannot reach either. docs/integrations.md ("Hugging Face Trainer", "TRL") says what holds, measured; TRL's trainers
+are Trainer subclasses: ``with_distckpt(DPOTrainer)``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -19,10 +21,10 @@ from transformers import Trainer, TrainerCallback
 import distckpt
 from distckpt.errors import ConfigError
 from distckpt.integrations._common import check_guard_every
-from distckpt.integrations.accelerate import install
+from distckpt.integrations.accelerate import forget, install
 from distckpt.options import Engine, accumulate_refusal, check_graph
 
-__all__ = ["DistckptCallback", "DistckptTrainer", "prepare"]
+__all__ = ["DistckptCallback", "DistckptTrainer", "prepare", "with_distckpt"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +54,9 @@ class DistckptCallback(TrainerCallback):
             every step).
 
     Raises:
-        ConfigError: bad options; at ``Trainer(...)``: ``gradient_checkpointing=True`` alongside; at ``train()``:
-            :func:`prepare` was not called.
+        ConfigError: bad options; at ``Trainer(...)``: HF's checkpointing turned on by the user alongside
+            (``activation_checkpointing=True`` in ``TrainingArguments``; a TRL config's default ``True`` is turned
+            off instead, logged on rank 0); at ``train()``: :func:`prepare` was not called.
     """
 
     def __init__(
@@ -73,13 +76,14 @@ class DistckptCallback(TrainerCallback):
         self.prepared = False
         self.guard: distckpt.GradSyncGuard | None = None
         self._trainer: Trainer | None = None
+        self._model: torch.nn.Module | None = None  # the model prepare installed distckpt for (model_init: the last)
         self._checks = 0  # guard checks since the last log
         self._last: Any = None  # the last GuardReport
 
     # --- Trainer events ------------------------------------------------------------------------------------------
 
     def on_init_end(self, args, state, control, **kwargs):  # noqa: ANN001 - TrainerCallback's signature
-        _refuse_hf_checkpointing(args)
+        _take_over_hf_checkpointing(args)
 
     def on_train_begin(self, args, state, control, **kwargs):  # noqa: ANN001
         if not self.prepared:
@@ -118,13 +122,56 @@ class DistckptCallback(TrainerCallback):
         self.guard = None
 
 
-def _refuse_hf_checkpointing(args: Any) -> None:
-    if getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False):
+def _hf_name(args: Any) -> str:
+    """The ``TrainingArguments`` name of HF's checkpointing in this transformers: ``activation_checkpointing`` (5.25
+    renamed it; ``gradient_checkpointing`` warns there and goes in v6), ``gradient_checkpointing`` before."""
+    names = {f.name for f in dataclasses.fields(args)}
+    return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+
+
+def _on_by_default(args: Any) -> bool:
+    """Whether the arguments' class turns HF's checkpointing on by default: every TRL config (DPO, SFT, GRPO, KTO,
+    RLOO, Reward) declares ``gradient_checkpointing=True``; ``TrainingArguments`` declares it off."""
+    defaults = {f.name: f.default for f in dataclasses.fields(args)}
+    return any(defaults.get(n) is True for n in ("activation_checkpointing", "gradient_checkpointing"))
+
+
+def _take_over_hf_checkpointing(args: Any) -> None:
+    """HF's checkpointing in ``args`` alongside ``DistckptCallback``: turned off (logged on rank 0) when it is the
+    arguments' class default (TRL's configs), refused when the user turned it on (``TrainingArguments``' default is
+    off). docs/integrations.md ("TRL") says why."""
+    if not (getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False)):
+        return
+    name = _hf_name(args)
+    if not _on_by_default(args):
         raise ConfigError(
-            "TrainingArguments(gradient_checkpointing=True) and DistckptCallback would checkpoint the blocks twice, "
-            "and HF's checkpointing is not kept in sync under DDP (reentrant: 'Expected to mark a variable ready only "
-            "once'). Drop gradient_checkpointing (activation_checkpointing) from TrainingArguments: DistckptCallback "
-            "checkpoints the blocks (policy=, reentrant=)."
+            f"TrainingArguments({name}=True) and DistckptCallback would checkpoint the blocks twice, and HF's "
+            "checkpointing is not kept in sync under DDP (reentrant: 'Expected to mark a variable ready only once'). "
+            f"Pass {name}=False (TrainingArguments or any TRL config): DistckptCallback checkpoints the blocks "
+            "(policy=, reentrant=)."
+        )
+    for n in ("activation_checkpointing", "gradient_checkpointing"):
+        if hasattr(args, n):  # 5.25 keeps both names in step; older versions have the second only
+            setattr(args, n, False)
+    if getattr(args, "process_index", 0) == 0:
+        logger.warning(
+            "%s turns HF's checkpointing on by default (%s=True); DistckptCallback checkpoints the blocks instead, so "
+            "distckpt turned HF's off. Pass %s=False to say so and silence this line.",
+            type(args).__name__,
+            name,
+            name,
+        )
+
+
+def _refuse_hf_model_checkpointing(model: torch.nn.Module) -> None:
+    # transformers 5.25: is_activation_checkpointing (is_gradient_checkpointing is deprecated, warns); 4.x: the latter.
+    new = hasattr(model, "is_activation_checkpointing")
+    if getattr(model, "is_activation_checkpointing" if new else "is_gradient_checkpointing", False):
+        off = "activation_checkpointing_disable" if new else "gradient_checkpointing_disable"
+        raise ConfigError(
+            f"the model has Hugging Face's own checkpointing on (model.{off.replace('disable', 'enable')}()), which "
+            f"DistckptCallback would double and which is not kept in sync under DDP. Call model.{off}() before "
+            "Trainer(...): DistckptCallback checkpoints the blocks."
         )
 
 
@@ -147,39 +194,49 @@ def prepare(trainer: Trainer) -> Trainer:
     forward, gradient accumulation without sync, ``GradSyncGuard`` before the optimizer steps.
 
     Call it once, after ``Trainer(...)`` and before ``trainer.train()``. The options are those of the
-    ``DistckptCallback`` in ``trainer``'s callbacks (one with the defaults is added when there is none).
+    ``DistckptCallback`` in ``trainer``'s callbacks (one with the defaults is added when there is none). With
+    ``Trainer(model_init=...)`` (and ``hyperparameter_search``), ``train()`` builds a new model (and, per trial, a new
+    accelerator): distckpt checkpoints and takes over each of them, so the model ``train()`` trains is the one made
+    exact.
 
     Args:
-        trainer: a ``transformers.Trainer`` (or subclass) not trained yet.
+        trainer: a ``transformers.Trainer`` (or subclass, e.g. TRL's ``DPOTrainer``) not trained yet.
 
     Returns:
         ``trainer``.
 
     Raises:
-        ConfigError: ``gradient_checkpointing=True``, ``ddp_find_unused_parameters=True`` or
-            ``ddp_static_graph`` against distckpt's choice, gradient accumulation with reentrant blocks or
+        ConfigError: HF's checkpointing turned on by the user (``activation_checkpointing=True`` in
+            ``TrainingArguments``; a TRL config's default is taken over instead), ``ddp_find_unused_parameters=True``
+            or ``ddp_static_graph`` against distckpt's choice, gradient accumulation with reentrant blocks or
             ``graph='static'``, FSDP (Accelerate's own sharding), a model Trainer already prepared, and what
-            ``distckpt.wrap`` refuses; under ``TrainingArguments(deepspeed=...)`` what
+            ``distckpt.wrap`` refuses; under ``TrainingArguments(deepspeed=...)``, ``model_init`` and what
             ``distckpt.integrations.deepspeed.prepare_trainer`` refuses.
     """
     cb = _callback(trainer)
     if cb.prepared:
         raise ConfigError(f"{_PREPARE} was already called for this Trainer; call it once, before trainer.train().")
-    args = trainer.args
-    _refuse_hf_checkpointing(args)
-    model = trainer.model
-    # transformers 5: is_activation_checkpointing (is_gradient_checkpointing is deprecated and warns); 4.x: the latter.
-    hf_on = getattr(model, "is_activation_checkpointing", None)
-    if hf_on is None:
-        hf_on = getattr(model, "is_gradient_checkpointing", False)
-    if hf_on:
-        raise ConfigError(
-            "the model has Hugging Face's own checkpointing on (model.gradient_checkpointing_enable()), which "
-            "DistckptCallback would double and which is not kept in sync under DDP. Call "
-            "model.gradient_checkpointing_disable() before Trainer(...): DistckptCallback checkpoints the blocks."
-        )
     if trainer.is_deepspeed_enabled:
         return _prepare_deepspeed(trainer, cb)
+    _check_args(trainer, cb)
+    _install(trainer, cb, trainer.model, cb.policy)
+    if trainer.model_init is not None:
+        _follow_model_init(trainer, cb)
+    # First among the callbacks: its on_log adds the guard's verdict before the printers and reporters read the logs.
+    handler_cbs = trainer.callback_handler.callbacks
+    handler_cbs.remove(cb)
+    handler_cbs.insert(0, cb)
+    if cb.verify:
+        _verify_on_first_batch(trainer)
+    cb._trainer = trainer
+    cb.prepared = True
+    return trainer
+
+
+def _check_args(trainer: Trainer, cb: DistckptCallback) -> None:
+    """Refuse the ``TrainingArguments`` distckpt cannot keep exact (see :func:`prepare`'s Raises)."""
+    args = trainer.args
+    _take_over_hf_checkpointing(args)
     if args.fsdp or trainer.is_fsdp_enabled:
         # Refused on CPU too, where Accelerate runs plain DDP instead of the FSDP asked for (measured: fsdp_config
         # version 2 -> DistributedType.MULTI_CPU; version 1 -> "sync_module_states=True is not supported on cpu").
@@ -194,10 +251,6 @@ def prepare(trainer: Trainer) -> Trainer:
             "the graph with weight zero in every forward) and breaks two forwards before one backward and reentrant "
             "checkpointing. Drop it (distckpt sets False)."
         )
-    handler = trainer.accelerator.ddp_handler
-    if args.ddp_find_unused_parameters is None and handler is not None:
-        # Trainer's default (True unless HF's checkpointing is on), not the user's choice: distckpt's flag instead.
-        handler.find_unused_parameters = False
     static = cb.reentrant or cb.graph == "static"
     if args.ddp_static_graph is not None and bool(args.ddp_static_graph) != static:
         raise ConfigError(
@@ -211,30 +264,56 @@ def prepare(trainer: Trainer) -> Trainer:
             f"TrainingArguments(gradient_accumulation_steps={args.gradient_accumulation_steps}): {why} "
             "(DistckptCallback(reentrant=False) is the default)."
         )
-    if cb.verify and trainer.args.world_size > 1 and cb.reentrant:
+    if cb.verify and args.world_size > 1 and cb.reentrant:
         raise ConfigError(
             "DistckptCallback(verify=True) with reentrant=True: verify_recompute runs extra forwards and backwards "
             "through a DDP with static_graph=True, which DDP counts as training steps. Use verify=False, or "
             "reentrant=False."
         )
+
+
+def _install(trainer: Trainer, cb: DistckptCallback, model: torch.nn.Module, policy: Any) -> None:
+    """Checkpoint ``model``'s blocks (``policy``; None: as they are) and install distckpt on the Trainer's
+    accelerator for it, forgetting any model installed there before (a model ``model_init`` replaced)."""
+    _refuse_hf_model_checkpointing(model)
+    handler = trainer.accelerator.ddp_handler
+    if trainer.args.ddp_find_unused_parameters is None and handler is not None:
+        # Trainer's default (True unless HF's checkpointing is on), not the user's choice: distckpt's flag instead.
+        handler.find_unused_parameters = False
+    if cb._model is not None and cb._model is not model:
+        forget(trainer.accelerator, cb._model)  # the model model_init replaced
+    cb._model = model
     install(
         trainer.accelerator,
-        trainer.model,
-        policy=cb.policy,
+        model,
+        policy=policy,
         blocks=cb.blocks,
         reentrant=cb.reentrant,
         graph=cb.graph,
         guard_every=0,  # the callback runs the guard, to log its verdict
     )
-    # First among the callbacks: its on_log adds the guard's verdict before the printers and reporters read the logs.
-    handler_cbs = trainer.callback_handler.callbacks
-    handler_cbs.remove(cb)
-    handler_cbs.insert(0, cb)
-    if cb.verify:
-        _verify_on_first_batch(trainer)
-    cb._trainer = trainer
-    cb.prepared = True
-    return trainer
+
+
+def _follow_model_init(trainer: Trainer, cb: DistckptCallback) -> None:
+    """``train()`` calls ``model_init`` again and trains that new model; ``hyperparameter_search`` also builds a new
+    accelerator per trial (``create_accelerator_and_postprocess``, after the model). Both are public Trainer methods,
+    called as ``self.<method>``: attributes on this Trainer shadow them, so each new model is checkpointed and each
+    new accelerator builds distckpt's DDP, before ``train()`` prepares them."""
+    call_model_init = trainer.call_model_init
+    create_accelerator = trainer.create_accelerator_and_postprocess
+
+    def model_init(trial: Any = None) -> torch.nn.Module:
+        model = call_model_init(trial)
+        _install(trainer, cb, model, cb.policy)
+        return model
+
+    def accelerator() -> None:
+        create_accelerator()
+        _check_args(trainer, cb)  # a trial may have changed the arguments
+        _install(trainer, cb, trainer.model, None)  # already checkpointed by model_init above
+
+    trainer.call_model_init = model_init  # type: ignore[method-assign]
+    trainer.create_accelerator_and_postprocess = accelerator  # type: ignore[method-assign]
 
 
 def _prepare_deepspeed(trainer: Trainer, cb: DistckptCallback) -> Trainer:
@@ -242,6 +321,14 @@ def _prepare_deepspeed(trainer: Trainer, cb: DistckptCallback) -> Trainer:
     its state to the engine ``train()`` builds; the callback's guard then runs on that engine."""
     from distckpt.integrations.deepspeed import prepare_trainer
 
+    _take_over_hf_checkpointing(trainer.args)
+    _refuse_hf_model_checkpointing(trainer.model)
+    if trainer.model_init is not None:
+        # train() would build a new model from model_init after the blocks of this one were checkpointed.
+        raise ConfigError(
+            "Trainer(model_init=...) with TrainingArguments(deepspeed=...): train() builds a new model that distckpt "
+            "has not prepared for ZeRO. Pass model=... instead (DDP through this prepare supports model_init)."
+        )
     attach = prepare_trainer(
         trainer, policy=cb.policy, blocks=cb.blocks, reentrant=cb.reentrant, graph=cb.graph, verify=cb.verify
     )
@@ -275,8 +362,45 @@ def _verify_on_first_batch(trainer: Trainer) -> None:
 
 class DistckptTrainer(Trainer):
     """``Trainer`` that calls :func:`prepare` at the end of ``__init__``: pass ``DistckptCallback(...)`` in
-    ``callbacks`` for the options (the defaults otherwise)."""
+    ``callbacks`` for the options (the defaults otherwise). For a Trainer subclass (TRL's ``DPOTrainer``,
+    ``SFTTrainer``, ``GRPOTrainer``, ...) use :func:`with_distckpt`, or put this class first among the bases:
+    ``class MyDPO(DistckptTrainer, DPOTrainer)``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         prepare(self)
+
+
+_MADE: dict[type, type] = {}  # with_distckpt's classes, one per trainer class
+
+
+def with_distckpt(trainer_cls: type[Trainer]) -> type[Trainer]:
+    """``trainer_cls`` (a ``Trainer`` subclass such as ``trl.DPOTrainer``) that calls :func:`prepare` at the end of
+    its ``__init__``: ``class Distckpt<Name>(DistckptTrainer, trainer_cls)``, made once per class.
+
+    ``with_distckpt(DPOTrainer)(model=..., args=DPOConfig(...), callbacks=[DistckptCallback(...)], ...)`` runs
+    TRL's own ``__init__`` (reference model, peft, datasets) and then hands the DDP that ``train()`` builds to
+    distckpt. TRL's configs turn HF's checkpointing on by default: distckpt turns it off, logged (docs/integrations.md,
+    "TRL").
+
+    Args:
+        trainer_cls: ``transformers.Trainer`` or a subclass of it.
+
+    Returns:
+        the subclass (``trainer_cls`` itself if it already derives from :class:`DistckptTrainer`).
+
+    Raises:
+        ConfigError: ``trainer_cls`` is not a ``transformers.Trainer`` subclass.
+    """
+    if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, Trainer)):
+        raise ConfigError(
+            f"with_distckpt({trainer_cls!r}): pass a transformers.Trainer subclass (e.g. trl.DPOTrainer), not an "
+            "instance; for a Trainer already built call distckpt.integrations.hf.prepare(trainer)."
+        )
+    if issubclass(trainer_cls, DistckptTrainer):
+        return trainer_cls
+    if trainer_cls not in _MADE:
+        name = f"Distckpt{trainer_cls.__name__}"
+        doc = f"``{trainer_cls.__module__}.{trainer_cls.__qualname__}`` prepared by distckpt (with_distckpt)."
+        _MADE[trainer_cls] = type(name, (DistckptTrainer, trainer_cls), {"__doc__": doc, "__module__": __name__})
+    return _MADE[trainer_cls]

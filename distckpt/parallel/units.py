@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from distckpt.apply.wrap import candidate_blocks
+from distckpt.apply.state import candidate_blocks
 from distckpt.errors import ConfigError
 from distckpt.parallel.param_sync import _Unit, param_owner
 from distckpt.runtime.swap import is_checkpointed

@@ -1,5 +1,6 @@
 """What a policy sees when it chooses: the candidate blocks, the sample batch, and their profile
-(measured once, on demand). Below the policies and the budget planner, which both take it."""
+(measured once, on demand); and how the model runs (:class:`Parallelism`), which a plan that counts
+memory needs. Below the policies and the budget planner, which both take them."""
 
 from __future__ import annotations
 
@@ -14,7 +15,20 @@ from distckpt.errors import ConfigError
 if TYPE_CHECKING:
     from distckpt.select.profile import BlockProfile, ModelProfile
 
-__all__ = ["Candidates"]
+__all__ = ["Candidates", "Parallelism"]
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """How the checkpointed model runs, as a memory plan counts it: the data-parallel ``strategy``
+    (``"none"``, ``"ddp"``, ``"fsdp"``, ``"fsdp2"``, ``"hsdp"``), the data-parallel ranks and, under
+    ``"hsdp"``, the ranks that shard (``shard_size``). ``strategy=None``: not known yet (at ``wrap``,
+    before ``parallelize`` says).
+    """
+
+    strategy: str | None
+    world_size: int = 1
+    shard_size: int | None = None
 
 
 @dataclass
@@ -25,7 +39,8 @@ class Candidates:
     ``profile()`` measures activation bytes and recompute cost per block on ``example_inputs``
     (only the budget policy needs it; it runs at most once per ``wrap`` call). ``preserve_rng_state``:
     whether the checkpoints will save the RNG state (``wrap``'s option); without it the profile
-    counts none held per checkpointed block.
+    counts none held per checkpointed block. ``op_level``: whether op-level modes (``pointwise``,
+    ``selective``) may be chosen; False under reentrant checkpointing, which takes no op-level policy.
     """
 
     model: nn.Module
@@ -33,6 +48,7 @@ class Candidates:
     example_inputs: Any = None
     world_size: int = 1
     preserve_rng_state: bool = True
+    op_level: bool = True
     _profile: ModelProfile | None = field(default=None, repr=False)
     _profile_modes: frozenset[str] = field(default=frozenset(), repr=False)
 

@@ -6,6 +6,7 @@ rest of the library only sees objects. "Off" is ``None``, as in torchtitan.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Callable
@@ -14,7 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from distckpt.errors import ConfigError
 from distckpt.runtime.swap import CHECKPOINT_MODES
-from distckpt.select.candidates import Candidates
+from distckpt.select.candidates import Candidates, Parallelism
 
 __all__ = [
     "Budget",
@@ -24,10 +25,13 @@ __all__ = [
     "Full",
     "CHECKPOINT_MODES",
     "Candidates",
+    "Parallelism",
     "Placement",
+    "PlannedPolicy",
     "Policy",
     "Selective",
     "parse_policy",
+    "is_planned",
     "parse_size",
 ]
 
@@ -45,10 +49,44 @@ class Policy(Protocol):
     ``torch.utils.checkpoint`` runs each checkpointed block under (op-level selective
     checkpointing); ``None`` means plain full recompute. ``modes`` (optional) returns
     ``{index: "pointwise" | "selective" | "full"}`` instead, one mode per checkpointed block (the
-    budget mixes them); ``wrap`` then ignores ``select`` and ``context_fn``.
+    budget mixes them); ``wrap`` then ignores ``select`` and ``context_fn``. A policy whose choice
+    depends on how the model runs (a memory budget) adds the two hooks of :class:`PlannedPolicy`.
     """
 
     def select(self, candidates: Candidates) -> list[int]: ...
+
+
+@runtime_checkable
+class PlannedPolicy(Protocol):
+    """A policy whose choice depends on how the model runs (parameters, gradients and optimizer state
+    placed by the strategy), chosen on a profile of the model: :class:`Budget`, or a user's own.
+
+    ``wrap`` plans it for ``plans_for(Parallelism(None, world_size))`` (nothing known yet: the policy
+    says what it assumes) on ``example_inputs``, or, without them, on the first training forward's
+    inputs. ``parallelize`` (and the Accelerate integration) then hand over the placement the model
+    really runs under: ``plans_for(that)`` checks it (raising when the policy contradicts it), and when
+    it differs from what the choice was planned for, ``wrap`` plans ``placed(that)`` again. The
+    state in between is the model's :class:`~distckpt.apply.state.WrapState`.
+    """
+
+    def plans_for(self, known: Parallelism) -> Parallelism:
+        """The placement this policy plans for, given what is known (``known.strategy`` None: nothing yet).
+
+        Raises:
+            ConfigError: the policy contradicts ``known``.
+        """
+        ...
+
+    def placed(self, parallelism: Parallelism) -> Policy:
+        """This policy planning for exactly ``parallelism``."""
+        ...
+
+    def select(self, candidates: Candidates) -> list[int]: ...
+
+
+def is_planned(policy: Policy | None) -> bool:
+    """Whether ``policy`` is a :class:`PlannedPolicy` (it has both hooks)."""
+    return callable(getattr(policy, "plans_for", None)) and callable(getattr(policy, "placed", None))
 
 
 @dataclass(frozen=True)
@@ -123,7 +161,8 @@ class Budget:
     recomputed; its saved tensors kept in pinned host memory) when asked for: priced at
     ``offload_flops_per_byte`` FLOPs per byte moved, or ``"auto"``: measured once per device (matmul
     FLOP/s over host-link bytes/s). ``None`` (the default, until offload has been measured on a GPU)
-    and off CUDA: not offered. The selection itself lives in :mod:`distckpt.select.budget`.
+    and off CUDA: not offered. The selection itself lives in :mod:`distckpt.select.budget`. A
+    :class:`PlannedPolicy`: ``parallelize`` hands it the strategy, ranks and shard size it runs under.
     """
 
     bytes: int | None
@@ -157,8 +196,39 @@ class Budget:
             return self.strategy
         return "ddp" if world_size > 1 else "none"
 
+    def plans_for(self, known: Parallelism) -> Parallelism:
+        """At ``wrap`` (``known.strategy`` None) the placement of :meth:`strategy_for` and this budget's
+        ``shard_size``; once ``parallelize`` says, ``known`` itself.
+
+        Raises:
+            ConfigError: an explicit ``strategy`` or ``shard_size`` other than ``known``'s.
+        """
+        if known.strategy is None:
+            return Parallelism(self.strategy_for(known.world_size), known.world_size, self.shard_size)
+        strategy = known.strategy
+        # FSDP2 over a 2-D mesh is HSDP: a plan for "fsdp2" is redone for its shard groups, not refused.
+        if self.strategy is not None and self.strategy != strategy and (self.strategy, strategy) != ("fsdp2", "hsdp"):
+            raise ConfigError(
+                f"distckpt.wrap(model, Budget(..., strategy={self.strategy!r})) planned memory for {self.strategy}, "
+                f"but parallelize uses {strategy!r} (which places parameters, gradients and optimizer state "
+                f"differently). Pass strategy={strategy!r} to Budget, or leave it out (as budget:SIZE does) so the "
+                "plan follows parallelize."
+            )
+        if self.shard_size is not None and known.shard_size is not None and self.shard_size != known.shard_size:
+            raise ConfigError(
+                f"Budget(shard_size={self.shard_size}) planned for shard groups of {self.shard_size} ranks, but "
+                f"parallelize shards over {known.shard_size}. Pass the same shard_size to both, or leave it out of "
+                "Budget."
+            )
+        return known
+
+    def placed(self, parallelism: Parallelism) -> Budget:
+        """This budget for exactly ``parallelism``: its strategy and shard size."""
+        return dataclasses.replace(self, strategy=parallelism.strategy, shard_size=parallelism.shard_size)
+
     def plan(self, candidates: Candidates) -> Any:
-        """The :class:`~distckpt.select.budget.BudgetPlan` for ``candidates``."""
+        """The :class:`~distckpt.select.budget.BudgetPlan` for ``candidates`` (the op-level modes only where
+        ``candidates.op_level``: not under reentrant checkpointing)."""
         from distckpt.select.budget import select_for_budget
 
         return select_for_budget(
@@ -168,7 +238,7 @@ class Budget:
             optimizer=self.optimizer,
             grad_accumulation=self.grad_accumulation,
             shard_size=self.shard_size,
-            selective=self.selective,
+            selective=self.selective and candidates.op_level,
             offload_flops_per_byte=self.offload_flops_per_byte,
         )
 

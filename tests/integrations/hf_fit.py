@@ -136,13 +136,28 @@ class LossTrainer(Trainer):
     """Trainer whose ``compute_loss`` is ``loss(model, inputs, micro_step, rank)`` and records, per micro-step,
     the item indices it got (for the reference)."""
 
-    def __init__(self, *args: Any, loss: Callable[..., torch.Tensor], **kwargs: Any):
+    def __init__(
+        self,
+        *args: Any,
+        loss: Callable[..., torch.Tensor],
+        make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
+        **kwargs: Any,
+    ):
         super().__init__(*args, **kwargs)
         self.loss_fn = loss
+        self.make_optimizer = make_optimizer  # the optimizer over the model train() trains (model_init's)
         self.loss_is_scaled_for_ga = False  # a per-batch mean: Trainer divides by gradient_accumulation_steps
         self.seen: list[list[int]] = []  # per micro-step: the item indices this rank got
+        self.predicted: list[float] = []  # trainer.predict's losses in the middle of train() (fit's life)
         self.on_first_forward: Callable[[nn.Module], None] | None = None  # gets the model Trainer prepared
         self.after_backward: Callable[[nn.Module], None] | None = None  # after each micro-batch's backward
+
+    def create_optimizer(self, model=None):  # noqa: ANN001
+        if self.make_optimizer is None:
+            return super().create_optimizer(model)
+        if self.optimizer is None:  # Trainer's AdamW would not decay biases: the reference's optimizer instead
+            self.optimizer = self.make_optimizer([p for p in self.model.parameters() if p.requires_grad])
+        return self.optimizer
 
     def training_step(self, model, inputs, num_items_in_batch=None):  # noqa: ANN001
         loss = super().training_step(model, inputs, num_items_in_batch)
@@ -150,13 +165,21 @@ class LossTrainer(Trainer):
             self.after_backward(self.model)
         return loss
 
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):  # noqa: ANN001
+        # The loss only, through compute_loss (the model takes no labels: Trainer's own step would call it bare).
+        with torch.no_grad():
+            loss = self.compute_loss(model, self._prepare_inputs(inputs))
+        return loss.detach(), None, None
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # noqa: ANN001
         if self.on_first_forward is not None:
             self.on_first_forward(model)
             self.on_first_forward = None
         inputs = dict(inputs)
         step = len(self.seen)
-        self.seen.append(inputs.pop("idx").tolist())
+        idx = inputs.pop("idx").tolist()
+        if model.training:  # evaluate/predict: not a training micro-step
+            self.seen.append(idx)
         loss = self.loss_fn(model, inputs, step, self.args.process_index)
         return (loss, None) if return_outputs else loss
 
@@ -205,8 +228,8 @@ def _name(fqn: str) -> str:
 
 
 def training_args(out: str, *, accumulate: int = 1, batch_size: int = BATCH, **kw: Any) -> TrainingArguments:
-    """CPU, SGD at a constant rate, no clipping, no shuffling, nothing saved or reported."""
-    return TrainingArguments(
+    """CPU, SGD at a constant rate, no clipping, no shuffling, nothing saved or reported (``kw`` overrides)."""
+    defaults = dict(
         output_dir=out,
         use_cpu=True,
         per_device_train_batch_size=batch_size,
@@ -225,8 +248,8 @@ def training_args(out: str, *, accumulate: int = 1, batch_size: int = BATCH, **k
         disable_tqdm=True,
         logging_steps=1,
         seed=0,
-        **kw,
     )
+    return TrainingArguments(**{**defaults, **kw})
 
 
 def _release_accelerate() -> None:
@@ -242,10 +265,17 @@ def _release_accelerate() -> None:
 # --- runs --------------------------------------------------------------------------------------------------------
 
 # How the blocks are checkpointed (docs/integrations.md's HF Trainer table): without distckpt's integration, "none":
-# not at all; "hf": TrainingArguments(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant":
+# not at all; "hf": TrainingArguments(activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant":
 # ...}); "wrap": distckpt.wrap on the model before Trainer (passive: Trainer builds DDP with its own flags). With it,
 # "distckpt": DistckptCallback + distckpt.integrations.hf.prepare(trainer).
 OWN = ("none", "hf", "wrap")
+# transformers 5.25 renamed TrainingArguments' gradient_checkpointing* to activation_checkpointing* (the old names warn,
+# and go in v6); 4.x has the old ones only.
+HF_CKPT = (
+    "activation_checkpointing"
+    if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+    else "gradient_checkpointing"
+)
 
 
 def fit(
@@ -264,14 +294,22 @@ def fit(
     count: bool = False,
     perturb: tuple[int, str, float] | None = None,
     catch: bool = True,
+    model_init: Callable[[], nn.Module] | None = None,
+    trial: dict[str, Any] | None = None,
+    life: dict[str, Any] | None = None,
     **targs: Any,
 ) -> dict[str, Any]:
     """``Trainer.train`` of ``model`` on ``dataset`` with ``loss`` as compute_loss, checkpointed the ``how`` way
     (OWN, or "distckpt": ``callback``, a DistckptCallback, and prepare). {"grads", "params", "seen", "reductions",
-    "log_history", and the prepared model's "wrapper", "find_unused", "static_graph", "distributed_type"} on this
-    rank, or {"error": (type, first line), "message"} (raised instead with ``catch=False``). ``count``: count DDP's
-    all-reduces per micro-batch; ``perturb=(rank, name, delta)``: add ``delta`` to that gradient on that rank after
-    each backward (a desync on purpose)."""
+    "log_history", "checkpointed", and the prepared model's "wrapper", "find_unused", "static_graph",
+    "distributed_type"} on this rank, or {"error": (type, first line), "message"} (raised instead with
+    ``catch=False``). ``count``: count DDP's all-reduces per micro-batch; ``perturb=(rank, name, delta)``: add
+    ``delta`` to that gradient on that rank after each backward (a desync on purpose). ``model_init``:
+    ``Trainer(model_init=model_init)`` instead of ``model`` (``optimizer``, then, is a function of the trainable
+    parameters); "checkpointed" is what ``distckpt.checkpointed`` says of the model ``train()`` trained. ``trial``:
+    ``train(trial=trial)`` as ``hyperparameter_search`` calls it for one trial (a backend whose trial is a dict of
+    argument values; Trainer then builds a new accelerator after model_init's model). ``life``: the rest of
+    Trainer's life cycle, see :func:`_run`."""
     if how == "wrap":
         distckpt.wrap(model, "full", reentrant=reentrant)
     if how == "distckpt" and callback is None:
@@ -279,39 +317,31 @@ def fit(
 
         callback = DistckptCallback(guard_every=1, reentrant=reentrant)
     if how == "hf":
-        targs.update(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        targs.update({HF_CKPT: True, f"{HF_CKPT}_kwargs": {"use_reentrant": reentrant}})
     rec = Record()
     flags: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory() as out, kept_environ():
+    life = life or {}
+    with tempfile.TemporaryDirectory() as tmp, kept_environ():
+        out = life.get("output_dir", tmp)
         try:
+            init = {"model": model, "optimizers": (optimizer, None)}
+            if model_init is not None:
+                init = {"model_init": model_init, "make_optimizer": optimizer}
             trainer = LossTrainer(
-                model=model,
                 args=training_args(out, accumulate=accumulate, batch_size=batch_size, **targs),
                 train_dataset=dataset,
+                eval_dataset=life.get("eval_data"),
                 data_collator=collate,
-                optimizers=(optimizer, None),
                 callbacks=[rec] + ([callback] if callback is not None else []),
                 loss=loss,
+                **init,
             )
             if how == "distckpt":
                 from distckpt.integrations.hf import prepare
 
                 prepare(trainer)
-
-            def first(m: nn.Module) -> None:
-                flags.update(
-                    wrapper=type(m).__name__,
-                    find_unused=getattr(m, "find_unused_parameters", None),
-                    static_graph=getattr(m, "static_graph", None),
-                    distributed_type=str(trainer.accelerator.distributed_type),
-                )
-                if count:
-                    count_reductions(m, rec)
-
-            trainer.on_first_forward = first
-            if perturb is not None and perturb[0] == rank:
-                trainer.after_backward = lambda m: dict(m.named_parameters())[perturb[1]].grad.add_(perturb[2])
-            trainer.train()
+            _instrument(trainer, rank, rec, flags, count, perturb)
+            _run(trainer, trial, out, life)
         except Exception as e:  # noqa: BLE001 - what Trainer raises is the measurement
             if not catch:  # the pool's rank closes its group: a peer stuck in a collective raises instead of hanging
                 raise
@@ -321,14 +351,66 @@ def fit(
             }
         finally:
             _release_accelerate()
+    model = trainer.model  # model_init's: the one train() built
     return {
+        "checkpointed": distckpt.checkpointed(model),
         "grads": rec.grads,
         "params": {_name(n): p.detach().clone() for n, p in model.named_parameters()},
         "seen": trainer.seen,
         "reductions": rec.reductions,
         "log_history": trainer.state.log_history,
+        "predicted": trainer.predicted,
         **flags,
     }
+
+
+def _instrument(
+    trainer: LossTrainer, rank: int, rec: Record, flags: dict, count: bool, perturb: tuple[int, str, float] | None
+) -> None:
+    """Record the prepared model's DDP flags (and count its all-reduces) at the first forward; ``perturb``: see
+    :func:`fit`."""
+
+    def first(m: nn.Module) -> None:
+        flags.update(
+            wrapper=type(m).__name__,
+            find_unused=getattr(m, "find_unused_parameters", None),
+            static_graph=getattr(m, "static_graph", None),
+            distributed_type=str(trainer.accelerator.distributed_type),
+        )
+        if count:
+            count_reductions(m, rec)
+
+    trainer.on_first_forward = first
+    if perturb is not None and perturb[0] == rank:
+        trainer.after_backward = lambda m: dict(m.named_parameters())[perturb[1]].grad.add_(perturb[2])
+
+
+class _PredictAt(TrainerCallback):
+    """``trainer.predict(data)`` after optimizer step ``step``, in the middle of ``train()`` (every rank calls it:
+    its forwards and the gathering of its outputs are collective)."""
+
+    def __init__(self, trainer: LossTrainer, data: Any, step: int):
+        self.trainer, self.data, self.step = trainer, data, step
+
+    def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001
+        if state.global_step == self.step:
+            self.trainer.predicted.append(self.trainer.predict(self.data).metrics["test_loss"])
+
+
+def _run(trainer: LossTrainer, trial: dict[str, Any] | None, out: str, life: dict[str, Any]) -> None:
+    """``trainer.train()``, with the life cycle of ``life``: "output_dir" (shared by the ranks: Trainer saves its
+    checkpoints there; with ``save_strategy``/``save_steps`` in the arguments), "resume" (a checkpoint folder under it
+    for ``resume_from_checkpoint``), "eval_data" (the ``eval_dataset``, for ``eval_strategy``), "predict_at" (an
+    optimizer step after which ``trainer.predict(eval_data)`` runs; its loss in "predicted")."""
+    if "predict_at" in life:
+        trainer.add_callback(_PredictAt(trainer, life["eval_data"], life["predict_at"]))
+    if trial is not None:
+        from transformers.trainer_utils import HPSearchBackend
+
+        trainer.hp_search_backend = HPSearchBackend.WANDB  # what hyperparameter_search sets; its trials: dicts
+        trainer._get_output_dir = lambda trial: out  # not wandb's run directory: no wandb run here
+    resume = life.get("resume")
+    trainer.train(trial=trial, resume_from_checkpoint=None if resume is None else f"{out}/{resume}")
 
 
 def seed_fit(
@@ -388,9 +470,12 @@ def pattern_loss(name: str) -> Callable[..., torch.Tensor]:
 
 def pattern_fit(rank: int, world: int, name: str, how: str = "distckpt", **kwargs: Any) -> dict[str, Any]:
     """Pattern ``name`` of tests/patterns.py under Trainer, with the reference's model, data and optimizer (AdamW;
-    see :func:`fit`). The pattern's micro-batches are ``gradient_accumulation_steps``."""
+    see :func:`fit`). The pattern's micro-batches are ``gradient_accumulation_steps``; ``model_init=True``: the model
+    comes from ``Trainer(model_init=...)``."""
     pattern = PATTERNS[name]
-    model = build(pattern)
+    # No argument: Trainer passes its trial to a model_init that takes one.
+    model_init = (lambda: build(pattern)) if kwargs.pop("model_init", False) else None
+    model = None if model_init else build(pattern)
     if how == "distckpt":
         from distckpt.integrations.hf import DistckptCallback
 
@@ -398,7 +483,7 @@ def pattern_fit(rank: int, world: int, name: str, how: str = "distckpt", **kwarg
         kwargs["callback"] = DistckptCallback(
             blocks=pattern.blocks, reentrant=kwargs.pop("reentrant", False), **options
         )
-    opt = make_optimizer([p for p in model.parameters() if p.requires_grad])
+    opt = make_optimizer if model_init else make_optimizer([p for p in model.parameters() if p.requires_grad])
     return fit(
         rank,
         model,
@@ -409,6 +494,7 @@ def pattern_fit(rank: int, world: int, name: str, how: str = "distckpt", **kwarg
         batch_size=1,
         collate=_one_item,
         optimizer=opt,
+        model_init=model_init,
         **kwargs,
     )
 

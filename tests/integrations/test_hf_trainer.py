@@ -151,6 +151,71 @@ def test_verify_runs_once_on_the_first_batch_and_leaves_training_exact(dist_pool
     _exact([o for o, _ in out], reference_of("all_heads"))  # all_heads' loss does not depend on the step
 
 
+# --- Trainer(model_init=...): train() builds the model it trains ---------------------------------------------------
+
+
+def _model_init_cases(rank, world):
+    """by_rank (a head rank 0 leaves unused) with the model from Trainer(model_init=...): with distckpt, and
+    without it (Trainer's own DDP, find_unused_parameters=True for a plain nn.Module); and one trial of
+    hyperparameter_search's path (train(trial=...): model_init, then a new accelerator)."""
+    out = {how: hf.pattern_fit(rank, world, "by_rank", how, model_init=True) for how in ("distckpt", "none")}
+    out["trial"] = hf.pattern_fit(rank, world, "by_rank", model_init=True, trial={"logging_steps": 1})
+    return out
+
+
+@pytest.mark.dist
+def test_model_init_two_ranks_trains_the_checkpointed_model_exactly(dist_pool):
+    """train() calls model_init again: distckpt checkpoints and joins THAT model (before: an unwrapped model under
+    distckpt's find_unused_parameters=False, and gloo aborted with 'Received data size doesn't match')."""
+    out = dist_pool.run(_model_init_cases, timeout=300)
+    for how in ("distckpt", "none", "trial"):
+        _exact([o[how] for o in out], reference_of("by_rank"))
+    for how in ("distckpt", "trial"):
+        o0 = out[0][how]
+        assert o0["checkpointed"] == ["blocks.0", "blocks.1"] and o0["find_unused"] is False, (how, o0["checkpointed"])
+        _guard_logged_every_step(o0)
+    assert out[0]["none"]["checkpointed"] == []
+
+
+@pytest.mark.usefixtures("_accelerate_reset")
+def test_model_init_one_process_trains_the_checkpointed_model():
+    """One process: before, train() trained model_init's new model with no block checkpointed, and said nothing."""
+    o = hf.pattern_fit(0, 1, "by_rank", model_init=True)
+    _exact([o], reference_of("by_rank", world_size=1))
+    assert o["checkpointed"] == ["blocks.0", "blocks.1"]
+
+
+# --- the rest of Trainer's life cycle: evaluate/predict mid-training, save and resume -------------------------------
+
+
+def _life_cycle(rank, world, out):
+    """by_rank under distckpt: (1) evaluate after every step and predict after step 1, in the middle of train();
+    (2) saved at step 2 into ``out`` (shared by the ranks), then a new Trainer resumed from checkpoint-2 for step 3."""
+    ev = {"eval_data": hf.PatternData("by_rank", world, steps=1), "predict_at": 1}
+    evaluated = hf.pattern_fit(
+        rank, world, "by_rank", life=ev, eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=1
+    )
+    saved = hf.pattern_fit(rank, world, "by_rank", life={"output_dir": out}, save_strategy="steps", save_steps=2)
+    resumed = hf.pattern_fit(rank, world, "by_rank", life={"output_dir": out, "resume": "checkpoint-2"})
+    return {"evaluated": evaluated, "saved": saved, "resumed": resumed}
+
+
+@pytest.mark.dist
+def test_evaluate_predict_save_and_resume_stay_exact(dist_pool, tmp_path):
+    out = dist_pool.run(_life_cycle, str(tmp_path), timeout=300)
+    ref_grads, ref_params = reference_of("by_rank")
+    _exact([o["evaluated"] for o in out], (ref_grads, ref_params))
+    _exact([o["saved"] for o in out], (ref_grads, ref_params))
+    o0, o1 = out[0]["evaluated"], out[1]["evaluated"]
+    evals = [h["eval_loss"] for h in o0["log_history"] if "eval_loss" in h]
+    assert len(evals) == hf.STEPS and evals == [h["eval_loss"] for h in o1["log_history"] if "eval_loss" in h], evals
+    assert len(o0["predicted"]) == 1 and o0["predicted"] == o1["predicted"], (o0["predicted"], o1["predicted"])
+    # The resumed Trainer runs step 3 only, from checkpoint-2's weights, AdamW state and data position.
+    resumed = [o["resumed"] for o in out]
+    _exact(resumed, ([ref_grads[-1]], ref_params))
+    assert resumed[0]["checkpointed"] == ["blocks.0", "blocks.1"] and resumed[0]["find_unused"] is False
+
+
 # --- refusals (one process: Trainer without DDP) -------------------------------------------------------------------
 
 
@@ -182,8 +247,10 @@ def _accelerate_reset():
 
 @pytest.mark.usefixtures("_accelerate_reset")
 def test_hf_checkpointing_alongside_is_refused_naming_the_one_to_drop():
-    with pytest.raises(distckpt.ConfigError, match="gradient_checkpointing"):
-        _trainer([DistckptCallback()], gradient_checkpointing=True)
+    """TrainingArguments' default is off, so True is the user's choice: refused, under the name this transformers has
+    (activation_checkpointing since 5.25), with the fix that also works in a TRL config."""
+    with pytest.raises(distckpt.ConfigError, match=re.escape(f"Pass {hf.HF_CKPT}=False (TrainingArguments or any TRL")):
+        _trainer([DistckptCallback()], **{hf.HF_CKPT: True})
 
 
 @pytest.mark.usefixtures("_accelerate_reset")
@@ -202,8 +269,10 @@ def test_prepare_refuses_what_distckpt_cannot_keep_exact():
     with pytest.raises(distckpt.ConfigError, match="reentrant=False"):
         prepare(_trainer([DistckptCallback(reentrant=True)], accumulate=2))
     gpt2 = hf.tiny_model("gpt2", lora=False)
-    gpt2.gradient_checkpointing_enable()
-    with pytest.raises(distckpt.ConfigError, match="gradient_checkpointing_disable"):
+    new = hasattr(gpt2, "activation_checkpointing_enable")  # transformers 5.25's name; 4.x: gradient_checkpointing_*
+    (gpt2.activation_checkpointing_enable if new else gpt2.gradient_checkpointing_enable)()
+    disable = "activation_checkpointing_disable" if new else "gradient_checkpointing_disable"
+    with pytest.raises(distckpt.ConfigError, match=disable):
         prepare(hf.LossTrainer(model=gpt2, args=hf.training_args(tempfile.mkdtemp()), loss=hf.seed_loss))
     trainer = prepare(_trainer([DistckptCallback()]))
     with pytest.raises(distckpt.ConfigError, match="once"):

@@ -9,13 +9,17 @@ import dataclasses
 
 import torch
 from launchkit import compose
+from models import GPT, GPTConfig, batch
 
 import distckpt
-from benchmarks.models import GPT, GPTConfig, batch
 from distckpt import Budget
 from distckpt.select.budget import predicted_peak, static_bytes
 from distckpt.select.profile import profile_model
-from launch.run import ac_policy
+from launch.ac import wrap_args
+
+
+def ac_policy(cfg, world: int):
+    return wrap_args(cfg, world).policy
 
 
 def test_budget_gets_strategy_optimizer_and_accumulation():
@@ -53,7 +57,7 @@ def test_sgd_plans_less_optimizer_state_than_adamw():
 
 
 def test_launcher_plan_counts_the_configs_optimizer(capsys):
-    """`launch/plan.py` (`distckpt plan <overrides>`) plans the run's own optimizer (launch.config.budget_facts),
+    """`launch/plan.py` (`distckpt plan <overrides>`) plans the run's own optimizer (launch.ac.wrap_args),
     not the flag's default AdamW, unless --optimizer says."""
     from launch.plan import main as launch_plan
 

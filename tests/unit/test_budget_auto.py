@@ -4,21 +4,17 @@ plan as the measured profile on CPU when forced with an explicit budget, and on 
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from models import GPT, GPTConfig, batch, hf_gpt2
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for benchmarks.models
-
-import distckpt  # noqa: E402
-from benchmarks.models import GPT, GPTConfig, batch, hf_gpt2  # noqa: E402
-from distckpt import ConfigError  # noqa: E402
-from distckpt.select import budget as budget_mod  # noqa: E402
-from distckpt.select.budget import budget_profile, plan_budget, predicted_peak  # noqa: E402
-from distckpt.select.policies import Candidates  # noqa: E402
-from distckpt.select.profile import profile_model  # noqa: E402
+import distckpt
+from distckpt import ConfigError
+from distckpt.select.budget import budget_profile, plan_budget, predicted_peak
+from distckpt.select.budget import planner as budget_mod
+from distckpt.select.policies import Candidates
+from distckpt.select.profile import profile_model
 
 CFG = GPTConfig(vocab=64, seq=32, dim=32, heads=2, layers=5)  # 5 blocks, 3 traced: two are stretched
 
@@ -63,18 +59,19 @@ def test_estimator_path_plans_as_the_measured_profile(kind):
 def test_estimate_is_traced_once_per_model_blocks_and_input_shapes(monkeypatch):
     # budget:auto plans at wrap and again at parallelize: the fake-tensor trace (seconds) runs once per
     # (model, blocks, input shapes), as profile_model's measure does; other shapes trace again.
-    from distckpt.select import fake_profile
+    from distckpt.select.profile import fake_profile
 
     cfg = GPTConfig(vocab=16, seq=8, dim=8, heads=1, layers=2)  # what is cached does not depend on the size
     torch.manual_seed(0)
     model = GPT(cfg)
     blocks = [(f"h.{i}", b) for i, b in enumerate(model.h)]
     traced = []
-    real_trace = fake_profile._trace
-    monkeypatch.setattr(fake_profile, "_trace", lambda *a, **k: traced.append(1) or real_trace(*a, **k))
+    real_trace = fake_profile.profile_cut
+    monkeypatch.setattr(fake_profile, "profile_cut", lambda *a, **k: traced.append(1) or real_trace(*a, **k))
     first = fake_profile.estimate_profile(model, blocks, batch(cfg, 4))
     assert fake_profile.estimate_profile(model, blocks, batch(cfg, 4)) is first and len(traced) == 1
-    monkeypatch.setattr(fake_profile, "_trace", lambda *a, **k: traced.append(1) or (first, [0, 1]))  # no 2nd trace
+    no_second_trace = lambda *a, **k: traced.append(1) or (first, [0, 1])
+    monkeypatch.setattr(fake_profile, "profile_cut", no_second_trace)
     assert fake_profile.estimate_profile(model, blocks, batch(cfg, 2)) is first and len(traced) == 2  # a miss
 
 
@@ -132,7 +129,7 @@ def test_budget_auto_on_cuda_plans_on_fake_tensors_and_fits():
 def test_estimator_refuses_blocks_that_run_out_of_order():
     # The estimator cuts one container to a few blocks and stretches the profile back in container order;
     # blocks that run in another order (here reversed) are refused, naming budget:SIZE (which measures them).
-    from distckpt.select import fake_profile
+    from distckpt.select.profile import fake_profile
 
     class Reversed(torch.nn.Module):
         def __init__(self) -> None:

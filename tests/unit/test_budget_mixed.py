@@ -11,25 +11,20 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
+from models import GPT, GPTConfig, batch
+from peaks import allocator_peak
 from torch.distributed._tools.mem_tracker import MemTracker
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for benchmarks.models
-
-import distckpt  # noqa: E402
-from benchmarks.memory import allocator_peak  # noqa: E402
-from benchmarks.models import GPT, GPTConfig, batch  # noqa: E402
-from distckpt import Budget, ConfigError  # noqa: E402
-from distckpt.select.blocks import find_blocks  # noqa: E402
-from distckpt.select.budget import plan_budget, predicted_peak  # noqa: E402
-from distckpt.select.flops import flop_counter  # noqa: E402
-from distckpt.select.policies import Placement  # noqa: E402
-from distckpt.select.profile import profile_model  # noqa: E402
+import distckpt
+from distckpt import Budget, ConfigError
+from distckpt.select.blocks import find_blocks
+from distckpt.select.budget import plan_budget, predicted_peak
+from distckpt.select.policies import Placement
+from distckpt.select.profile import flop_counter, profile_model
 
 CPU = torch.device("cpu")
 MIXED = ("none", "selective", "full", "pointwise")
@@ -194,7 +189,7 @@ def test_budget_above_all_pointwise_recomputes_no_flops():
 
 
 def test_profile_measures_only_the_modes_a_budget_can_use(monkeypatch):
-    import distckpt.select.recompute_passes as prof
+    import distckpt.select.profile.recompute_passes as prof
 
     steps = []  # one entry per sample step with every block checkpointed (memory), by its context_fn
     real = prof._checkpointed_peaks
@@ -220,7 +215,7 @@ def test_profile_measures_only_the_modes_a_budget_can_use(monkeypatch):
 
 
 def _allocator_peak(model: nn.Module, x: torch.Tensor) -> int:
-    """The CPU allocator's peak of forward+backward (as benchmarks/memory.py measures: it sees the RNG
+    """The CPU allocator's peak of forward+backward (as benchmarks/memory.py measures, tests/peaks.py: it sees the RNG
     state, MemTracker does not)."""
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in [*model.parameters(), x]}
     live = sum(storages.values())
@@ -247,7 +242,7 @@ def test_plan_counts_the_rng_state_each_checkpointed_block_saves():
 
 
 def test_plan_report_names_the_pointwise_mode():
-    from distckpt.select.estimate import PolicyEstimate, _blocks
+    from distckpt.cli.plan import PolicyEstimate, _blocks
 
     modes = ("full", "pointwise", "pointwise", "none", "selective")
     assert _blocks(PolicyEstimate("budget", 0, 0, (0, 1, 2, 4), modes)) == "full 0, selective 4, pointwise 1-2"
@@ -310,7 +305,7 @@ def test_blocks_the_estimator_did_not_trace_hold_the_trimmed_outputs_from_the_fi
     # numbers to blocks 2-4: those copy what the traced blocks' recomputes read too (selective.share_reach),
     # so every block is trimmed from the first training step (before: blocks 2-4 learned in step one,
     # which held their fc3 outputs: over the plan).
-    from distckpt.select import budget as budget_mod
+    from distckpt.select.budget import planner as budget_mod
 
     torch.manual_seed(0)
     base, x = Stack(n=6, block=Three), torch.randn(256, 32)

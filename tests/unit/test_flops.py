@@ -1,4 +1,4 @@
-"""distckpt.select.flops: CPU attention FLOPs counted with torch's own formulas, checked against
+"""distckpt.select.profile.flops: CPU attention FLOPs counted with torch's own formulas, checked against
 attention written as matmul + softmax, without touching a user's own FlopCounterMode, and seen by
 the profile (forward and full recompute count attention; selective/pointwise keep its output)."""
 
@@ -12,11 +12,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-import distckpt.select.recompute_passes as passes_mod
-import distckpt.select.recorder as recorder_mod
+import distckpt.select.profile.recompute_passes as passes_mod
+import distckpt.select.profile.recorder as recorder_mod
 from distckpt import _torch_compat as compat
-from distckpt.select.flops import attention_flop_formulas, flop_counter
-from distckpt.select.profile import profile_model
+from distckpt.select.profile import attention_flop_formulas, flop_counter, profile_model
 
 FWD, BWD = compat.cpu_flash_attention_ops()
 SDPA_FLOPS, SDPA_BACKWARD_FLOPS = compat.sdpa_flop_count_fns()

@@ -30,14 +30,25 @@ ROOT = Path(__file__).resolve().parents[2]
 # distckpt/'s layers, bottom first, by the first name under distckpt ("" is distckpt/__init__.py, the API).
 # A new package or top-level module goes in one of them; see the module docstring for what counts.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "_torch_compat", "_dist", "_spawn", "options", "layout", "factory"),  # no distckpt layer needed
+    ("errors", "_log", "_torch_compat", "_dist", "_spawn", "options", "layout", "factory"),  # no distckpt layer needed
     ("runtime",),  # the checkpointed block: class swap, recompute run-time, op-level contexts
-    ("select",),  # what to checkpoint: blocks, policies, profile, budget planner, plan estimator
+    ("select",),  # what to checkpoint: policies over the budget planner over the profiler (SELECT_LAYERS)
     ("apply",),  # wrap: the policy resolved and the run-time placed on the chosen blocks; chunked FFN
     ("parallel",),  # DDP / FSDP / FSDP2 / HSDP around checkpointed blocks
     ("check",),  # run-time proof: guards, recompute check, doctor
     ("train",),  # loop pieces the launcher composes
-    ("", "cli", "integrations"),  # the public API, the command, optional framework integrations
+    ("", "cli", "integrations"),  # the public API, the commands (doctor, plan), optional framework integrations
+)
+
+# Inside distckpt/select/, bottom first: the profiler, what a policy sees (candidates), the block finder and the
+# tensor-parallel shapes (tp_shapes), the
+# memory planner, the policy objects, and the package's public names ("": select/__init__.py).
+SELECT_LAYERS: tuple[tuple[str, ...], ...] = (
+    ("profile",),
+    ("candidates", "blocks", "tp_shapes"),
+    ("budget",),
+    ("policies",),
+    ("",),
 )
 
 Edges = dict[str, dict[str, int]]  # module -> {imported module: line of the first such import}
@@ -159,7 +170,8 @@ def layer_breaks(edges: Edges, package: str, layers: tuple[tuple[str, ...], ...]
             continue
         said = set()  # one line per import statement: the module it names, not also the packages above it
         for target, line in targets.items():
-            theirs = _layer(target, package, layers) if target.split(".")[0] == package else None
+            inside = target == package or target.startswith(package + ".")  # a nested package too
+            theirs = _layer(target, package, layers) if inside else None
             if theirs is not None and theirs > mine and line not in said:
                 said.add(line)
                 bad.append(f"{module} (line {line}) imports {target}, a layer above it")
@@ -168,7 +180,7 @@ def layer_breaks(edges: Edges, package: str, layers: tuple[tuple[str, ...], ...]
 
 def test_no_import_circle_in_distckpt_or_launch():
     edges = import_edges(modules(ROOT, ("distckpt", "launch")))
-    assert {"distckpt.apply.wrap", "distckpt.select.budget", "launch.build", "launch.config"} <= set(edges)
+    assert {"distckpt.apply.wrap", "distckpt.select.budget.program", "launch.build", "launch.config"} <= set(edges)
     found = cycles(edges)
     assert not found, "import circles (every import counts, lazy ones too):\n" + "\n".join(
         _show(c, edges) for c in found
@@ -177,9 +189,19 @@ def test_no_import_circle_in_distckpt_or_launch():
 
 def test_distckpt_layers_point_down():
     edges = import_edges(modules(ROOT, ("distckpt",)))
-    assert "distckpt.runtime.swap" in edges["distckpt.select.recompute_passes"]  # resolution works on the tree
+    assert "distckpt.runtime.swap" in edges["distckpt.select.profile.recompute_passes"]  # resolution works on the tree
     bad = layer_breaks(edges, "distckpt", LAYERS)
     assert not bad, "imports against the layer order (select < apply < parallel < check < train):\n" + "\n".join(bad)
+
+
+def test_select_sub_packages_point_down():
+    """select/: the profiler knows nothing of the planner, the planner nothing of the policies."""
+    edges = import_edges(modules(ROOT, ("distckpt",)))
+    assert "distckpt.select.profile" in edges["distckpt.select.budget.planner"]  # through the package's __init__
+    bad = layer_breaks(edges, "distckpt.select", SELECT_LAYERS)
+    assert not bad, "imports against select/'s order (profile < candidates, blocks < budget < policies):\n" + "\n".join(
+        bad
+    )
 
 
 def _package(root: Path, files: dict[str, str]) -> dict[str, Path]:
@@ -248,4 +270,17 @@ def test_checker_fails_on_planted_layer_breaks(tmp_path):
     assert layer_breaks(import_edges(known), "pkg", layers) == [
         "pkg.low.a (line 3) imports pkg.high.b, a layer above it",
         "pkg.stray is in no layer: add its name to LAYERS in test_import_graph.py",
+    ]
+    # The layers of a nested package (as SELECT_LAYERS for distckpt.select).
+    nested = _package(
+        tmp_path / "nested",
+        {
+            "top/__init__.py": "",
+            "top/sub/__init__.py": "",
+            "top/sub/deep/__init__.py": "from top.sub.up import f\n",  # the package's __init__ reaches up
+            "top/sub/up.py": "def f(): ...\n",
+        },
+    )
+    assert layer_breaks(import_edges(nested), "top.sub", (("deep",), ("up",), ("",))) == [
+        "top.sub.deep (line 1) imports top.sub.up, a layer above it"
     ]

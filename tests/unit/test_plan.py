@@ -1,16 +1,19 @@
-"""``distckpt plan`` (distckpt.select.estimate): predictions on fake tensors against MemTracker's measured
+"""``distckpt plan`` (distckpt.cli.plan): predictions on fake tensors against MemTracker's measured
 peaks of real steps, the 70B-shaped plan, and the command."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
+from plan_cases import compare, compare_dist, gpt_factory, hf_factory, make_llama_70b
 
-import benchmarks.ranks
-from benchmarks.plan_accuracy import compare, compare_dist, gpt_factory, hf_factory, make_llama_70b
 from distckpt.cli import main
+from distckpt.cli.plan import plan_at_scale
 from distckpt.errors import ConfigError
-from distckpt.select.estimate import plan_at_scale
 
 
 @pytest.mark.parametrize("name,factory", [("MultiTaskGPT", gpt_factory(4)), ("llama", hf_factory("llama"))])
@@ -24,7 +27,7 @@ def test_predicted_peaks_within_5_percent_of_measured(name, factory):
 
 
 @pytest.mark.dist
-def test_per_rank_peaks_within_5_percent_on_two_ranks_ddp_and_fsdp2(dist_pool, monkeypatch):
+def test_per_rank_peaks_within_5_percent_on_two_ranks_ddp_and_fsdp2(dist_pool):
     # One run of 2 gloo ranks: each rank's steady-state step per policy under DDP (its C++ gradient
     # bucket counted from the step's start; the plan counts it as one more gradient-sized buffer) and FSDP2
     # (every block its own unit; the plan counts what is unsharded per phase: memory_terms._Sharded).
@@ -35,8 +38,7 @@ def test_per_rank_peaks_within_5_percent_on_two_ranks_ddp_and_fsdp2(dist_pool, m
         assert world == dist_pool.world_size
         return dict(enumerate(dist_pool.run(target, *args, timeout=timeout)))
 
-    monkeypatch.setattr(benchmarks.ranks, "run_ranks", pooled)
-    results = compare_dist("gpt", 4, ("ddp", "fsdp2"))
+    results = compare_dist("gpt", 4, ("ddp", "fsdp2"), run_ranks=pooled)
     assert set(results) == {"ddp", "fsdp2"}
     for strategy, rows in results.items():
         assert set(rows) == {"none", "full", "pointwise", "selective", "budget"}
@@ -63,18 +65,39 @@ def test_llama_70b_shaped_on_64_ranks_fsdp2():
 
 
 def test_hsdp_shards_over_the_shard_group_only(monkeypatch):
-    from distckpt.select import fake_profile
+    import distckpt.cli.plan as plan_mod
 
     f = gpt_factory(2)
     hsdp = plan_at_scale(f, strategy="hsdp", world_size=8, shard_size=2)
     fsdp = plan_at_scale(f, strategy="fsdp2", world_size=2)
     assert hsdp.param_bytes == fsdp.param_bytes and hsdp.policies == fsdp.policies
     # Bad arguments are refused before the model is traced (seconds).
-    monkeypatch.setattr(fake_profile, "_trace", lambda *a, **k: pytest.fail("traced before checking the arguments"))
+    monkeypatch.setattr(plan_mod, "profile_cut", lambda *a, **k: pytest.fail("traced before checking the arguments"))
     with pytest.raises(ConfigError, match="shard_size"):
         plan_at_scale(f, strategy="hsdp", world_size=8)
     with pytest.raises(ConfigError, match="optimizer"):
         plan_at_scale(f, strategy="ddp", optimizer="lion")
+
+
+def test_tp_traces_one_tensor_parallel_rank(monkeypatch, capsys):
+    from distckpt.cli import plan as cli_plan
+    from distckpt.cli.plan import render
+
+    f = gpt_factory(2)
+    tp = plan_at_scale(f, strategy="fsdp2", world_size=4, tp=2)
+    dp_only = plan_at_scale(f, strategy="fsdp2", world_size=2)
+    # The same 2 dp ranks shard both; each tp rank holds half of every attention/MLP linear and of the
+    # activations between them (tests/distributed/test_tp.py: within 0.5% of a measured TP + FSDP2 step).
+    assert tp.param_bytes < dp_only.param_bytes and tp.activation_bytes < dp_only.activation_bytes
+    assert tp.policy("none").peak_bytes < dp_only.policy("none").peak_bytes
+    assert "fsdp2, 4 ranks (2 dp x 2 tp)" in render(tp)
+    assert main(["plan", "--factory", "plan_cases:make_gpt", "--world-size", "4", "--tp", "2"]) == 0
+    assert "(2 dp x 2 tp)" in capsys.readouterr().out
+    monkeypatch.setattr(cli_plan, "profile_cut", lambda *a, **k: pytest.fail("traced before checking the arguments"))
+    with pytest.raises(ConfigError, match="strategy='fsdp2' only"):
+        plan_at_scale(f, strategy="ddp", world_size=4, tp=2)
+    with pytest.raises(ConfigError, match="does not divide the 4 ranks"):
+        plan_at_scale(f, strategy="fsdp2", world_size=4, tp=3)
 
 
 def test_cli_plan_prints_each_policy_and_rejects_a_bad_budget(capsys):
@@ -83,7 +106,7 @@ def test_cli_plan_prints_each_policy_and_rejects_a_bad_budget(capsys):
             [
                 "plan",
                 "--factory",
-                "benchmarks.plan_accuracy:make_gpt",
+                "plan_cases:make_gpt",
                 "--strategy",
                 "ddp",
                 "--world-size",
@@ -109,8 +132,26 @@ def test_cli_plan_prints_each_policy_and_rejects_a_bad_budget(capsys):
         "budget:8.00MiB",
     ):
         assert word in out, word
-    assert main(["plan", "--factory", "benchmarks.plan_accuracy:make_gpt", "--budget", "lots"]) == 2
+    assert main(["plan", "--factory", "plan_cases:make_gpt", "--budget", "lots"]) == 2
     assert "not a size" in capsys.readouterr().err
+
+
+def test_console_script_plans_a_launcher_config_outside_the_checkout(tmp_path):
+    """The installed `distckpt` command, run in a directory that is not a checkout: the launcher's config of the
+    checkout it was installed from (measured before: exit 2, "launcher overrides need a distckpt checkout")."""
+    exe = os.path.join(os.path.dirname(sys.executable), "distckpt")
+    cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "distckpt.cli"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [*cmd, "plan", "model=gpt", "model.n_layer=2", "--world-size", "2"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("distckpt plan: ") and "2 blocks" in proc.stdout and "ddp, 2 ranks" in proc.stdout
 
 
 def test_launcher_config_plans_and_cli_delegates(capsys):

@@ -6,7 +6,7 @@ How: the factory builds the model under ``FakeTensorMode``; the repeated blocks 
 that short model's sample step (saved tensors, ``MemTracker``, ``FlopCounterMode``: all work on fake
 tensors); the profile is stretched back to every block (a cut block takes the numbers of the kept
 block of its shape, its gradient counts shifted by the blocks it lost behind it: both in
-:mod:`distckpt.select.fake_profile`, which ``budget:auto`` plans on too); and the budget
+:mod:`distckpt.select.profile.fake_profile`, which ``budget:auto`` plans on too); and the budget
 module's memory model places parameters, gradients and optimizer state for the strategy and world size.
 """
 
@@ -24,11 +24,9 @@ import torch.nn as nn
 from distckpt import _torch_compat as compat
 from distckpt.errors import ConfigError
 from distckpt.factory import load_factory
-from distckpt.select import fake_profile
-from distckpt.select import profile as _profile
-from distckpt.select.budget import MODES, plan_budget, predicted_peak
-from distckpt.select.memory_terms import optimizer_terms, shards, static_bytes
-from distckpt.select.profile import ModelProfile
+from distckpt.select import find_blocks
+from distckpt.select.budget import MODES, optimizer_terms, plan_budget, predicted_peak, shards, static_bytes
+from distckpt.select.profile import Call, ModelProfile, as_args, batch_tensors, profile_cut
 
 __all__ = ["PlanReport", "PolicyEstimate", "plan_at_scale", "render"]
 
@@ -64,6 +62,7 @@ class PlanReport:
     budget_bytes: int | None
     budget_error: str = ""  # why no choice fits the budget, when none does
     profile: ModelProfile | None = field(default=None, repr=False, compare=False)  # the stretched profile
+    tp: int = 1  # tensor-parallel ranks: world_size // tp data-parallel ranks shard what FSDP shards
 
     def with_budget(self, budget: int, *, grad_accumulation: bool = False) -> PlanReport:
         """The same report with the ``budget`` plan for ``budget`` bytes (no new trace).
@@ -76,7 +75,7 @@ class PlanReport:
             self.profile,
             budget,
             strategy=self.strategy,
-            world_size=self.world_size,
+            world_size=self.world_size // self.tp,
             shard_size=self.shard_size,
             optimizer=self.optimizer,
             grad_accumulation=grad_accumulation,
@@ -93,7 +92,7 @@ class PlanReport:
 def _resize(batch: Any, micro_batch: int | None, seq_len: int | None) -> Any:
     """``batch`` with its leading (batch) and second (sequence) sizes replaced, values left undefined:
     every tensor whose dim 0 has the batch's leading size, and dim 1 its first sequence length."""
-    leaves = [t for t in _profile._tensors(batch) if t.dim() > 0]
+    leaves = [t for t in batch_tensors(batch) if t.dim() > 0]
     if not leaves or (micro_batch is None and seq_len is None):
         return batch
     b0 = leaves[0].shape[0]
@@ -141,7 +140,7 @@ def _subject(factory: Any, example_inputs: Any) -> tuple[nn.Module, nn.Module, s
             batch = batch_fn(0, 0, 1)
     else:
         batch = example_inputs
-    return model, _LossModule(model, loss_fn), "m.", _profile.Call((batch,), {})
+    return model, _LossModule(model, loss_fn), "m.", Call((batch,), {})
 
 
 def _per_rank(
@@ -167,6 +166,7 @@ def plan_at_scale(
     grad_accumulation: bool = False,
     blocks: Any = None,
     example_inputs: Any = None,
+    tp: int = 1,
 ) -> PlanReport:
     """Predict one rank's peak training memory and recompute FLOPs under ``none``, ``full``,
     ``pointwise``, ``selective`` and a ``budget`` plan, without allocating the model (``FakeTensorMode``).
@@ -183,37 +183,50 @@ def plan_at_scale(
         grad_accumulation: gradients persist across micro-batches.
         blocks: the candidate blocks (as ``wrap``'s ``blocks=``); ``None`` finds them.
         example_inputs: overrides the factory's batch.
+        tp: tensor-parallel ranks (``"fsdp2"``; dividing ``world_size``): each block is traced with the shapes one
+            tensor-parallel rank holds (:func:`distckpt.select.tp_shapes.shrink_for_tp`: the attention and MLP
+            linears and the activations between them ``1/tp``), and FSDP shards over ``world_size // tp`` ranks.
 
     Returns:
         A :class:`PlanReport`.
 
     Raises:
-        ConfigError: a bad strategy, optimizer, shard size or factory, or a model that reads tensor
+        ConfigError: a bad strategy, optimizer, shard size, tp or factory, or a model that reads tensor
             values while it runs (it cannot run on fake tensors).
     """
-    from distckpt.select.blocks import find_blocks
+    from distckpt.options import check_tp
+    from distckpt.select.tp_shapes import shrink_for_tp
 
-    # The strategy, shard size and optimizer are checked (as _report checks them) before seconds of tracing.
-    static_bytes(
-        ModelProfile(blocks=()), strategy=strategy, world_size=world_size, optimizer=optimizer, shard_size=shard_size
-    )
+    # The strategy, shard size, tp and optimizer are checked (as _report checks them) before seconds of tracing.
+    check_tp(tp, strategy, world_size)
+    dp = world_size // tp
+    static_bytes(ModelProfile(blocks=()), strategy=strategy, world_size=dp, optimizer=optimizer, shard_size=shard_size)
     with compat.fake_mode():
         model, root, prefix, call = _subject(factory, example_inputs)
-        call = _profile.Call(*_resize(_profile._as_args(call), micro_batch, seq_len))
+        call = Call(*_resize(as_args(call), micro_batch, seq_len))
         root.train()
         found = find_blocks(model, blocks)
-        mp, kept = fake_profile._trace(root, model, found, call, prefix=prefix)
-    return _report(
+        if tp > 1:
+            shrink_for_tp(model, found, tp)
+        mp, kept = profile_cut(root, model, found, call, prefix=prefix)
+    report = _report(
         mp,
         found,
         kept,
         strategy=strategy,
-        world_size=world_size,
+        world_size=dp,
         shard_size=shard_size,
         optimizer=optimizer,
-        budget=budget,
+        budget=None,
         grad_accumulation=grad_accumulation,
     )
+    report = dataclasses.replace(report, world_size=world_size, tp=tp)
+    if budget is None:
+        return report
+    try:
+        return report.with_budget(budget, grad_accumulation=grad_accumulation)
+    except ConfigError as e:
+        return dataclasses.replace(report, budget_bytes=budget, budget_error=str(e))
 
 
 def _report(
@@ -328,6 +341,8 @@ def _blocks(p: PolicyEstimate) -> str:
 def render(r: PlanReport) -> str:
     """The report as ``distckpt plan`` prints it."""
     where = f"{r.strategy}, {r.world_size} ranks" + (f", shard size {r.shard_size}" if r.shard_size else "")
+    if r.tp > 1:
+        where += f" ({r.world_size // r.tp} dp x {r.tp} tp)"
     lines = [
         f"distckpt plan: {_count(r.total_params)} parameters, {len(r.blocks)} blocks ({r.blocks[0]}, ...; "
         f"{r.traced_blocks} traced), {where}, {r.optimizer}",

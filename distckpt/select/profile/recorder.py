@@ -13,8 +13,8 @@ import torch
 import torch.nn as nn
 
 from distckpt import _torch_compat as compat
-from distckpt.select.flops import flop_counter
-from distckpt.select.sample_step import (
+from distckpt.select.profile.flops import flop_counter
+from distckpt.select.profile.sample_step import (
     _act,
     _at,
     _distinct_bytes,

@@ -1,7 +1,7 @@
 """The profile of a model's sample step on fake tensors (no data, no allocation): the repeated blocks cut
 down to a few, traced by :func:`~distckpt.select.profile.profile_model`'s measurement, and the profile
 stretched back to every block. ``budget:auto`` plans on it (:func:`estimate_profile`), and so does
-``distckpt plan`` (:mod:`distckpt.select.estimate`) for a cluster we cannot run.
+``distckpt plan`` (:mod:`distckpt.cli.plan`) for a cluster we cannot run.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from distckpt import _torch_compat as compat
 from distckpt.errors import ConfigError
 from distckpt.runtime.selective import share_reach
 from distckpt.runtime.swap import checkpointing_disabled
-from distckpt.select import profile as _profile
-from distckpt.select.profile import ModelProfile
+from distckpt.select.profile import profile as _profile
+from distckpt.select.profile.profile import ModelProfile
 
-__all__ = ["estimate_profile"]
+__all__ = ["estimate_profile", "profile_cut"]
 
 
 def _signature(m: nn.Module) -> tuple[Any, ...]:
@@ -117,7 +117,7 @@ def _stretch(
     return dataclasses.replace(mp, blocks=tuple(out), tail_grads_bytes=tail, **whole)
 
 
-def _trace(
+def profile_cut(
     root: nn.Module, model: nn.Module, found: list[tuple[str, nn.Module]], call: Any, *, prefix: str = ""
 ) -> tuple[ModelProfile, list[int]]:
     """Under a fake mode: ``found`` (blocks of ``model``, which ``root`` runs) cut to the traced ones, the
@@ -194,7 +194,7 @@ def estimate_profile(model: nn.Module, blocks: list[tuple[str, nn.Module]], exam
         ConfigError: the model reads tensor values in forward (it cannot run on fake tensors), or its
             blocks do not sit in one ``nn.ModuleList``/``nn.Sequential``.
     """
-    args, kwargs = _profile._as_args(example_inputs)
+    args, kwargs = _profile.as_args(example_inputs)
     # Cached as profile_model's measures are (same key): budget:auto plans again at parallelize, and a
     # trace is seconds even for a small model.
     key = _profile._cache_key(model, blocks, example_inputs)
@@ -206,7 +206,7 @@ def estimate_profile(model: nn.Module, blocks: list[tuple[str, nn.Module]], exam
                 lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, (args, kwargs)
             )
             with mode:
-                mp, _ = _trace(model, model, blocks, _profile.Call(*fake_inputs))
+                mp, _ = profile_cut(model, model, blocks, _profile.Call(*fake_inputs))
         cache[key] = _profile._agree(mp)
     return cache[key]
 

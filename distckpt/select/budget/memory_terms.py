@@ -2,7 +2,7 @@
 ``static`` (parameters, gradients, optimizer state as the strategy places them), FSDP's per-phase
 unsharded working set, gradient accumulation, and the per-block bounds the planner's choices start from.
 
-The memory model they belong to is described in :mod:`distckpt.select.budget`.
+The memory model they belong to is described in :mod:`distckpt.select.budget.program`.
 """
 
 from __future__ import annotations
@@ -253,12 +253,12 @@ def _phase_terms(
 
 
 def _bounds(mp: ModelProfile, static: int, *, recompute: str = "full", **kw: Any) -> tuple[list[int], list[int], int]:
-    """:func:`_mode_bounds` for one recompute mode: ``(plain, ckpt, end)``."""
-    plain, ckpt, end, _ = _mode_bounds(mp, static, (recompute,), **kw)
+    """:func:`mode_bounds` for one recompute mode: ``(plain, ckpt, end)``."""
+    plain, ckpt, end, _ = mode_bounds(mp, static, (recompute,), **kw)
     return plain, ckpt[recompute], end
 
 
-def _mode_bounds(
+def mode_bounds(
     mp: ModelProfile,
     static: int,
     recompute: tuple[str, ...],
@@ -340,7 +340,7 @@ def _mode_bounds(
 
 
 def _head_bound(mp: ModelProfile, static: int, fs: _Sharded | None, absent: Any, grad_accumulation: bool) -> int:
-    """:func:`_mode_bounds`' end offset: the head's peak (between the last block's forward and its
+    """:func:`mode_bounds`' end offset: the head's peak (between the last block's forward and its
     backward), ``static`` and ``fs`` as :func:`_phase_terms` made them, ``absent(grads)`` the gradient bytes
     ``static`` counts that do not exist yet."""
     head = mp.pre_bytes + mp.post_bytes
@@ -357,7 +357,7 @@ def _head_bound(mp: ModelProfile, static: int, fs: _Sharded | None, absent: Any,
     return end
 
 
-def _tail(
+def tail_peak(
     mp: ModelProfile,
     static: int,
     step: int,

@@ -18,16 +18,16 @@ The memory model (all terms measured by :mod:`distckpt.select.profile` or counte
 
 Under FSDP/FSDP2 ``static`` holds the shards, and each term adds what is unsharded in its phase (a
 block's parameters, the prefetched block's, FSDP2's collective buffers, the gradients made so far:
-:class:`~distckpt.select.memory_terms._Sharded`). Those terms, ``static`` and the per-block bounds live in
-:mod:`distckpt.select.memory_terms`; this module chooses among the blocks' modes.
+:class:`~distckpt.select.budget.memory_terms._Sharded`). Those terms, ``static`` and the per-block bounds live in
+:mod:`distckpt.select.budget.memory_terms`; this module chooses among the blocks' modes.
 
 With gradient accumulation every gradient exists from the first micro-batch on, so a block's term
 takes the activations' own peak of its backward (a new gradient is a temporary until its in-place add
 into the accumulated one; measured per op in the sample step), FSDP/FSDP2 count the gradients
 unsharded except those the last micro-batch has reduce-scattered already
-(:func:`~distckpt.select.memory_terms._settled`), and FSDP1 adds the concatenation of a unit's parameter
+(:func:`~distckpt.select.budget.memory_terms._settled`), and FSDP1 adds the concatenation of a unit's parameter
 gradients into its flat gradient at the end of its backward
-(:func:`~distckpt.select.memory_terms._flat_gradients`, with or without accumulation). Inputs every
+(:func:`~distckpt.select.budget.memory_terms._flat_gradients`, with or without accumulation). Inputs every
 block takes (a mask, ``cache_position``) are held once however many checkpointed blocks keep them
 (:func:`_shared`).
 
@@ -57,7 +57,6 @@ the bytes it moves to the host and back times ``offload_flops_per_byte`` (:func:
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -66,26 +65,12 @@ from typing import Any
 import torch
 
 from distckpt.errors import ConfigError
-from distckpt.layout import default_shard_size
-from distckpt.runtime import recompute
 from distckpt.runtime.selective import OP_MODES
 from distckpt.runtime.swap import CHECKPOINT_MODES
-from distckpt.select.candidates import Candidates
-from distckpt.select.fake_profile import estimate_profile
-from distckpt.select.memory_terms import OPTIMIZER_STATES, _mode_bounds, _tail, static_bytes
-from distckpt.select.profile import RECOMPUTE_MODES, ModelProfile, _as_args, _tensors, step_device
+from distckpt.select.budget.memory_terms import mode_bounds, static_bytes, tail_peak
+from distckpt.select.profile import ModelProfile
 
-__all__ = [
-    "BudgetPlan",
-    "MODES",
-    "OPTIMIZER_STATES",
-    "budget_profile",
-    "plan_budget",
-    "predicted_peak",
-    "select_for_budget",
-]
-
-logger = logging.getLogger("distckpt")
+__all__ = ["MODES", "BudgetPlan", "human_bytes", "plan_budget", "predicted_peak"]
 
 # What the planner chooses from for each block, by code (the dynamic program's trail keeps the code), in
 # order of decreasing memory: "pointwise" keeps every matmul/attention/conv output and recomputes only
@@ -102,7 +87,8 @@ _KEEPS_INPUTS = frozenset(MODES.index(m) for m in ("pointwise", "selective", "fu
 _MAX_STATES = 4096
 
 
-def _gib(n: float) -> str:
+def human_bytes(n: float) -> str:
+    """``n`` bytes in GiB (3 decimals) from 1 GiB up, else in MiB (2 decimals)."""
     return f"{n / 2**30:.3f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
@@ -151,7 +137,7 @@ Choice = tuple[int, int, int, int, int]
 def _transfer_cost(nbytes: int, flops_per_byte: float | None) -> int:
     """The ``"offload"`` mode's cost on the program's FLOP scale: ``nbytes`` go to the host in forward and
     come back in backward, each byte worth ``flops_per_byte`` FLOPs of link time (the device's matmul
-    FLOP/s over the link's bytes/s: :mod:`distckpt.select.transfer`)."""
+    FLOP/s over the link's bytes/s: :mod:`distckpt.select.profile.transfer`)."""
     return round(2 * nbytes * flops_per_byte) if flops_per_byte else 0
 
 
@@ -172,7 +158,7 @@ def _choices(
 ) -> tuple[list[list[Choice]], int]:
     """Per block, what each choice holds, the bound it puts on the bytes held before it and its
     recompute FLOPs (the op-level modes where the profile measured them and ``selective`` allows
-    them); and the end offset (see :func:`~distckpt.select.memory_terms._bounds`). A checkpointed
+    them); and the end offset (see :func:`~distckpt.select.budget.memory_terms._bounds`). A checkpointed
     block also holds the RNG state its checkpoint saved (``preserve_rng_state``:
     ``wrap(preserve_rng_state=False)`` plans on a profile with ``rng_state_bytes=0``,
     :meth:`Candidates.model_profile`). Per block, not once: every block's state lives from its
@@ -199,7 +185,7 @@ def _choices(
     no block checkpointed."""
     op_modes = OP_MODES if selective else ()
     offload = ("offload",) if any(b.offload_held_bytes >= 0 for b in mp.blocks) else ()
-    plain, bounds, end, flat = _mode_bounds(mp, static, ("full", *op_modes, *offload), **kw)
+    plain, bounds, end, flat = mode_bounds(mp, static, ("full", *op_modes, *offload), **kw)
     rng, outside = mp.rng_state_bytes, mp.scalar_saved_bytes
     out = []
     for i, b in enumerate(mp.blocks):
@@ -285,7 +271,7 @@ def predicted_peak(
     mp, order = _run_ordered(mp)
     static, step = static_bytes(mp, optimizer=optimizer, **kw)
     options, end = _choices(mp, static, grad_accumulation=grad_accumulation, **kw)
-    step = _tail(mp, static, step, grad_accumulation=grad_accumulation, **kw)
+    step = tail_peak(mp, static, step, grad_accumulation=grad_accumulation, **kw)
     prefix, peak, holds = 0, step, False
     for opts, code, shared in zip(options, [given[j] for j in order], _shared(mp)):
         held, bound, _, _, floor = next(o for o in opts if o[3] == code)
@@ -476,14 +462,14 @@ def plan_budget(
     )
     if offload_flops_per_byte is None:
         options = [[o for o in opts if o[3] != _OFFLOAD] for opts in options]
-    step = _tail(mp, static, step, grad_accumulation=grad_accumulation, **where)
+    step = tail_peak(mp, static, step, grad_accumulation=grad_accumulation, **where)
     shared = _shared(mp)
     min_budget = _min_peak(options, end, step, shared)
     if budget < min_budget:
         raise ConfigError(
-            f"no choice of checkpointed blocks fits budget {_gib(budget)} ({budget} bytes): the smallest "
-            f"peak is {_gib(min_budget)} ({min_budget} bytes; parameters, gradients and {optimizer} state "
-            f"under {strategy} with world size {world_size} take {_gib(static)}). Use budget:{min_budget} or "
+            f"no choice of checkpointed blocks fits budget {human_bytes(budget)} ({budget} bytes): the smallest "
+            f"peak is {human_bytes(min_budget)} ({min_budget} bytes; parameters, gradients and {optimizer} state "
+            f"under {strategy} with world size {world_size} take {human_bytes(static)}). Use budget:{min_budget} or "
             "more, shard with FSDP, or use a smaller batch."
         )
     ran = _cheapest_codes(options, end, budget, shared)
@@ -505,148 +491,3 @@ def plan_budget(
         transfer_flops=sum(f for f, c in zip(costs, ran) if c == _OFFLOAD),
         offload_flops_per_byte=offload_flops_per_byte,
     )
-
-
-def auto_budget(device_type: str) -> int:
-    """``budget:auto``: the free memory of the current CUDA device plus what this process already
-    holds there (the model's parameters are part of the peak the budget bounds).
-
-    Raises:
-        ConfigError: off CUDA, where free memory says nothing useful.
-    """
-    if device_type != "cuda" or not torch.cuda.is_available():
-        raise ConfigError(
-            "budget:auto needs a CUDA device (it uses the device's free memory); on "
-            f"{device_type} write an explicit size such as budget:8GiB."
-        )
-    free, _ = torch.cuda.mem_get_info()
-    return int(free + torch.cuda.memory_allocated())
-
-
-def offload_offered(device_type: str, offload_flops_per_byte: float | str | None) -> bool:
-    """Whether a budget may choose ``"offload"``: only when asked for (a ratio, or ``"auto"`` to measure
-    it; ``None``, the default until offload has been measured on a GPU, and ``math.inf``: not offered,
-    no offload sample step, no pinned host memory for it), on CUDA; elsewhere host memory is the step's
-    own, so only with a given ratio and a host store outside the step's allocator (a test's:
-    :func:`distckpt.runtime.recompute.host_store`)."""
-    if offload_flops_per_byte is None or (offload_flops_per_byte != "auto" and math.isinf(offload_flops_per_byte)):
-        return False
-    if device_type == "cuda":
-        return True
-    if offload_flops_per_byte == "auto":
-        return False  # measured on CUDA only
-    return bool(getattr(recompute.host_store(), "escapes_allocator", False))
-
-
-def budget_profile(
-    candidates: Candidates,
-    device_type: str,
-    budget_bytes: int | None,
-    *,
-    estimate: bool = False,
-    selective: bool = True,
-    offload: bool = False,
-) -> tuple[ModelProfile, int]:
-    """The profile a budget plans on, and the budget in bytes.
-
-    ``budget:SIZE`` plans on a real sample step (:meth:`Candidates.model_profile`: exact on this
-    step). ``budget:auto`` (``budget_bytes=None``) is for CUDA: the budget is the device's free memory plus
-    what this process already holds there (:func:`auto_budget`), and the profile is the estimator of
-    ``distckpt plan`` (:func:`distckpt.select.fake_profile.estimate_profile`, fake tensors): a real step of a
-    model near the device's size could run out of the very memory being planned. ``estimate=True``
-    takes that path with an explicit budget (on any device). The real step measures only the recompute
-    modes the plan can choose: full, and the op-level ones only with ``selective`` (two sample steps
-    each; the profile cache serves the plan redone at ``parallelize`` from the same measurement), and
-    ``"offload"`` only with ``offload`` (one more sample step).
-
-    Raises:
-        ConfigError: ``budget:auto`` off CUDA, or (estimator) a model that cannot run on fake tensors.
-    """
-    if budget_bytes is None:
-        budget_bytes, estimate = auto_budget(device_type), True
-    if not estimate:
-        modes = (*(RECOMPUTE_MODES if selective else ("full",)), *(("offload",) if offload else ()))
-        return candidates.model_profile(modes), budget_bytes
-    if candidates.example_inputs is None:
-        candidates.model_profile()  # raises: the policy needs a sample batch
-    return estimate_profile(candidates.model, candidates.blocks, candidates.example_inputs), budget_bytes
-
-
-def select_for_budget(
-    candidates: Candidates,
-    budget_bytes: int | None,
-    *,
-    strategy: str = "ddp",
-    optimizer: str = "adamw",
-    grad_accumulation: bool = False,
-    shard_size: int | None = None,
-    selective: bool = True,
-    offload_flops_per_byte: float | str | None = None,
-) -> BudgetPlan:
-    """The plan for ``budget:SIZE`` (``None``: ``budget:auto``): which blocks to checkpoint, and how.
-
-    Args:
-        candidates: the candidate blocks, the sample batch and the world size.
-        budget_bytes: peak training memory not to exceed, in bytes; ``None`` for auto (CUDA).
-        strategy: how parameters, gradients and optimizer state are placed: ``"ddp"`` (full
-            replicas), ``"fsdp"``/``"fsdp2"`` (sharded by world size), ``"hsdp"`` (sharded by
-            ``shard_size``, replicated across the groups) or ``"none"``.
-        optimizer: ``"adamw"`` (default), ``"adam"``, ``"sgd"``, ``"sgd_momentum"`` or ``"none"``.
-        grad_accumulation: gradients persist across micro-batches (count them all from the first
-            forward); by default they are created block by block in backward.
-        shard_size: ``"hsdp"``: the ranks that shard between them (default: ``LOCAL_WORLD_SIZE``, as
-            ``parallelize`` uses).
-        selective: offer the op-level modes (``pointwise``, ``selective``) per block, besides none and
-            full (``False``: the profile does not measure them either).
-        offload_flops_per_byte: the price of ``"offload"`` in FLOPs per byte moved; ``"auto"``: measured on
-            CUDA (:func:`distckpt.select.transfer.flops_per_byte`); ``None``: not offered; off CUDA offered
-            only to tests (:func:`offload_offered`).
-
-    Returns:
-        A :class:`BudgetPlan` (``modes``: one of :data:`MODES` per block of ``candidates.blocks``).
-
-    Raises:
-        ConfigError: no sample batch, no placement fits, or ``budget:auto`` off CUDA.
-    """
-    batch = _tensors(_as_args(candidates.example_inputs)) if candidates.example_inputs is not None else []
-    device = step_device(candidates.model, batch)
-    offer = offload_offered(device.type, offload_flops_per_byte)
-    mp, budget_bytes = budget_profile(candidates, device.type, budget_bytes, selective=selective, offload=offer)
-    if offer and offload_flops_per_byte == "auto" and any(b.offload_held_bytes >= 0 for b in mp.blocks):
-        from distckpt.select.transfer import flops_per_byte
-
-        dtype = next((p.dtype for p in candidates.model.parameters() if p.is_floating_point()), torch.float32)
-        offload_flops_per_byte = flops_per_byte(mp, device, dtype)
-    if strategy == "hsdp" and shard_size is None:
-        shard_size = default_shard_size()
-    result = plan_budget(
-        mp,
-        budget_bytes,
-        strategy=strategy,
-        world_size=candidates.world_size,
-        optimizer=optimizer,
-        grad_accumulation=grad_accumulation,
-        shard_size=shard_size,
-        selective=selective,
-        offload_flops_per_byte=offload_flops_per_byte if offer and offload_flops_per_byte != "auto" else None,
-    )
-    logger.info(
-        "distckpt budget %s: %d of %d blocks full, %d selective, %d pointwise, %d offloaded (%s moved per step), "
-        "predicted peak %s, recompute %.3g GFLOP",
-        _gib(budget_bytes),
-        result.modes.count("full"),
-        len(mp.blocks),
-        result.modes.count("selective"),
-        result.modes.count("pointwise"),
-        len(result.offloaded),
-        _gib(result.moved_bytes),
-        _gib(result.peak_bytes),
-        result.recompute_flops / 1e9,
-    )
-    if result.offloaded:
-        logger.info(
-            "distckpt budget: offloaded blocks %s at %.3g FLOPs per byte",
-            ", ".join(mp.blocks[i].fqn for i in result.offloaded),
-            result.offload_flops_per_byte,
-        )
-    return result

@@ -18,7 +18,7 @@ import torch
 from distckpt.errors import ConfigError
 
 if TYPE_CHECKING:
-    from distckpt.select.profile import ModelProfile
+    from distckpt.select.profile.profile import ModelProfile
 
 __all__ = ["flops_per_byte", "probe_shapes"]
 

@@ -1,22 +1,15 @@
 """The ``distckpt`` command: ``distckpt doctor`` checks that a model is safe to train with
 checkpointing under DDP/FSDP/FSDP2 (see :mod:`distckpt.check.doctor`); ``distckpt plan`` predicts
-per-rank memory of each checkpointing policy at any scale (see :mod:`distckpt.select.estimate`)."""
+per-rank memory of each checkpointing policy at any scale (see :mod:`distckpt.cli.plan`)."""
 
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 from distckpt.options import GRAPHS, STRATEGIES
 
 __all__ = ["add_doctor_flags", "add_plan_flags", "doctor_options", "main", "run_plan"]
-
-# The launcher's doctor and plan (Hydra mode), in a distckpt checkout; the library never imports the launcher.
-LAUNCH_DOCTOR = Path("launch") / "doctor.py"
-LAUNCH_PLAN = Path("launch") / "plan.py"
 
 
 def add_doctor_flags(parser: argparse.ArgumentParser) -> None:
@@ -77,9 +70,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Spawn CPU ranks (gloo), build the model, checkpoint and parallelize it, run a few steps with "
         "GradSyncGuard and verify_recompute, and print what is safe and the settings to use. Exit 0 "
         "when safe, 1 otherwise. The model comes from --factory pkg.module:make (make() returns "
-        "(model, loss_fn, batch_fn); see distckpt.check.doctor) or, in a distckpt checkout, from the "
-        "launcher's Hydra config (distckpt doctor model=gpt strategy=ddp ... runs "
-        "python launch/doctor.py with the same arguments).",
+        "(model, loss_fn, batch_fn); see distckpt.check.doctor) or from the launcher's Hydra config "
+        "(distckpt doctor model=gpt strategy=ddp ... runs launch/doctor.py of the checkout distckpt was "
+        "installed from with pip install -e, from any directory, with the same arguments).",
     )
     doc.add_argument("overrides", nargs="*", help="Hydra overrides of the launcher's config (key=value)")
     doc.add_argument("--factory", help="pkg.module:function returning (model, loss_fn, batch_fn)")
@@ -90,7 +83,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Build the model from --factory pkg.module:make (the doctor's contract) on fake tensors, trace "
         "one block of each distinct shape, and print per rank: parameters, gradients, optimizer "
         "state, activations, the peak and recompute FLOPs of none, full, selective and the budget "
-        "plan, and the blocks the budget would checkpoint.",
+        "plan, and the blocks the budget would checkpoint. Launcher overrides (distckpt plan model=hf ...) "
+        "run launch/plan.py of the checkout distckpt was installed from (pip install -e).",
     )
     plan.add_argument("overrides", nargs="*", help="Hydra overrides of the launcher's config (key=value)")
     plan.add_argument("--factory", help="pkg.module:function returning (model, loss_fn, batch_fn)")
@@ -103,6 +97,7 @@ def add_plan_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategy", choices=STRATEGIES, default="fsdp2", help="data parallelism (default fsdp2)")
     parser.add_argument("--world-size", type=int, default=1, help="ranks (default 1)")
     parser.add_argument("--shard-size", type=int, default=None, help="hsdp: ranks that shard (one node's)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (fsdp2; default 1)")
     parser.add_argument("--micro-batch", type=int, default=None, help="per-rank batch (default: the factory's)")
     parser.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the factory's)")
     parser.add_argument("--budget", default=None, help="per-rank memory budget for the budget plan, e.g. 60GiB")
@@ -112,9 +107,9 @@ def add_plan_flags(parser: argparse.ArgumentParser) -> None:
 
 def run_plan(args: argparse.Namespace) -> int:
     """``distckpt plan``: print the report. Returns 0, or 2 on a usage error (printed)."""
+    from distckpt.cli.plan import plan_at_scale, render
     from distckpt.errors import ConfigError
-    from distckpt.select.estimate import plan_at_scale, render
-    from distckpt.select.policies import parse_size
+    from distckpt.select import parse_size
 
     try:
         if args.world_size < 1:
@@ -129,6 +124,7 @@ def run_plan(args: argparse.Namespace) -> int:
             budget=parse_size(args.budget) if args.budget else None,
             optimizer=args.optimizer,
             grad_accumulation=args.grad_accumulation,
+            tp=args.tp,
         )
     except ConfigError as e:
         print(f"distckpt plan: {e}", file=sys.stderr)
@@ -137,19 +133,11 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _delegate(argv: list[str], command: str = "doctor") -> int:
-    """``distckpt doctor|plan <overrides>``: run the launcher's script of this checkout with the same arguments."""
-    launch = LAUNCH_DOCTOR if command == "doctor" else LAUNCH_PLAN
-    script = Path.cwd() / launch
-    if not script.is_file():
-        print(
-            f"distckpt {command}: launcher overrides need a distckpt checkout: run `python {launch} "
-            "model=... ` from its root, or use --factory pkg.module:make.",
-            file=sys.stderr,
-        )
-        return 2
-    rest = argv[argv.index(command) + 1 :]
-    return subprocess.run([sys.executable, str(script), *rest], env=dict(os.environ)).returncode
+def _launcher(argv: list[str], command: str) -> int:
+    """``distckpt doctor|plan <overrides>``: the checkout's launcher with the same arguments."""
+    from distckpt.cli.launcher import run_launcher
+
+    return run_launcher(command, argv[argv.index(command) + 1 :])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-        return _delegate(argv, "plan") if args.overrides else run_plan(args)
+        return _launcher(argv, "plan") if args.overrides else run_plan(args)
     from distckpt.check.doctor import doctor
     from distckpt.errors import ConfigError
 
@@ -182,12 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.overrides:
             doctor_options(args)  # bad flags are reported here, not by the launcher
-            return _delegate(argv)
+            return _launcher(argv, "doctor")
         return doctor(doctor_options(args, factory=args.factory))
     except ConfigError as e:
         print(f"distckpt doctor: {e}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -17,8 +17,8 @@ import torch.nn as nn
 from distckpt import _torch_compat as compat
 from distckpt.errors import ConfigError
 from distckpt.runtime.selective import OP_MODES
-from distckpt.select.recompute_passes import _recompute_profile
-from distckpt.select.recorder import (
+from distckpt.select.profile.recompute_passes import _recompute_profile
+from distckpt.select.profile.recorder import (
     _attribute,
     _block_overheads,
     _grads_ready,
@@ -26,7 +26,7 @@ from distckpt.select.recorder import (
     _shared_inputs,
     _StepRecorder,
 )
-from distckpt.select.sample_step import (  # memory_tracker, scalar_loss, _tensors: re-exported (tests, benchmarks)
+from distckpt.select.profile.sample_step import (
     _distinct_bytes,
     _rng_state_bytes,
     _storage_bytes,
@@ -41,7 +41,10 @@ __all__ = [
     "RECOMPUTE_MODES",
     "BlockProfile",
     "ModelProfile",
+    "Call",
     "adam_step_temp_bytes",
+    "as_args",
+    "batch_tensors",
     "memory_tracker",
     "profile_blocks",
     "profile_model",
@@ -60,7 +63,7 @@ class BlockProfile:
         activation_bytes: bytes the block keeps for backward when it is NOT checkpointed (distinct
             storages saved by its ops, parameters excluded), its saved input included.
         forward_flops: FLOPs of one forward of the block (``FlopCounterMode`` with CPU attention,
-            :func:`distckpt.select.flops.flop_counter`): the most a
+            :func:`distckpt.select.profile.flops.flop_counter`): the most a
             recompute costs (non-reentrant checkpoint may stop earlier).
         input_bytes: bytes of the block's tensor inputs, which a checkpointed block keeps.
         saved_input_bytes: the part of ``activation_bytes`` that is the block's input.
@@ -84,7 +87,7 @@ class BlockProfile:
             backward's temporaries exist), relative to the prefix of checkpointed inputs; at the peak of
             the block's own backward, which ends when another block's recompute begins (an input shared
             with earlier blocks, such as an encoder-decoder's encoder output, gets its last gradient in
-            theirs: :class:`distckpt.select.recompute_passes._OwnBackward`).
+            theirs: :class:`distckpt.select.profile.recompute_passes._OwnBackward`).
         recompute_grads_bytes: gradient bytes at that peak; ``-1`` when that step could not run.
         recompute_flops: FLOPs the recompute of a fully checkpointed block really runs (measured in a
             FLOP-only step; non-reentrant checkpoint stops once backward has what it needs); ``-1``
@@ -304,7 +307,9 @@ class Call:
     kwargs: dict[str, Any]
 
 
-def _as_args(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def as_args(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A sample batch (a :class:`Call`, a dict of keyword arguments, a tuple of positional ones, or one
+    value) as ``(args, kwargs)``."""
     if isinstance(example_inputs, Call):
         return tuple(example_inputs.args), dict(example_inputs.kwargs)
     if isinstance(example_inputs, dict):
@@ -319,6 +324,11 @@ def _signature(value: Any) -> Any:
     return str(spec), tuple(
         (tuple(t.shape), t.dtype, str(t.device)) if isinstance(t, torch.Tensor) else repr(t) for t in leaves
     )
+
+
+def batch_tensors(example_inputs: Any) -> list[torch.Tensor]:
+    """The tensors of a sample batch (positional and keyword arguments, at any nesting), in order."""
+    return _tensors(as_args(example_inputs))
 
 
 # The recompute modes a profile can measure, each in sample steps of its own ("full": plain recompute;
@@ -362,7 +372,7 @@ def _measure(
 ) -> ModelProfile:
     """One sample step in passes: record (hooks + MemTracker + FLOPs), attribute saved storages to blocks,
     derive each block's and the head's overheads, measure recompute peaks in checkpointed steps (``modes``)."""
-    args, kwargs = _as_args(example_inputs)
+    args, kwargs = as_args(example_inputs)
     batch = _tensors((args, kwargs))
     params = list(model.parameters())
     device = step_device(model, batch)
@@ -474,12 +484,16 @@ _CACHE: weakref.WeakKeyDictionary[nn.Module, dict[Any, tuple[frozenset[str], Mod
 
 def _cache_key(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inputs: Any) -> tuple[Any, ...]:
     """What a cached profile of ``model`` (:data:`_CACHE`, and the estimator's) is valid for: the block
-    list, the input shapes, train/eval and the world size (a profile measured before the process group
-    existed was not agreed between the ranks: a plan redone at parallelize must not use it as is)."""
+    list, the input shapes, train/eval, the world size (a profile measured before the process group
+    existed was not agreed between the ranks: a plan redone at parallelize must not use it as is) and the
+    tensor-parallel parameters."""
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
 
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    return tuple(name for name, _ in blocks), _signature(_as_args(example_inputs)), model.training, world
+    # Tensor parallel applied since (DTensor parameters: the profile counts their local shards) is another model.
+    tp = sum(isinstance(p, DTensor) for p in model.parameters())
+    return tuple(name for name, _ in blocks), _signature(as_args(example_inputs)), model.training, world, tp
 
 
 def _recompute_modes(modes: Any) -> frozenset[str]:
