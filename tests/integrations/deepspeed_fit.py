@@ -184,11 +184,13 @@ def hf_config(stage: int) -> dict[str, Any]:
     }
 
 
-def hf_fit(rank: int, world: int, name: str, stage: int, how: str, **options: Any) -> dict[str, Any]:
+def hf_fit(
+    rank: int, world: int, name: str, stage: int, how: str, model_init: bool = False, **options: Any
+) -> dict[str, Any]:
     """Pattern ``name`` under ``Trainer(args=TrainingArguments(deepspeed=hf_config(stage)))`` (SGD, lr 0.1, no
     clipping): ``how`` "distckpt" (DistckptCallback + distckpt.integrations.hf.prepare) or "wrap" (distckpt.wrap on
-    the model only). {"params", "optimizer", "engine", "guard_checks" (per logged step)} or {"error": (type,
-    message)}."""
+    the model only); ``model_init``: ``Trainer(model_init=...)`` building a fresh model at each call. {"params",
+    "optimizer", "engine", "guard_checks" (per logged step)} or {"error": (type, message)}."""
     setup()
     import tempfile
 
@@ -211,7 +213,7 @@ def hf_fit(rank: int, world: int, name: str, stage: int, how: str, **options: An
             args = training_args(out, accumulate=pattern.micro_batches, batch_size=1, deepspeed=hf_config(stage))
             args.learning_rate = HF_LR
             trainer = LossTrainer(
-                model=model,
+                **({"model_init": lambda: build(pattern)} if model_init else {"model": model}),
                 args=args,
                 train_dataset=PatternData(name, world),
                 data_collator=_one_item,
