@@ -61,7 +61,7 @@ def test_zero_heads_by_rank_exact(ds_pool):
     under ZeRO 1/2/3 with distckpt, GradSyncGuard before every step in sync. Without distckpt, ZeRO-2 adds up head a's
     gradient on rank 0 with head b's on rank 1 (same shapes: no error, wrong values from step 0), and the guard on
     such an engine names the heads at step 0 (ZeRO-3's own check would raise only at step 1's forward: DeepSpeed's
-    "Detected a disagreement on list contents")."""
+    "Detected a disagreement on list contents"). ``graph="static"``: exact with every head, heads by rank refused."""
     cases = [
         ("by_rank", 1, "distckpt"),
         ("by_rank", 2, "distckpt"),
@@ -71,10 +71,14 @@ def test_zero_heads_by_rank_exact(ds_pool):
         ("by_rank", 2, "plain", {"guard": False}),
         ("by_rank", 2, "plain"),
         ("by_rank", 3, "plain"),
+        ("all_heads", 2, "distckpt", {"graph": "static"}),
+        ("all_heads", 3, "distckpt", {"graph": "static"}),
+        ("by_rank", 3, "distckpt", {"graph": "static"}),
     ]
     out = ds_pool.run(sweep, cases, guard=True)
-    for k in range(5):
+    for k in (0, 1, 2, 3, 4, 8, 9):
         _exact(out, cases, k)
+    _raised(out, cases, 10, "ConfigError", "graph='static'", "graph='auto'")
     wrong, ref_grads = out[0][5], df.reference(df.pattern_of("by_rank"), 2)[0]
     assert wrong[0] == "ok", wrong[:3]
     assert not torch.allclose(wrong[1][0][0]["heads.a.weight"], ref_grads[0]["heads.a.weight"]), "ZeRO-2 alone exact?"
