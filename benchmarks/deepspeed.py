@@ -2,13 +2,14 @@
 
 Two gloo CPU ranks (``DS_ACCELERATOR=cpu``) train the multi-task GPT of ``benchmarks.parallel`` (every block
 checkpointed, every head in the loss: the pattern DeepSpeed alone trains exactly, so both sides do the same work)
-under ZeRO-2 and ZeRO-3, two engines side by side from the same initialisation:
+under ZeRO-2 and ZeRO-3, three engines side by side from the same initialisation:
 
 - deepspeed: ``distckpt.wrap`` then ``deepspeed.initialize`` (DeepSpeed's own reduction, from its hooks);
 - distckpt: ``distckpt.integrations.deepspeed.initialize`` (the zero-weight join in the root's forward, one
-  presence all-reduce per backward, the gradients handed to ZeRO in parameter order at the end of backward).
+  presence all-reduce per backward, the gradients handed to ZeRO in parameter order at the end of backward);
+- static: the same with ``graph="static"`` (no join, DeepSpeed's own reduction from its hooks, the used set checked).
 
-Their steps alternate (ABBA, a barrier around each step, so load on the shared machine hits both alike); the figures
+Their steps alternate (ABCCBA, a barrier around each step, so load on the shared machine hits all alike); the figures
 are ratios of median step times (wall: rank 0; CPU: the process's CPU time, summed over the ranks), the first steps
 dropped. Writes ``benchmarks/results/deepspeed.md``.
 """
@@ -31,7 +32,8 @@ from benchmarks.ranks import run_ranks
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WARMUP = 4  # steps per side not timed (allocation, DeepSpeed's first-step bookkeeping and ZeRO-3's trace)
-SIDES = ("deepspeed", "distckpt")
+SIDES = ("deepspeed", "distckpt", "static")
+ORDER = (0, 1, 2, 2, 1, 0)  # ABCCBA
 
 
 def _engine(side: str, cfg: Any, stage: int, batch_size: int) -> Any:
@@ -49,8 +51,9 @@ def _engine(side: str, cfg: Any, stage: int, batch_size: int) -> Any:
         "zero_optimization": {"stage": stage},
     }
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)  # torch's: no DeepSpeed op build on CPU
-    if side == "distckpt":
-        return dc_deepspeed.initialize(model, blocks="h.*", optimizer=opt, config=config)[0]
+    if side != "deepspeed":
+        graph = "static" if side == "static" else "auto"
+        return dc_deepspeed.initialize(model, blocks="h.*", graph=graph, optimizer=opt, config=config)[0]
     distckpt.wrap(model, "full", blocks="h.*")
     return deepspeed.initialize(model=model, optimizer=opt, config=config)[0]
 
@@ -70,8 +73,8 @@ def _rank(rank: int, world: int, steps: int, batch_size: int, dim: int, layers: 
         n_params = sum(int(getattr(p, "ds_numel", p.numel())) for p in engines["distckpt"].module.parameters())
         wall: dict[str, list[float]] = {s: [] for s in SIDES}
         cpu: dict[str, list[float]] = {s: [] for s in SIDES}
-        for step in range(2 * (steps + WARMUP)):
-            side = SIDES[(0, 1, 1, 0)[step % 4]]  # ABBA
+        for step in range(len(SIDES) * (steps + WARMUP)):
+            side = SIDES[ORDER[step % len(ORDER)]]
             engine = engines[side]
             dist.barrier()
             t0, c0 = time.perf_counter(), time.process_time()
@@ -79,7 +82,7 @@ def _rank(rank: int, world: int, steps: int, batch_size: int, dim: int, layers: 
             engine.step()
             c1 = time.process_time()
             dist.barrier()  # a step ends when the slowest rank ends it
-            if step >= 2 * WARMUP:
+            if step >= len(SIDES) * WARMUP:
                 wall[side].append(time.perf_counter() - t0)
                 cpu[side].append(c1 - c0)
         for engine in engines.values():
@@ -102,6 +105,9 @@ def measure(steps: int, batch_size: int, dim: int, layers: int) -> dict[int, dic
             "cpu_ds": cpu["deepspeed"],
             "cpu_dc": cpu["distckpt"],
             "cpu_ratio": cpu["deepspeed"] / cpu["distckpt"],
+            "wall_st": med["static"],
+            "wall_ratio_st": med["deepspeed"] / med["static"],
+            "cpu_ratio_st": cpu["deepspeed"] / cpu["static"],
             "n": len(wall["distckpt"]),
         }
     return summary
@@ -120,18 +126,21 @@ def write(summary: dict[int, dict[str, float]], args: argparse.Namespace, load: 
         f"{deepspeed.__version__}, {platform.machine()}, a 2-core machine shared with other jobs (load average "
         f"before the run: {load}). Multi-task GPT of benchmarks.parallel, every head in the loss, every block "
         "checkpointed on both sides, torch's AdamW as the client optimizer. Steps/s ratio = median step time of "
-        "DeepSpeed's own / distckpt's (> 1: distckpt faster); steps interleaved ABBA between two engines from the "
-        "same initialisation; CPU = the processes' CPU time per step, summed over the ranks.",
+        "DeepSpeed's own / distckpt's (> 1: distckpt faster); steps interleaved ABCCBA between three engines from the "
+        'same initialisation (the third: distckpt with `graph="static"`, no join, DeepSpeed\'s own reduction); CPU = '
+        "the processes' CPU time per step, summed over the ranks.",
         "",
         "| ZeRO | parameters | median step, DeepSpeed's own | median step, distckpt | steps/s distckpt / own (wall) "
-        "| CPU per step, own | CPU per step, distckpt | distckpt / own (CPU) |",
-        "|---|---|---|---|---|---|---|---|",
+        '| CPU per step, own | CPU per step, distckpt | distckpt / own (CPU) | median step, `graph="static"` '
+        "| static / own (wall) | static / own (CPU) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for stage, s in summary.items():
         lines.append(
             f"| {stage} | {s['params'] / 1e6:.1f}M | {s['wall_ds'] * 1e3:.0f} ms | {s['wall_dc'] * 1e3:.0f} ms | "
             f"{s['wall_ratio']:.3f} ({s['n']} steps each) | {s['cpu_ds'] * 1e3:.0f} ms | {s['cpu_dc'] * 1e3:.0f} ms "
-            f"| {s['cpu_ratio']:.3f} |"
+            f"| {s['cpu_ratio']:.3f} | {s['wall_st'] * 1e3:.0f} ms | {s['wall_ratio_st']:.3f} "
+            f"| {s['cpu_ratio_st']:.3f} |"
         )
     path.write_text("\n".join(lines) + "\n")
     return path
