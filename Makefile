@@ -21,7 +21,7 @@ $(RUN_STAMP): pyproject.toml Makefile
 
 # Everything: tests, lint, benchmarks.
 $(STAMP): $(RUN_STAMP)
-	$(BIN)/python -m pip install -q -e ".[dev,launch,bench,hf,lightning,accelerate,trl]"
+	$(BIN)/python -m pip install -q -e ".[dev,launch,bench,hf,lightning,accelerate,trl,deepspeed]"
 	touch $(STAMP)
 
 # The default job (or ARGS="strategy=fsdp2 trainer.max_steps=50 ..."); overrides are checked before torchrun

@@ -19,6 +19,7 @@ from distckpt._dist import rank_world
 from distckpt._dist import shard_key as _shard_key
 from distckpt._dist import unwrap_ddp as _inner
 from distckpt._log import notify
+from distckpt.check.zero_guard import ZeroRecorder, is_zero_engine
 from distckpt.errors import ConfigError, GradDesyncError, NoGradientError
 from distckpt.parallel.handshake import watched
 from distckpt.parallel.state import sync_state
@@ -211,6 +212,9 @@ class GradSyncGuard:
         self._layout_checked = False
         self._missing: dict[str, int] = {}  # name -> consecutive checked steps without gradient
         self._reported: set[str] = set()
+        # DeepSpeed ZeRO: each rank holds its own partition of the reduced gradients; what reached ZeRO's reduction
+        # is compared instead (distckpt.check.zero_guard). Hooks from here on: build the guard before the first step.
+        self._zero = ZeroRecorder(model, _fingerprint) if is_zero_engine(model) else None
 
     # The model's parameters are read on every check: FSDP2 replaces them by DTensors when
     # fully_shard runs, possibly after the guard was built.
@@ -248,9 +252,12 @@ class GradSyncGuard:
     def _check(self, step: int, report: GuardReport) -> GuardReport:
         # Counted in checked steps, so that `every` and `params_every` need not divide each other.
         with_params = self.params_every > 0 and (step // self.every) % self.params_every == 0
-        params = self._params()
-        fp, numels, sharded, device = self._local_fingerprints(params, with_params)
+        params = self._params() if self._zero is None else self._zero.params
         rank, world = self._world()
+        if self._zero is None:
+            fp, _, sharded, device = self._local_fingerprints(params, with_params)
+        else:
+            fp, device, sharded = self._zero.fingerprints(with_params, rank)[0], torch.device("cpu"), []
         if world > 1:
             comm = self._comm_device(device)
             if not self._layout_checked:
@@ -275,8 +282,12 @@ class GradSyncGuard:
         report.grads_checked, report.params_checked = True, with_params
         names = [n for n, _ in params]
         trains = [p.requires_grad for _, p in params]
-        self._compare(table, names, trains, sharded, with_params, step)
-        report.grad_norm = float(_distinct_sumsq(table).sum().sqrt())
+        if self._zero is None:
+            self._compare(table, names, trains, sharded, with_params, step)
+            report.grad_norm = float(_distinct_sumsq(table).sum().sqrt())
+        else:
+            self._zero.compare(table, names, step, self.rtol, _differs)
+            report.grad_norm = self._zero.grad_norm()
         report.no_grad = self._track_no_grad(table, names, trains, step)
         return report
 

@@ -209,12 +209,15 @@ def prepare(trainer: Trainer) -> Trainer:
         ConfigError: HF's checkpointing turned on by the user (``activation_checkpointing=True`` in
             ``TrainingArguments``; a TRL config's default is taken over instead), ``ddp_find_unused_parameters=True``
             or ``ddp_static_graph`` against distckpt's choice, gradient accumulation with reentrant blocks or
-            ``graph='static'``, FSDP or DeepSpeed (Accelerate's own sharding), a model Trainer already prepared,
-            and what ``distckpt.wrap`` refuses.
+            ``graph='static'``, FSDP (Accelerate's own sharding), a model Trainer already prepared, and what
+            ``distckpt.wrap`` refuses; under ``TrainingArguments(deepspeed=...)``, ``model_init`` and what
+            ``distckpt.integrations.deepspeed.prepare_trainer`` refuses.
     """
     cb = _callback(trainer)
     if cb.prepared:
         raise ConfigError(f"{_PREPARE} was already called for this Trainer; call it once, before trainer.train().")
+    if trainer.is_deepspeed_enabled:
+        return _prepare_deepspeed(trainer, cb)
     _check_args(trainer, cb)
     _install(trainer, cb, trainer.model, cb.policy)
     if trainer.model_init is not None:
@@ -234,14 +237,13 @@ def _check_args(trainer: Trainer, cb: DistckptCallback) -> None:
     """Refuse the ``TrainingArguments`` distckpt cannot keep exact (see :func:`prepare`'s Raises)."""
     args = trainer.args
     _take_over_hf_checkpointing(args)
-    if args.fsdp or trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
+    if args.fsdp or trainer.is_fsdp_enabled:
         # Refused on CPU too, where Accelerate runs plain DDP instead of the FSDP asked for (measured: fsdp_config
         # version 2 -> DistributedType.MULTI_CPU; version 1 -> "sync_module_states=True is not supported on cpu").
         raise ConfigError(
-            f"TrainingArguments({'deepspeed' if trainer.is_deepspeed_enabled else 'fsdp'}=...): Accelerate shards the "
-            "model in units distckpt does not choose, so its zero-weight join and checks cannot run inside them. Drop "
-            "it and train with DDP (this prepare), or build FSDP/FSDP2 with distckpt.parallelize in your own loop or "
-            "Lightning's DistckptFSDPStrategy."
+            "TrainingArguments(fsdp=...): Accelerate shards the model in units distckpt does not choose, so its "
+            "zero-weight join and checks cannot run inside them. Drop it and train with DDP (this prepare), or build "
+            "FSDP/FSDP2 with distckpt.parallelize in your own loop or Lightning's DistckptFSDPStrategy."
         )
     if args.ddp_find_unused_parameters:
         raise ConfigError(
@@ -312,6 +314,30 @@ def _follow_model_init(trainer: Trainer, cb: DistckptCallback) -> None:
 
     trainer.call_model_init = model_init  # type: ignore[method-assign]
     trainer.create_accelerator_and_postprocess = accelerator  # type: ignore[method-assign]
+
+
+def _prepare_deepspeed(trainer: Trainer, cb: DistckptCallback) -> Trainer:
+    """``TrainingArguments(deepspeed=...)``: distckpt.integrations.deepspeed checkpoints the blocks now and attaches
+    its state to the engine ``train()`` builds; the callback's guard then runs on that engine."""
+    from distckpt.integrations.deepspeed import prepare_trainer
+
+    _take_over_hf_checkpointing(trainer.args)
+    _refuse_hf_model_checkpointing(trainer.model)
+    if trainer.model_init is not None:
+        # train() would build a new model from model_init after the blocks of this one were checkpointed.
+        raise ConfigError(
+            "Trainer(model_init=...) with TrainingArguments(deepspeed=...): train() builds a new model that distckpt "
+            "has not prepared for ZeRO. Pass model=... instead (DDP through this prepare supports model_init)."
+        )
+    attach = prepare_trainer(
+        trainer, policy=cb.policy, blocks=cb.blocks, reentrant=cb.reentrant, graph=cb.graph, verify=cb.verify
+    )
+    handler_cbs = trainer.callback_handler.callbacks
+    handler_cbs.remove(cb)
+    handler_cbs[:0] = [attach, cb]  # the state is attached before the callback builds its guard on the engine
+    cb._trainer = trainer
+    cb.prepared = True
+    return trainer
 
 
 def _verify_on_first_batch(trainer: Trainer) -> None:

@@ -20,6 +20,7 @@ BLOCKED = [
     "pytorch_lightning",
     "accelerate",
     "peft",
+    "deepspeed",
 ]
 
 
