@@ -6,8 +6,9 @@ The memory model (all terms measured by :mod:`distckpt.select.profile` or counte
     static   = params + grads + optimizer state (as the strategy places them) + buffers + batch
                (minus the gradients backward has not produced yet at that point)
     held_i   = activation_bytes_i (none), pointwise_held_bytes_i / selective_held_bytes_i (its input
-               plus the op outputs it keeps), input_bytes_i (full) or offload_held_bytes_i (offload:
-               what it could not move to the host): one of five choices per block, a checkpointed
+               plus the op outputs it keeps), input_bytes_i plus the outputs of the op calls it keeps
+               (ops: op_sets), input_bytes_i (full) or offload_held_bytes_i (offload: what it could
+               not move to the host): one of six kinds of choice per block, a checkpointed
                one plus the RNG state it saves (rng_state_bytes: on the CPU); every one plus the
                Python numbers its autograd nodes saved (scalar_saved_bytes: on the CPU)
     P_i      = held_0 + ... + held_i                      (what the blocks keep, in the order they run)
