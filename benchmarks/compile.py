@@ -1,6 +1,6 @@
 """Step time of per-block ``torch.compile`` against eager, one CPU process: ``python -m benchmarks.compile``.
 
-A GPT (``benchmarks.models.GPT``, every block checkpointed ``full``) trains with AdamW under four setups: no
+A GPT (``GPT`` of tests/models.py, every block checkpointed ``full``) trains with AdamW under four setups: no
 checkpointing eager, checkpointing eager, checkpointing with each block compiled (``compile_blocks``, backend
 ``inductor``) and the whole checkpointed model compiled (``torch.compile(model)``, inductor). The first step of each
 compiled setup (the compile) is timed on its own; then the setups' steps alternate, round by round (interleaved, so
@@ -20,13 +20,13 @@ import time
 from pathlib import Path
 
 import torch
+from models import GPT, GPTConfig, batch
 
 import distckpt
-from benchmarks.models import GPT, GPTConfig, batch
 from distckpt.apply.compile import compile_blocks
 
 RESULTS = Path(__file__).resolve().parent / "results"
-CONFIG = GPTConfig(vocab=512, seq=128, dim=128, heads=4, layers=8)  # benchmarks.models.SIZES["small"]
+CONFIG = GPTConfig(vocab=512, seq=128, dim=128, heads=4, layers=8)  # tests/models.py SIZES["small"]
 
 
 def _setups(backend: str) -> dict[str, torch.nn.Module]:

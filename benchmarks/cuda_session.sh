@@ -25,7 +25,7 @@ echo "pytest rc=$?" >> "$out/cuda_tests.log"
 timeout 240 "$py" -m benchmarks.memory --device cuda --rounds 8 --out "$out" > "$out/memory.log" 2>&1
 echo "memory rc=$?" >> "$out/memory.log"
 if [ -f benchmarks/offload_cuda.py ]; then
-    timeout 120 "$py" benchmarks/offload_cuda.py --out "$out" > "$out/offload.log" 2>&1
+    timeout 120 "$py" -m benchmarks.offload_cuda --out "$out" > "$out/offload.log" 2>&1
     echo "offload rc=$?" >> "$out/offload.log"
 fi
 tail -n 3 "$out"/*.log

@@ -41,7 +41,9 @@ SEQ, BATCH, FAR, NEAR, FILES = 16, 8, 10_000, 10, 16
 
 
 def _helpers() -> Any:
-    sys.path.insert(0, str(ROOT / "tests" / "launch"))  # the tests' generated documents and tokenizer
+    # The tests' generated documents and tokenizer: tests/launch/launchkit.py, a folder benchmarks/__init__.py
+    # does not put on the path.
+    sys.path.insert(0, str(ROOT / "tests" / "launch"))
     import launchkit
 
     return launchkit

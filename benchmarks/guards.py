@@ -1,6 +1,6 @@
 """Overhead of ``GradSyncGuard(every=1)`` as a fraction of step time: ``python -m benchmarks.guards``.
 
-Two gloo CPU ranks train a ~20M-parameter GPT (``benchmarks.models.GPT``, every block checkpointed)
+Two gloo CPU ranks train a ~20M-parameter GPT (``GPT`` of tests/models.py, every block checkpointed)
 under DDP. Steps with and without ``guard.check()`` alternate (interleaved, so load changes on the
 machine hit both alike); the overhead is the ratio of the median step times minus one. The time of
 ``check()`` itself is also timed on its own, after a barrier (median), and reported as a fraction of
@@ -26,8 +26,8 @@ from benchmarks.ranks import run_ranks
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def _config():  # noqa: ANN202 - benchmarks.models imported lazily in the ranks
-    from benchmarks.models import GPTConfig
+def _config():  # noqa: ANN202 - tests/models.py imported lazily in the ranks
+    from models import GPTConfig
 
     # ~20.9M parameters: 10 blocks of 384 wide, a 4096-token vocabulary.
     return GPTConfig(vocab=4096, seq=128, dim=384, heads=6, layers=10)
@@ -35,8 +35,9 @@ def _config():  # noqa: ANN202 - benchmarks.models imported lazily in the ranks
 
 def _rank(rank: int, world: int, steps: int, batch_size: int) -> Any:
     # run_ranks set up the gloo group, with the cores shared out between the ranks.
+    from models import GPT, batch
+
     import distckpt
-    from benchmarks.models import GPT, batch
 
     cfg = _config()
     torch.manual_seed(0)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning_cpu import cpu_fsdp_strategy
 
 from benchmarks.ranks import run_ranks
 
@@ -36,8 +37,8 @@ WARMUP = 2  # steps of each fit not timed (allocation, DDP's first-iteration boo
 
 def _module(cfg: Any, batch_size: int, rank: int) -> Any:
     import lightning.pytorch as pl
+    from models import batch
 
-    from benchmarks.models import batch
     from benchmarks.parallel import TASKS, MultiTaskGPT, _loss
 
     class GPTModule(pl.LightningModule):
@@ -56,36 +57,11 @@ def _module(cfg: Any, batch_size: int, rank: int) -> Any:
     return GPTModule(), [(idx, tgt)]
 
 
-def cpu_fsdp_strategy(**kwargs: Any) -> Any:
-    """Lightning's own ``FSDPStrategy`` made to run on the CPU: Lightning refuses it there ("requires a GPU
-    accelerator", a check a subclass passes), then builds FSDP with ``device_id=None``, which torch refuses on the
-    CPU ("FSDP needs a non-CPU accelerator device"). This subclass passes the CPU device; the rest is Lightning's
-    ``_setup_model``: FSDP around the LightningModule, then its activation checkpointing."""
-    from lightning.pytorch.strategies import FSDPStrategy
-    from lightning.pytorch.strategies.fsdp import _setup_activation_checkpointing
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    class CPUFSDPStrategy(FSDPStrategy):
-        def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
-            model = FullyShardedDataParallel(
-                module=model,
-                cpu_offload=self.cpu_offload,
-                mixed_precision=self.mixed_precision_config,
-                sharding_strategy=self.sharding_strategy,
-                device_id=torch.device("cpu"),
-                **self.kwargs,
-            )
-            _setup_activation_checkpointing(model, self._activation_checkpointing_kwargs)
-            return model
-
-    return CPUFSDPStrategy(**kwargs)
-
-
 def _strategy(side: str, lm: Any) -> Any:
     from lightning.pytorch.strategies import DDPStrategy
+    from models import Block
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
-    from benchmarks.models import Block
     from distckpt.integrations.lightning import DistckptDDPStrategy, DistckptFSDPStrategy
 
     if side == "ddp/own":
@@ -142,7 +118,8 @@ def _fit(side: str, cfg: Any, batch_size: int, rank: int, steps: int, tracker: A
 
 
 def _rank(rank: int, world: int, rounds: int, steps: int, batch_size: int, dim: int, layers: int) -> Any:
-    from benchmarks.models import GPTConfig
+    from models import GPTConfig
+
     from distckpt import _torch_compat as compat
 
     cfg = GPTConfig(vocab=2048, seq=128, dim=dim, heads=4, layers=layers)

@@ -30,49 +30,22 @@ import re
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.utils.flop_counter import FlopCounterMode
+from frontier import TOLERANCE, Config, budget_configs, dominance
+from models import GPT, SIZES, Block, GPTConfig, batch, hf_checkpointing_enable, hf_gpt2
+from peaks import CompiledBudget, fwd_bwd_flops, mem_tracker_peak, profiled_peak, train_step
 
 import distckpt
-from benchmarks.models import GPT, SIZES, Block, GPTConfig, batch, hf_checkpointing_enable, hf_gpt2
 from distckpt import ConfigError
 from distckpt.apply.wrap import is_checkpointed
-from distckpt.select.profile import flop_counter, scalar_loss
 
 RESULTS = Path(__file__).resolve().parent / "results"
 COMPILE_FRACTIONS = (0.1, 0.3, 0.5, 1.0)
 BUDGET_POINTS = 8
-# Peer points count as dominated by the budget frontier when a budget point is at most this much
-# (fraction of the no-checkpointing peak, and of forward+backward FLOPs) above them on both axes.
-TOLERANCE = 0.001
-
-
-@dataclass
-class Config:
-    name: str
-    build: Callable[[nn.Module], nn.Module]  # applies checkpointing to a fresh copy of the model
-    kind: str = "distckpt"  # "distckpt", "budget", "peer" (torch / HF), "compile"
-    peer: str = ""  # the config it is compared with at the same placement
-    budget: int | None = None
-    at: str = ""  # budget points sized at another point's measured peak: that point's name
-    error: str = ""
-    model: nn.Module | None = None
-    peak: int = 0
-    mem_tracker: int | None = None  # MemTracker's peak (eager rows on CPU), a check of ``peak``
-    flops: int = 0
-    times: list[float] = field(default_factory=list)
-    checkpointed: str = "0"
-
-
-def _step(model: nn.Module, opt: torch.optim.Optimizer, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    scalar_loss(model(*inputs, **kwargs)).backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
 
 
 def _sync(device: torch.device) -> None:
@@ -80,138 +53,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class _GraphFlops:
-    """The mode the compiled forward and backward graphs run under (``boxed_nop_with_mode``): while
-    ``on``, each graph run is counted by a fresh ``FlopCounterMode`` entered inside the compiled code,
-    and ``total``/``graphs`` add up. Off, it does nothing (the memory and timing passes)."""
-
-    def __init__(self) -> None:
-        self.on = False
-        self.total = 0
-        self.graphs = 0
-        self._open: list[FlopCounterMode] = []
-
-    def __enter__(self) -> _GraphFlops:
-        if self.on:
-            counter = flop_counter()
-            counter.__enter__()
-            self._open.append(counter)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._open:
-            counter = self._open.pop()
-            counter.__exit__(*exc)
-            self.total += counter.get_total_flops()
-            self.graphs += 1
-
-
-class CompiledBudget(nn.Module):
-    """``torch.compile`` with the min-cut partitioner under ``activation_memory_budget=fraction``.
-
-    Backend ``aot_eager_decomp_partition_with_mode``: the same decompositions and partitioner
-    (``min_cut_rematerialization_partition``) as ``aot_eager_decomp_partition``, running the graphs
-    under :class:`_GraphFlops` (checked on torch 2.13.0: both give the same peak). The budget is a
-    private torch config read when the graphs are partitioned (first forward); it is patched around
-    every forward so a recompilation sees it too. Verified on torch 2.13.0.
-    """
-
-    def __init__(self, model: nn.Module, fraction: float):
-        super().__init__()
-        from torch._dynamo.backends.debugging import aot_eager_decomp_partition_with_mode
-
-        self.fraction = fraction
-        self.graph_flops = _GraphFlops()
-        backend = functools.partial(aot_eager_decomp_partition_with_mode, mode=self.graph_flops)
-        self.compiled = torch.compile(model, backend=backend)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        import torch._functorch.config as functorch_config  # private; torch 2.13.0
-
-        with functorch_config.patch(activation_memory_budget=self.fraction):
-            return self.compiled(*args, **kwargs)
-
-
-def storage_bytes(tensors: Any) -> int:
-    """Bytes of the distinct storages of ``tensors`` (non-tensors skipped; views and tied tensors once)."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if torch.is_tensor(t)}
-    return sum(storages.values())
-
-
-def _live_bytes(model: nn.Module, opt: torch.optim.Optimizer, inputs: tuple, kwargs: dict) -> int:
-    """Bytes of the distinct storages of parameters, buffers, optimizer state and batch."""
-    state = [t for s in opt.state.values() for t in s.values()]
-    return storage_bytes([*model.parameters(), *model.buffers(), *state, *inputs, *kwargs.values()])
-
-
-def loss_allocator_peak(model: nn.Module, inputs: dict[str, torch.Tensor]) -> int:
-    """The CPU allocator's peak of one forward+backward of ``model(**inputs).loss`` (a Hugging Face
-    model), its parameters, buffers and batch included; the gradients are cleared after."""
-    live = storage_bytes([*model.parameters(), *model.buffers(), *inputs.values()])
-    peak = allocator_peak(lambda: model(**inputs).loss.backward(), live)
-    model.zero_grad(set_to_none=True)
-    return peak
-
-
-def allocator_peak(run: Callable[[], Any], live: int) -> int:
-    """``live`` (bytes alive before) plus the highest running sum of the CPU allocator's allocation (+)
-    and free (-) events while ``run()`` runs, as ``torch.profiler.profile(profile_memory=True)``
-    records them: it sees every allocation, eager or compiled, the RNG state checkpointing saves too."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run()
-    # The raw events: the FunctionEvent view attributes memory to ops and loses the order.
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    running = peak = 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        running += e.nbytes()
-        peak = max(peak, running)
-    return live + peak
-
-
-def _profiled_peak(model: nn.Module, opt: torch.optim.Optimizer, inputs: tuple, kwargs: dict) -> int:
-    """Live bytes at the step's start plus the allocator's peak during one step (:func:`allocator_peak`).
-    On the eager rows it equals MemTracker but for the RNG state (the table shows the difference)."""
-    return allocator_peak(lambda: _step(model, opt, inputs, kwargs), _live_bytes(model, opt, inputs, kwargs))
-
-
-def _mem_tracker_peak(
-    model: nn.Module, opt: torch.optim.Optimizer, inputs: tuple, kwargs: dict, device: torch.device
-) -> int:
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    mt = MemTracker()
-    mt.track_external(model, opt, *inputs, *kwargs.values())
-    with mt:
-        _step(model, opt, inputs, kwargs)
-    return mt.get_tracker_snapshot("peak")[device]["Total"]
-
-
 def _peak(model: nn.Module, opt: torch.optim.Optimizer, inputs: tuple, kwargs: dict, device: torch.device) -> int:
     if device.type == "cuda":
         _sync(device)
         torch.cuda.reset_peak_memory_stats(device)
-        _step(model, opt, inputs, kwargs)
+        train_step(model, opt, inputs, kwargs)
         _sync(device)
         return torch.cuda.max_memory_allocated(device)
-    return _profiled_peak(model, opt, inputs, kwargs)
-
-
-def _fwd_bwd_flops(model: nn.Module, inputs: tuple, kwargs: dict) -> int:
-    if isinstance(model, CompiledBudget):
-        counter = model.graph_flops
-        counter.on, counter.total, counter.graphs = True, 0, 0
-        try:
-            scalar_loss(model(*inputs, **kwargs)).backward()
-        finally:
-            counter.on = False
-        model.zero_grad(set_to_none=True)
-        return counter.total
-    with flop_counter() as counter:
-        scalar_loss(model(*inputs, **kwargs)).backward()
-    model.zero_grad(set_to_none=True)
-    return counter.get_total_flops()
+    return profiled_peak(model, opt, inputs, kwargs)
 
 
 def _torch_ac(model: nn.Module, block_cls: type, every: int = 1) -> nn.Module:
@@ -263,27 +112,6 @@ def _smallest_budget(base: nn.Module, example: Any) -> int | None:
     return 1
 
 
-def _budget_configs(smallest: int, none_peak: int, example: Any, points: int, others: list[Config]) -> list[Config]:
-    """``budget:SIZE`` at ``points`` sizes evenly from the smallest accepted to the peak of none, and
-    at the measured peak of every other point (peers and distckpt's fixed policies) that it accepts:
-    given the same memory as that point, does the budget need no more recompute?"""
-    top = max(none_peak, smallest)
-    sizes = {smallest + (top - smallest) * k // (points - 1): "" for k in range(points)}
-    for c in sorted(others, key=lambda c: c.peak):
-        if not c.error and c.peak >= smallest:
-            sizes[c.peak] = " = ".join(filter(None, (sizes.get(c.peak), c.name)))
-    return [
-        Config(
-            f"budget {size / 2**20:.2f} MiB",
-            lambda m, size=size: distckpt.wrap(m, f"budget:{size}", example_inputs=example),
-            kind="budget",
-            budget=size,
-            at=at,
-        )
-        for size, at in sorted(sizes.items())
-    ]
-
-
 def run_model(
     label: str,
     base: nn.Module,
@@ -309,7 +137,7 @@ def run_model(
         )
     none = configs[0]
     smallest = _smallest_budget(base, example)
-    budgets = _budget_configs(smallest, none.peak, example, points, configs[1:]) if smallest else []
+    budgets = budget_configs(smallest, none.peak, example, points, configs[1:]) if smallest else []
     for cfg in budgets:
         _prepare(cfg, base, inputs, kwargs, device, block_cls)
         print(f"  {cfg.name}: {cfg.error or f'{cfg.peak / 2**20:.2f} MiB'}", flush=True)
@@ -321,14 +149,14 @@ def run_model(
     # Interleaved timing: one step of each configuration per round, so drift hits all alike.
     opts = {c.name: torch.optim.AdamW(c.model.parameters(), lr=1e-4) for c in ok}
     for c in ok:  # warm-up
-        _step(c.model, opts[c.name], inputs, kwargs)
+        train_step(c.model, opts[c.name], inputs, kwargs)
     # On CPU the process's CPU time, not wall time: a shared machine's other load does not count.
     clock = time.perf_counter if device.type == "cuda" else time.process_time
     for _ in range(rounds):
         for c in ok:
             _sync(device)
             t0 = clock()
-            _step(c.model, opts[c.name], inputs, kwargs)
+            train_step(c.model, opts[c.name], inputs, kwargs)
             _sync(device)
             c.times.append(clock() - t0)
     for c in all_configs:
@@ -350,8 +178,8 @@ def _prepare(cfg: Config, base: nn.Module, inputs: tuple, kwargs: dict, device: 
         n = sum(1 for m in model.modules() if isinstance(m, block_cls))
     cfg.checkpointed = str(n)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    _step(model, opt, inputs, kwargs)  # compiles; creates the optimizer state: measure the steady state
-    cfg.flops = _fwd_bwd_flops(model, inputs, kwargs)
+    train_step(model, opt, inputs, kwargs)  # compiles; creates the optimizer state: measure the steady state
+    cfg.flops = fwd_bwd_flops(model, inputs, kwargs)
     if isinstance(model, CompiledBudget):
         cfg.checkpointed = f"{model.graph_flops.graphs} graph runs"
         if not model.graph_flops.graphs:
@@ -359,7 +187,7 @@ def _prepare(cfg: Config, base: nn.Module, inputs: tuple, kwargs: dict, device: 
             return
     cfg.peak = _peak(model, opt, inputs, kwargs, device)
     if device.type == "cpu" and cfg.kind != "compile":
-        cfg.mem_tracker = _mem_tracker_peak(model, opt, inputs, kwargs, device)
+        cfg.mem_tracker = mem_tracker_peak(model, opt, inputs, kwargs, device)
     cfg.model = model
 
 
@@ -401,54 +229,6 @@ def _table(label: str, configs: list[Config], fwd_bwd_flops: int) -> list[str]:
             f"{'; '.join(notes)} |"
         )
     return [*rows, ""]
-
-
-def dominated_by(point: Config, frontier: list[Config], none_peak: int, fwd_bwd_flops: int) -> Config | None:
-    """The budget point with the least recompute among those at most ``TOLERANCE`` above
-    ``point`` in both peak and recompute FLOPs, or None."""
-    fits = [
-        b
-        for b in frontier
-        if b.peak <= point.peak + TOLERANCE * none_peak and b.flops <= point.flops + TOLERANCE * fwd_bwd_flops
-    ]
-    return min(fits, key=lambda b: (b.flops, b.peak), default=None)
-
-
-def _at_its_peak(point: Config, frontier: list[Config], none: Config, fwd_bwd_flops: int) -> str:
-    """What the budget point sized at ``point``'s measured peak got (why ``point`` is not dominated)."""
-    b = next((b for b in frontier if point.name in b.at.split(" = ")), None)
-    if b is None:
-        return ""
-    return (
-        f": {b.name}, sized at its peak, measured {b.peak / none.peak:.1%} at {b.flops / fwd_bwd_flops:.1%} recompute"
-    )
-
-
-def _dominance(label: str, configs: list[Config], fwd_bwd_flops: int) -> list[str]:
-    none = next(c for c in configs if c.name == "none")
-    frontier = [c for c in configs if c.kind == "budget" and not c.error]
-    others = [c for c in configs if c.kind in ("peer", "compile", "distckpt") and c.name != "none" and not c.error]
-    rows, peers_ok = [], 0
-    for c in others:
-        b = dominated_by(c, frontier, none.peak, fwd_bwd_flops)
-        if c.kind != "distckpt":
-            peers_ok += b is not None
-        verdict = (
-            f"yes: {b.name} ({b.peak / none.peak:.1%}, {b.flops / fwd_bwd_flops:.1%})"
-            if b
-            else "**no**" + _at_its_peak(c, frontier, none, fwd_bwd_flops)
-        )
-        rows.append(f"| {c.name} | {c.peak / none.peak:.1%} | {c.flops / fwd_bwd_flops:.1%} | {verdict} |")
-    n_peers = sum(1 for c in others if c.kind != "distckpt")
-    return [
-        f"Budget frontier vs every other point ({label.split(':')[0]}): dominates or equals "
-        f"**{peers_ok} of {n_peers}** peer points (torch, HF, torch.compile).",
-        "",
-        "| point | peak vs none | recompute (% of fwd+bwd) | a budget point at or below it on both |",
-        "|---|---|---|---|",
-        *rows,
-        "",
-    ]
 
 
 def _plot(results: dict[str, list[Config]], flops_ref: dict[str, int], path: Path, device: str) -> None:
@@ -588,7 +368,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"[{label}]", flush=True)
         configs = run_model(label, model, block_cls, inputs, kwargs, device, rounds, hf, fractions, args.budget_points)
         results[label] = configs
-        flops_ref[label] = _fwd_bwd_flops(model.to(device), inputs, kwargs)
+        flops_ref[label] = fwd_bwd_flops(model.to(device), inputs, kwargs)
         _write(args, device, rounds, started, results, flops_ref)  # after each model: a partial run leaves results
 
 
@@ -661,7 +441,7 @@ def _write(
     ]
     for label, configs in results.items():
         lines += _table(label, configs, flops_ref[label])
-        lines += _dominance(label, configs, flops_ref[label])
+        lines += dominance(label, configs, flops_ref[label])
     lines += [f"Planner: {_planner_seconds():.3f} s to place 100 blocks of random profiles (median of 5).", ""]
     md.write_text("\n".join(lines))
     _plot(results, flops_ref, png, tag)

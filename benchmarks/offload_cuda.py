@@ -1,7 +1,7 @@
 """The "offload" mode on CUDA: ``python -m benchmarks.offload_cuda`` (one GPU, under 3 minutes on an H200).
 
 On a Hugging Face GPT-2 built from ``GPT2Config`` (random weights, no download; the same-shaped GPT of
-``benchmarks.models`` where transformers is not installed): the measured exchange
+tests/models.py where transformers is not installed): the measured exchange
 rate ``flops_per_byte`` (matmul FLOP/s over pinned host-link bytes/s, :mod:`distckpt.select.profile.transfer`),
 then for no checkpointing, ``full``, every block offloaded, and a budget halfway between ``full``'s and
 no checkpointing's predicted peaks planned with offload offered: the device peak of a forward+backward
@@ -16,34 +16,32 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from models import GPT, GPTConfig, batch, hf_gpt2
+
+import distckpt
+from distckpt.select.blocks import find_blocks
+from distckpt.select.budget import plan_budget, predicted_peak
+from distckpt.select.policies import Placement
+from distckpt.select.profile import flops_per_byte, profile_model
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import distckpt  # noqa: E402
-from benchmarks.models import GPT, GPTConfig, batch, hf_gpt2  # noqa: E402
-from distckpt.select.blocks import find_blocks  # noqa: E402
-from distckpt.select.budget import plan_budget, predicted_peak  # noqa: E402
-from distckpt.select.policies import Placement  # noqa: E402
-from distckpt.select.profile import flops_per_byte, profile_model  # noqa: E402
 
 KW = dict(strategy="none", optimizer="none")
 
 
 def _model(cfg: GPTConfig) -> tuple[torch.nn.Module, str]:
-    """HF GPT-2 from a ``GPT2Config`` of ``cfg``'s size; the GPT of benchmarks.models (the same layout)
+    """HF GPT-2 from a ``GPT2Config`` of ``cfg``'s size; the GPT of tests/models.py (the same layout)
     where transformers is not installed (a GPU machine's own python: ``benchmarks/cuda_session.sh``)."""
     torch.manual_seed(0)
     try:
         return hf_gpt2(cfg).cuda().train(), "HF GPT-2 (GPT2Config, sdpa)"
     except ImportError:
-        return GPT(cfg).cuda().train(), "benchmarks.models.GPT (transformers not installed)"
+        return GPT(cfg).cuda().train(), "GPT of tests/models.py (transformers not installed)"
 
 
 def _loss(model: torch.nn.Module, inputs: Any) -> torch.Tensor:

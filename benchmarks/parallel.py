@@ -1,7 +1,7 @@
 """Step time of ``distckpt.parallelize(graph="auto")`` against the best hand-picked valid DDP flags:
 ``python -m benchmarks.parallel``.
 
-Two gloo CPU ranks train a ~20M-parameter multi-task GPT (``benchmarks.models.Block`` trunk, every
+Two gloo CPU ranks train a ~20M-parameter multi-task GPT (``Block`` trunk of tests/models.py, every
 block checkpointed, three task heads) in two patterns:
 
 - ``all heads``: every head in the loss every step. Best hand-picked valid flags: plain DDP
@@ -36,8 +36,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 TASKS = ("a", "b", "c")
 
 
-def _config():  # noqa: ANN202 - benchmarks.models imported lazily in the ranks
-    from benchmarks.models import GPTConfig
+def _config():  # noqa: ANN202 - tests/models.py imported lazily in the ranks
+    from models import GPTConfig
 
     # ~19.5M parameters: 10 blocks of width 384, a 4096-token vocabulary, three 256-way heads.
     return GPTConfig(vocab=4096, seq=128, dim=384, heads=6, layers=10)
@@ -48,7 +48,7 @@ class MultiTaskGPT(nn.Module):
 
     def __init__(self, cfg, n_classes: int = 256):  # noqa: ANN001
         super().__init__()
-        from benchmarks.models import Block
+        from models import Block
 
         self.tok = nn.Embedding(cfg.vocab, cfg.dim)
         self.pos = nn.Embedding(cfg.seq, cfg.dim)
@@ -78,8 +78,9 @@ PATTERNS = {
 
 def _rank(rank: int, world: int, steps: int, batch_size: int) -> Any:
     # run_ranks set up the gloo group, with the cores shared out between the ranks.
+    from models import batch
+
     import distckpt
-    from benchmarks.models import batch
 
     cfg = _config()
     idx, tgt = batch(cfg, batch_size, seed=rank)

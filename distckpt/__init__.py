@@ -13,6 +13,7 @@ from distckpt.check.sync_guard import GradSyncGuard
 from distckpt.errors import ConfigError, GradDesyncError, NoGradientError, RecomputeMismatchError
 from distckpt.layout import Layout
 from distckpt.parallel.strategies import accumulate, ddp_kwargs, parallelize, preflight
+from distckpt.runtime.routing import routing_replay_disabled
 from distckpt.select import Budget, EveryN, FirstN, Fraction, Full, Selective, parse_policy
 
 __version__ = "0.1.0"
@@ -38,6 +39,7 @@ __all__ = [
     "parallelize",
     "parse_policy",
     "preflight",
+    "routing_replay_disabled",
     "verify_recompute",
     "wrap",
 ]

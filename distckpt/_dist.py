@@ -7,7 +7,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["broadcast_object", "local_shard", "local_tensor", "rank_world", "shard_key", "unwrap_ddp"]
+__all__ = [
+    "broadcast_object",
+    "grad_meta",
+    "local_shard",
+    "local_tensor",
+    "rank_world",
+    "shard_key",
+    "unwrap_ddp",
+    "zero_grad",
+]
 
 
 def rank_world(group: Any = None) -> tuple[int, int]:
@@ -77,3 +86,32 @@ def shard_key(t: torch.Tensor) -> int:
     for dim in split:
         key = key * mesh.size(dim) + coord[dim]
     return key + 1
+
+
+def grad_meta(t: torch.Tensor) -> tuple[Any, ...]:
+    """What :func:`zero_grad` needs to build a zero gradient for ``t`` later (no tensor is kept): its shape, dtype
+    and device, and for a DTensor (a tensor-parallel weight, FSDP2's unsharded parameter) its mesh, placements and
+    local shape as well."""
+    types = _dtensor_types()
+    if types and isinstance(t, types[0]):
+        with torch.no_grad():  # to_local() without grad is the shard itself, no autograd node
+            local = t.to_local()
+        return (t.shape, t.dtype, local.device, t.device_mesh, t.placements, local.shape, t.stride())
+    return (t.shape, t.dtype, t.device)
+
+
+def zero_grad(meta: tuple[Any, ...]) -> torch.Tensor:
+    """A zero gradient for the tensor :func:`grad_meta` described: an expanded scalar (no allocation); for a DTensor
+    a DTensor of that mesh and placements around a local zero, as FSDP2 and TP require of a DTensor parameter's
+    gradient (a plain tensor raises ``Expected DTensor`` in FSDP2's post-backward).
+
+    The DTensor's local zero is allocated: autograd's AccumulateGrad keeps a DTensor gradient whose (global) strides
+    look dense as it is, and the next backward of an accumulation window adds to it in place, which an expanded
+    scalar refuses ("more than one element of the written-to tensor refers to a single memory location")."""
+    if len(meta) == 3:
+        shape, dtype, device = meta
+        return torch.zeros((), dtype=dtype, device=device).expand(shape)
+    shape, dtype, device, mesh, placements, local_shape, stride = meta
+    local = torch.zeros(local_shape, dtype=dtype, device=device)
+    # shape/stride given: no collective to infer them (uneven shards included), run_check=False: no broadcast.
+    return _dtensor_types()[0].from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)

@@ -22,6 +22,7 @@ __all__ = [
     "dynamo_trace_errors",
     "forward_side_effects_once",
     "fake_mode",
+    "fsdp2_reduces_grads",
     "is_plain_backward",
     "mem_tracker",
     "mem_tracker_merge_peak",
@@ -98,6 +99,24 @@ def queue_after_backward(fn: Callable[[], None]) -> None:
     engine.queue_callback(lambda: engine.queue_callback(fn))
 
 
+def fsdp2_reduces_grads(modules: Iterable[torch.nn.Module]) -> bool:
+    """Whether FSDP2 will reduce the gradients of the next backward through ``modules`` (``fully_shard`` units):
+    False after ``set_requires_gradient_sync(False)``, which ``torch.distributed.pipelining`` sets for every
+    micro-batch's backward before reducing all of them at once, outside autograd (``perform_reduce_grad``).
+
+    FSDP2 has a setter and no getter; the flag is each ``FSDPParamGroup``'s ``reduce_grads`` (private,
+    ``torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py``). torch 2.13.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in modules:
+        if isinstance(m, FSDPModule):
+            for group in m._get_fsdp_state()._fsdp_param_groups:
+                if not group.reduce_grads:
+                    return False
+    return True
+
+
 def to_local(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (FSDP2 grads), or ``t`` itself."""
     return t.to_local() if hasattr(t, "to_local") else t
@@ -130,6 +149,16 @@ def torch_dispatch_mode() -> type:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     return TorchDispatchMode
+
+
+def weak_id_dict() -> Any:
+    """A dictionary keyed by tensor identity that does not keep its keys alive
+    (``torch.utils.weak.WeakIdKeyDictionary``: tensors are not hashable by value, and ``id()`` is reused once a
+    tensor dies): verify_recompute's recorder remembers which module each op output came from, to name a
+    router. torch 2.13."""
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    return WeakIdKeyDictionary()
 
 
 class _NoHook:

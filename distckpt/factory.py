@@ -1,6 +1,6 @@
 """The factory a user's command names (``--factory pkg.module:function``), shared by ``distckpt doctor``
 (:mod:`distckpt.check.doctor`, whose docstring states the contract) and ``distckpt plan``
-(:mod:`distckpt.select.estimate`)."""
+(:mod:`distckpt.cli.plan`)."""
 
 from __future__ import annotations
 

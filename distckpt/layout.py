@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from distckpt.errors import ConfigError
-from distckpt.options import Engine, check_shard_size, check_strategy, engine_of
+from distckpt.options import Engine, check_shard_size, check_strategy, check_tp, engine_of
 
 __all__ = ["CompileOptions", "Engine", "Layout", "compile_options", "default_shard_size"]
 
@@ -20,6 +20,7 @@ __all__ = ["CompileOptions", "Engine", "Layout", "compile_options", "default_sha
 # The mesh FSDP2 turns into HSDP: reduce-scatter within "shard" (a node), all-reduce across "replicate".
 HSDP_DIMS = ("replicate", "shard")
 DP_DIM = "dp"
+TP_DIM = "tp"  # the mesh dimension a model's tensor-parallel parameters are sharded over
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,21 +101,30 @@ class Layout:
     Args:
         strategy: ``"none"``, ``"ddp"``, ``"fsdp"`` (FSDP1), ``"fsdp2"`` or ``"hsdp"`` (FSDP2 over a
             ``("replicate", "shard")`` mesh). FSDP2 given a 2-D mesh of those names *is* HSDP and is stored so.
-        world_size: the data-parallel ranks.
+        world_size: the data-parallel ranks (each trains on its own shard of the batch).
         shard_size: ranks that shard the parameters between them under ``"hsdp"`` (a node); None otherwise.
         compile: each block compiled with these options before sharding, or None.
+        tp: tensor-parallel ranks per data-parallel rank (the ``"tp"`` dimension of a ``("dp", "tp")`` mesh; they
+            see the same batch); the job runs ``world_size * tp`` ranks.
     """
 
     strategy: str = "none"
     world_size: int = 1
     shard_size: int | None = None
     compile: CompileOptions | None = None
+    tp: int = 1
 
     @classmethod
     def of(
-        cls, strategy: str | Layout = "ddp", *, world_size: int = 1, shard_size: int | None = None, compile: Any = None
+        cls,
+        strategy: str | Layout = "ddp",
+        *,
+        world_size: int = 1,
+        shard_size: int | None = None,
+        compile: Any = None,
+        tp: int | None = None,
     ) -> Layout:
-        """The checked layout of ``strategy`` over ``world_size`` ranks.
+        """The checked layout of ``strategy`` over ``world_size`` data-parallel ranks.
 
         Args:
             strategy: a strategy name, or a :class:`Layout` (returned as is; then nothing else may be given).
@@ -122,15 +132,17 @@ class Layout:
             shard_size: ``"hsdp"`` only: ranks per shard group, dividing ``world_size`` (default:
                 ``LOCAL_WORLD_SIZE``, the ranks of one node).
             compile: as :func:`compile_options`.
+            tp: tensor-parallel ranks per data-parallel rank (``"fsdp2"`` only; default 1).
 
         Raises:
             ConfigError: an unknown strategy, ``shard_size`` without ``"hsdp"``, unknown or not dividing the world,
-                a Layout given together with other options, or bad compile options.
+                ``tp`` above 1 under another strategy than ``"fsdp2"``, a Layout given together with other
+                options, or bad compile options.
         """
         if isinstance(strategy, Layout):
-            if shard_size is not None or compile is not None:
+            if shard_size is not None or compile is not None or tp is not None:
                 raise ConfigError(
-                    "parallelize got a Layout and shard_size=/compile= as well: the layout already says them. Pass "
+                    "parallelize got a Layout and shard_size=/compile=/tp= as well: the layout already says them. Pass "
                     "one: Layout.of(strategy, shard_size=..., compile=...), or the strategy name with the options."
                 )
             return strategy
@@ -149,9 +161,11 @@ class Layout:
                     "pass parallelize(model, 'hsdp', shard_size=N)."
                 )
             check_shard_size(shard_size, world_size)
+        tp = 1 if tp is None else tp
+        check_tp(tp, strategy)
         if strategy == "none":
             world_size = 1
-        return cls(strategy, world_size, shard_size, compile_options(compile))
+        return cls(strategy, world_size, shard_size, compile_options(compile), tp)
 
     # --- what the rest of the library reads ---------------------------------------------------------
 
@@ -172,20 +186,30 @@ class Layout:
         return self.world_size if self.sharded else 1
 
     @property
+    def ranks(self) -> int:
+        """The job's ranks: data-parallel times tensor-parallel."""
+        return self.world_size * self.tp
+
+    @property
     def mesh_dims(self) -> tuple[tuple[str, int], ...]:
-        """The data-parallel mesh as (name, size) pairs: ``(("dp", world),)``, HSDP's
-        ``(("replicate", world // shard), ("shard", shard))``; ``()`` for one process."""
+        """The mesh as (name, size) pairs: ``(("dp", world),)``, HSDP's ``(("replicate", world // shard),
+        ("shard", shard))``, with tensor parallel ``(("dp", world), ("tp", tp))``; ``()`` for one process."""
         if self.engine is Engine.NONE:
             return ()
         if self.shard_size is not None:
             return ((HSDP_DIMS[0], self.world_size // self.shard_size), (HSDP_DIMS[1], self.shard_size))
+        if self.tp > 1:
+            return ((DP_DIM, self.world_size), (TP_DIM, self.tp))
         return ((DP_DIM, self.world_size),)
 
     def describe(self) -> str:
-        """``"hsdp over 4 ranks (mesh 2 replicate x 2 shard)"``: for logs and messages."""
+        """``"hsdp over 4 ranks (mesh 2 replicate x 2 shard)"``, ``"fsdp2 over 2 ranks x tp 2 (mesh 2 dp x 2 tp)"``:
+        for logs and messages."""
         if self.engine is Engine.NONE:
             return "one process"
         text = f"{self.strategy} over {self.world_size} rank{'s' if self.world_size != 1 else ''}"
         if self.shard_size is not None:
             text += f" (mesh {self.world_size // self.shard_size} replicate x {self.shard_size} shard)"
+        if self.tp > 1:
+            text += f" x tp {self.tp} (mesh {self.world_size} dp x {self.tp} tp)"
         return text

@@ -15,7 +15,7 @@ from torch.utils.data import Dataset, IterableDataset
 
 from distckpt.errors import ConfigError
 from distckpt.layout import Layout, default_shard_size
-from distckpt.options import Engine
+from distckpt.options import Engine, check_tp
 from distckpt.parallel import fsdp1
 from distckpt.train.data import (
     DIGITS_FEATURES,
@@ -75,12 +75,18 @@ def layout_of(strategy: DictConfig, world_size: int) -> Layout:
     if strategy.name == "hsdp" and shard is None:
         shard = default_shard_size(fallback=world_size)
     backend = strategy.get("compile")
+    tp = int(strategy.get("tp", 1))
+    try:
+        check_tp(tp, strategy.name, world_size)
+    except ConfigError as e:
+        raise ConfigError(f"strategy={strategy.name} strategy.tp={tp}: {e} Fix the override strategy.tp=N.") from None
     try:
         return Layout.of(
             strategy.name,
-            world_size=world_size if strategy.name != "none" else 1,
+            world_size=world_size // tp if strategy.name != "none" else 1,
             shard_size=None if shard is None else int(shard),
             compile=None if backend is None else {"backend": backend},
+            tp=tp,
         )
     except ConfigError as e:
         raise ConfigError(
@@ -138,10 +144,18 @@ def task_data(node: DictConfig) -> DictConfig:
 
 
 def build_data(
-    d: DictConfig, m: DictConfig, device: torch.device | None = None, *, allow_reshuffle: bool = False
+    d: DictConfig,
+    m: DictConfig,
+    device: torch.device | None = None,
+    *,
+    allow_reshuffle: bool = False,
+    ranks: tuple[int, int] | None = None,
 ) -> ShardedLoader | TaskMixLoader:
     """This rank's loader for ``data=...``: sharded over the ranks, shuffled per epoch, resumable
-    (``allow_reshuffle``: ``trainer.allow_reshuffle``, see :class:`~distckpt.train.data.ShardedLoader`)."""
+    (``allow_reshuffle``: ``trainer.allow_reshuffle``, see :class:`~distckpt.train.data.ShardedLoader`).
+    ``ranks``: ``(this rank's index, ranks)`` among those that read different data (the data-parallel ranks under
+    tensor parallel: the tp ranks of one replica read the same batch); default: every rank."""
+    where = {} if ranks is None else {"rank": ranks[0], "world_size": ranks[1]}
     pin = bool(d.pin_memory) and device is not None and device.type == "cuda"
     if d.name == "multitask":
         datasets = {t: build_datasets(task_data(task.data), m) for t, task in d.tasks.items()}
@@ -155,6 +169,7 @@ def build_data(
             pin_memory=pin,
             drop_last=d.drop_last,
             allow_reshuffle=allow_reshuffle,
+            **where,
         )
     train_set, eval_set = build_datasets(d, m)
     return ShardedLoader(
@@ -167,6 +182,7 @@ def build_data(
         drop_last=d.drop_last,
         eval_dataset=eval_set,
         allow_reshuffle=allow_reshuffle,
+        **where,
     )
 
 
@@ -202,6 +218,26 @@ def build_optimizer(o: DictConfig, model: nn.Module, max_steps: int) -> tuple[to
     return opt, sched
 
 
+def tensor_parallel_mesh(layout: Layout, device: torch.device) -> Any:
+    """The ``("dp", "tp")`` mesh of ``strategy.tp`` > 1, or None."""
+    if layout.tp == 1:
+        return None
+    from distckpt.parallel.mesh import build_mesh
+
+    return build_mesh(layout, device.type)
+
+
+def apply_tensor_parallel(model: nn.Module, mesh: Any) -> None:
+    """Tensor parallel on the model's blocks over ``mesh["tp"]`` (the first step of the order: before
+    checkpointing), with the torchtitan-style plan of :func:`distckpt.parallel.tp.transformer_plan`."""
+    if mesh is None:
+        return
+    from distckpt.parallel.tp import apply_tp
+    from distckpt.select.blocks import find_blocks
+
+    apply_tp(model, mesh["tp"], find_blocks(model, None))
+
+
 def parallel_kwargs(p: DictConfig, layout: Layout) -> dict[str, Any]:
     """Extra arguments for ``distckpt.parallelize``: FSDP's own mixed precision when ``precision.sharded``."""
     if not p.sharded or p.dtype == "fp32":
@@ -233,9 +269,13 @@ def build_scaler(p: DictConfig, layout: Layout, device: torch.device) -> Any:
 
 
 def clip_fn(model: nn.Module, layout: Layout) -> Callable[[float], torch.Tensor]:
-    """``clip(max_norm) -> total norm`` over all ranks: FSDP1 shards flat params and needs its own method."""
+    """``clip(max_norm) -> total norm`` over all ranks: FSDP1 shards flat params and needs its own method; under
+    tensor parallel the gradients live on two meshes (FSDP2's "dp" for the replicated parameters, ("dp", "tp") for
+    the tensor-parallel ones), which one ``clip_grad_norm_`` cannot stack: each mesh's norm is taken apart."""
     if layout.engine is Engine.FSDP1:
         return functools.partial(fsdp1.clip_grad_norm, model)
+    if layout.tp > 1:
+        return functools.partial(_clip_by_mesh, model)
 
     def clip(max_norm: float) -> torch.Tensor:
         norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
@@ -243,3 +283,23 @@ def clip_fn(model: nn.Module, layout: Layout) -> Callable[[float], torch.Tensor]
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     return clip
+
+
+def _clip_by_mesh(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip gradients held as DTensors on several meshes: the total norm from each mesh's own (a collective over it,
+    in parameter order on every rank), then every gradient scaled by one factor."""
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
+    norms = []
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    total = torch.stack([n.float() for n in norms]).norm() if norms else torch.zeros(())
+    coef = min(1.0, max_norm / (float(total) + 1e-6))
+    if coef < 1.0:
+        for grads in groups.values():
+            for g in grads:
+                g.mul_(coef)
+    return total

@@ -11,6 +11,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -86,6 +87,7 @@ RANGES: dict[str, Range] = {
     "data.noise": PROBABILITY,
     "data.shuffle_block": Range(1, why="windows shuffled together; 1: no shuffle"),
     "strategy.shard_size": Range(1, why="ranks per shard group; null: the ranks of one node"),
+    "strategy.tp": Range(1, why="tensor-parallel ranks per data-parallel rank; 1: no tensor parallel"),
     "ac.n": SIZE,
     "ac.offload_flops_per_byte": Range(0, lo_open=True),
     "optim.lr": Range(0, lo_open=True),
@@ -338,9 +340,26 @@ def check_model(cfg: DictConfig, world_size: int = 1) -> None:
         raise ConfigError(
             f"model={cfg.model.name} cannot be built from these model.* values: {type(e).__name__}: {text}"
         ) from None
+    _check_tp_plan(cfg, model)
     blocks = list(args.blocks) if args.blocks else None
     try:  # policy None (ac=none) too: ac.blocks must match the model whatever the policy
         distckpt.wrap(model, policy, blocks=blocks, reentrant=args.reentrant, offload=args.offload)
     except ConfigError as e:
         where = f"ac.blocks=[{','.join(blocks)}]" if blocks else f"model={cfg.model.name} ac.policy={c.policy}"
         raise ConfigError(f"{where}: {e}" + ("" if blocks else " In the launcher: ac.blocks=[GLOB,...].")) from None
+
+
+def _check_tp_plan(cfg: DictConfig, model: Any) -> None:
+    """``strategy.tp`` > 1: the model has the tensor-parallel plan training will apply (Llama-style attention and MLP
+    linears in its blocks) and the tp divides its heads and widths (the model on the meta device)."""
+    tp = int(cfg.strategy.get("tp", 1))
+    if tp == 1:
+        return
+    from distckpt.select.blocks import find_blocks
+    from distckpt.select.tp_shapes import check_heads, tp_roles
+
+    try:
+        found = find_blocks(model, None)
+        check_heads(model, found, tp_roles(found), tp)
+    except ConfigError as e:
+        raise ConfigError(f"strategy.tp={tp} with model={cfg.model.name}: {e}") from None

@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `launch` and `distckpt` from a checkout
+    # `python launch/X.py` puts launch/, not the checkout, first on the path: `launch` and `distckpt` from the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from distckpt.errors import ConfigError  # noqa: E402
 

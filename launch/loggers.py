@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import os
 import uuid
-import warnings
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
+from distckpt._log import notify
 from distckpt.errors import error_line
 from distckpt.train.metrics import MetricWriter
 
@@ -38,9 +38,10 @@ class WandbWriter:
 
     ``"online"`` without an API key goes offline at once, so a run never prompts for a login. Any
     failure of ``wandb.init`` (a malformed key, an unreachable server, no answer within
-    ``init_timeout`` seconds) is one warning and an offline run in the run dir instead; should that
-    fail too, wandb is off for the run. ``metrics.jsonl`` is written in every case. The run id
-    lives in the run dir, so a resumed run continues the same wandb run.
+    ``init_timeout`` seconds) is one message on the ``distckpt`` logger (rank 0's log: no warnings filter
+    hides it) and an offline run in the run dir instead; should that fail too, wandb is off for the run.
+    ``metrics.jsonl`` is written in every case. The run id lives in the run dir, so a resumed run continues
+    the same wandb run.
     """
 
     def __init__(
@@ -50,10 +51,10 @@ class WandbWriter:
 
         mode = os.environ.get("WANDB_MODE", mode)  # the user's environment wins (offline on a cluster, ...)
         if mode == "online" and not (os.environ.get("WANDB_API_KEY") or _wandb_logged_in()):
-            warnings.warn(
+            notify(
                 "wandb: no API key (WANDB_API_KEY or `wandb login`); logging offline to the run dir. "
                 "Sync later with `wandb sync RUN_DIR/wandb`.",
-                stacklevel=3,
+                warn=False,
             )
             mode = "offline"
         id_file = run_dir / "wandb_id.txt"
@@ -75,15 +76,15 @@ class WandbWriter:
 
 
 def _init_or_offline(wandb: Any, mode: str, kwargs: dict[str, Any]) -> Any:
-    """``wandb.init`` in ``mode``; on any failure one warning and an offline run (None if that fails too)."""
+    """``wandb.init`` in ``mode``; on any failure one message and an offline run (None if that fails too)."""
     try:
         return wandb.init(mode=mode, **kwargs)
     except Exception as e:  # AuthenticationError, CommError (timeout, no network), UsageError, ...: never fatal
         if mode != "online":
-            warnings.warn(
+            notify(
                 f"wandb: init in mode {mode} failed ({error_line(e)}); wandb is off for this run, "
                 "metrics.jsonl has every metric.",
-                stacklevel=4,
+                warn=False,
             )
             return None
         first = error_line(e)
@@ -94,16 +95,16 @@ def _init_or_offline(wandb: Any, mode: str, kwargs: dict[str, Any]) -> Any:
         wandb.teardown()
         run = wandb.init(mode="offline", **kwargs)
     except Exception as e:
-        warnings.warn(
+        notify(
             f"wandb: online init failed ({first}) and offline too ({error_line(e)}); wandb is off for "
             "this run, metrics.jsonl has every metric.",
-            stacklevel=4,
+            warn=False,
         )
         return None
-    warnings.warn(
+    notify(
         f"wandb: online init failed ({first}); logging offline to the run dir instead "
         "(sync later with `wandb sync RUN_DIR/wandb`).",
-        stacklevel=4,
+        warn=False,
     )
     return run
 

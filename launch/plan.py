@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `launch` and `distckpt` from a checkout
+    # `python launch/X.py` puts launch/, not the checkout, first on the path: `launch` and `distckpt` from the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from distckpt.errors import ConfigError  # noqa: E402
 
@@ -32,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python launch/plan.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("overrides", nargs="+", help="Hydra overrides of the launcher's config (key=value)")
     add_plan_flags(parser)
-    parser.set_defaults(strategy=None, optimizer=None)
+    parser.set_defaults(strategy=None, optimizer=None, tp=None)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = compose_job(args.overrides)
@@ -46,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     args.grad_accumulation = args.grad_accumulation or facts.grad_accumulation
     if args.shard_size is None and args.strategy == "hsdp":
         args.shard_size = cfg.strategy.get("shard_size")
+    if args.tp is None:
+        args.tp = int(cfg.strategy.get("tp", 1)) if args.strategy == cfg.strategy.name else 1
     # The launcher's whole global batch is one micro-batch unless --micro-batch says otherwise.
     args.factory = functools.partial(build_subject, tuple(args.overrides), False, 1, True)
     return run_plan(args)

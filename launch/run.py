@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import distckpt
 from distckpt._dist import broadcast_object, rank_world
+from distckpt._log import Notice
 from distckpt._spawn import free_port
 from distckpt.errors import ConfigError, first_lines
 from distckpt.select import CHECKPOINT_MODES
@@ -26,6 +27,7 @@ from distckpt.train import Callback, LoopOptions, LoopResult, MetricSink, TrainS
 from distckpt.train.data import TaskBatches
 from launch.ac import wrap_args
 from launch.build import (
+    apply_tensor_parallel,
     autocast_factory,
     build_data,
     build_model,
@@ -34,6 +36,7 @@ from launch.build import (
     clip_fn,
     layout_of,
     parallel_kwargs,
+    tensor_parallel_mesh,
 )
 from launch.config import validate
 from launch.hf import hf_inner, save_hf
@@ -142,6 +145,9 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None, *, val
     if not validated:
         validate(cfg, world)
     _quiet_torch_warnings()
+    # What a run's safety depends on (a checkpoint skipped, a logger's fallback, ...) distckpt logs on the
+    # `distckpt` logger, which Hydra's job logging shows, and also warns (distckpt._log.notify): said once here.
+    warnings.filterwarnings("ignore", category=Notice)
     t = cfg.trainer
     user_callbacks = _callbacks(t.callbacks)  # a bad entry is a ConfigError before anything is written
     device = _device(t.device)
@@ -157,7 +163,12 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None, *, val
         Path(path).mkdir(parents=True, exist_ok=True)
 
     torch.manual_seed(t.seed)  # the same initial parameters on every rank
-    data = build_data(cfg.data, cfg.model, device, allow_reshuffle=t.allow_reshuffle)
+    # The layout says the strategy, hsdp's mesh (world // shard_size, shard_size), strategy.tp's ("dp", "tp") mesh and
+    # strategy.compile (each block compiled, before sharding).
+    layout = layout_of(cfg.strategy, world)
+    tp_mesh = tensor_parallel_mesh(layout, device)  # the tp ranks of one replica read the same data
+    ranks = None if tp_mesh is None else (tp_mesh["dp"].get_local_rank(), layout.world_size)
+    data = build_data(cfg.data, cfg.model, device, allow_reshuffle=t.allow_reshuffle, ranks=ranks)
     model = build_model(cfg.model, cfg.data)
     example = data.example(t.grad_accum)
     if isinstance(example, TaskBatches):  # data=multitask: the model sees one task's batch per forward
@@ -166,14 +177,14 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike[str] | None = None, *, val
     # reads the CUDA device's memory), and the example batch goes with it.
     model.to(device)
     example = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in example.items()}
+    apply_tensor_parallel(model, tp_mesh)  # the order: tensor parallel, checkpointing, compile, sharding
     _wrap(model, cfg, example)
     blocks = distckpt.checkpointed(model)  # before parallelize: the user's names, no wrapper prefixes
     verified = _optional_verify(model, example, t.verify_recompute)
     inner = hf_inner(model)  # the HF model before parallelize, for RUN_DIR/hf/ at the end
-    # The layout says the strategy, hsdp's mesh (world // shard_size, shard_size) and strategy.compile (each block
-    # compiled, before sharding).
-    layout = layout_of(cfg.strategy, world)
-    model = distckpt.parallelize(model, layout, graph=cfg.strategy.graph, **parallel_kwargs(cfg.precision, layout))
+    model = distckpt.parallelize(
+        model, layout, graph=cfg.strategy.graph, device_mesh=tp_mesh, **parallel_kwargs(cfg.precision, layout)
+    )
     optimizer, scheduler = build_optimizer(cfg.optim, model, t.max_steps)
     state = TrainState(model, optimizer, scheduler, build_scaler(cfg.precision, layout, device), data=data)
     guard = _optional_guard(model, t.guard_every)
@@ -257,7 +268,10 @@ def _callbacks(entries: Any) -> list[Callback]:
 
 
 def _mesh(cfg: DictConfig, world: int) -> str:
-    shards = layout_of(cfg.strategy, world).shard_size
+    layout = layout_of(cfg.strategy, world)
+    shards = layout.shard_size
+    if layout.tp > 1:
+        return f" (mesh {layout.world_size} dp x {layout.tp} tp)"
     return f" (mesh {world // shards} replicate x {shards} shard)" if shards else ""
 
 

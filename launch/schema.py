@@ -108,6 +108,7 @@ class StrategyConfig:
     name: str = "ddp"  # none | ddp | fsdp | fsdp2 | hsdp
     graph: str = "auto"  # auto | static | dynamic (distckpt.parallelize)
     shard_size: Optional[int] = None  # hsdp: ranks per shard group; None: LOCAL_WORLD_SIZE (one node's ranks)
+    tp: int = 1  # tensor-parallel ranks per data-parallel rank (fsdp2; model=gpt or a Llama-style hf model)
     # torch.compile backend for each block, after checkpointing and before sharding (parallelize's compile=), e.g.
     # inductor or aot_eager; None: no compile
     compile: Optional[str] = None

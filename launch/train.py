@@ -12,7 +12,9 @@ import sys
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `launch` and `distckpt` from a checkout
+# `python launch/train.py` (and torchrun) puts launch/, not the checkout, first on the path: `launch` and
+# `distckpt` from the checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402

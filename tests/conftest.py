@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, os.path.dirname(__file__))  # tests/harness.py and tests/models.py
-
-from harness import DistPool  # noqa: E402
-from xdist_order import file_scope, scheduler  # noqa: E402
+from harness import DistPool  # tests/ is on the path: pyproject's pythonpath
+from xdist_order import file_scope, scheduler
 
 
 @pytest.fixture(scope="session")

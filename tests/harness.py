@@ -4,10 +4,10 @@ Kept here instead of ``torch.testing._internal`` (private, changes between relea
 set up by the library's spawner (:func:`distckpt._spawn.init_rank`); the ranks are started once per
 test session and reused (a spawn costs seconds of imports, 10-40 s on a loaded 2-core machine).
 
-A call that raises on some rank keeps the processes: the rank that raised destroys its process group at
-once (so a peer waiting for it in a collective gets an error instead of hanging), then every rank joins
-a fresh group (:func:`_regroup`) before the next call, so no collective of the failed call is left in
-flight. A call that does not finish in time (a hang: a rank stuck in a collective, which no message
+A call that raises on some rank keeps the processes: the rank that raised shuts its connections down at
+once (:func:`_hang_up`, so a peer waiting for it in a collective gets an error instead of hanging), then
+every rank joins a fresh group (:func:`_regroup`) before the next call, so no collective of the failed
+call is left in flight. A call that does not finish in time (a hang: a rank stuck in a collective, which no message
 can reach), or ranks that do not all regroup in time, restart the processes instead.
 
 Usage::
@@ -21,7 +21,10 @@ Usage::
 
 from __future__ import annotations
 
+import os
 import queue
+import socket
+import stat
 import sys
 import traceback
 import warnings
@@ -68,6 +71,43 @@ def _regroup(rank: int, world_size: int, port: int, generation: int) -> None:
     )
 
 
+def _hang_up() -> None:
+    """Shut down every TCP connection of this rank: its process groups' (gloo's pairs), their stores'.
+
+    Destroying a gloo group closes its connections only when the last reference to it goes, and torch keeps
+    one of its own after an FSDP2 step, for the rest of the process (measured, torch 2.13: held from C++, no
+    Python object refers to it, ``gc.collect()`` does not free it; ``ProcessGroup.abort()`` and the backend's
+    ``shutdown()``/``abort()`` leave gloo's sockets open). The peer then waited out the call's 10 s
+    after the failure and the pool restarted (test_harness's ``test_error_keeps_the_ranks`` failed when an
+    earlier test on the same pytest-xdist worker had run FSDP2 on the ranks). A shut-down socket fails the
+    peer's pending send or receive at once ("Connection closed by peer"), whoever still holds the group. The
+    rank joins a fresh group (a new store client) before its next job. Only Linux lists a process's sockets
+    (``/proc/self/fd``); elsewhere the group is left to its destructor, as before."""
+    fd_dir = "/proc/self/fd"
+    if not os.path.isdir(fd_dir):
+        return
+    for name in os.listdir(fd_dir):
+        try:
+            fd = int(name)
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+        except (ValueError, OSError):  # the listing's own descriptor, closed by now
+            continue
+        sock = socket.socket(fileno=fd)
+        try:
+            # Not a listening socket: gloo's listener thread aborts the process when its accept() fails.
+            if (
+                sock.family in (socket.AF_INET, socket.AF_INET6)
+                and sock.type == socket.SOCK_STREAM
+                and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+            ):
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # one the peer closed already
+            pass
+        finally:
+            sock.detach()  # the descriptor stays its owner's (gloo, the store), to close in its own time
+
+
 def _error_filters() -> list[tuple[str, str, type, str, int]]:
     """The "error" warning filters in force here (pyproject.toml's filterwarnings, which pytest installs around each
     test and fixture), as ``warnings.filterwarnings`` arguments: the ranks apply them too, so a FutureWarning or
@@ -99,7 +139,9 @@ def _worker(
             job = inbox.get()
         except Exception as e:  # noqa: BLE001 - the job did not unpickle here (its module fails to import)
             # Reported like an error of the job: a rank that died here would leave the parent waiting a timeout.
+            # A peer that got the job may wait for this rank in a collective: hang up, as after an error.
             outbox.put((rank, False, (type(e).__name__, str(e), traceback.format_exc())))
+            _hang_up()
             continue
         if job is None:
             break
@@ -114,8 +156,12 @@ def _worker(
             outbox.put((rank, False, (type(e).__name__, str(e), traceback.format_exc())))
             # A peer may wait for this rank in a collective: closing the group's connections makes it
             # raise (gloo: "Connection closed by peer") and answer, instead of hanging until a restart.
+            # Destroyed first: a group nothing else holds finishes its async work in its destructor, then
+            # closes (hung up with async work in flight, the ranks sometimes missed the regroup); one still
+            # held is hung up on.
             if dist.is_initialized():
                 dist.destroy_process_group()
+            _hang_up()
     if dist.is_initialized():
         dist.destroy_process_group()
 

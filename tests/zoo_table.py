@@ -11,9 +11,7 @@ import platform
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import zoo  # noqa: E402
+import zoo  # tests/, the script's own folder: first on the path
 
 
 def _mark(r: dict, check: str) -> str:
@@ -64,7 +62,9 @@ def table(results: dict[str, dict]) -> str:
             else _mark(r, "blocks")
         )
         if "peak" in r:
-            same = "=" if r["peak"] == r["peak_hf"] else ("< (explained in notes)" if "peak_hf_note" in r else "**!=**")
+            explained = "< (explained in notes)" if "peak_hf_note" in r else "> (routing replay, in notes)"
+            noted = "peak_hf_note" in r or "peak_replay_note" in r
+            same = "=" if r["peak"] == r["peak_hf"] else (explained if noted else "**!=**")
             peak = f"{_kib(r['peak'])} {same} {_kib(r['peak_hf'])} / {_kib(r['peak_none'])}"
         else:
             peak = _mark(r, "peak")
@@ -89,6 +89,11 @@ def table(results: dict[str, dict]) -> str:
                 "T5Attention.gradient_checkpointing, which makes the cross-attention's zero position bias "
                 "require grad (kept for backward, and its gradient computed); with that flag off, equal "
                 f"({_kib(r['peak_hf_without_bias_grad'])} KiB)"
+            )
+        if "peak_replay_note" in r:
+            notes.append(
+                f"{r['peak_replay_note']} B over HF's peak: routing replay keeps a layer's routing (56 B per token) "
+                "until its backward ([moe.md](moe.md)); without it (`routing_replay_disabled`), equal"
             )
         notes += [f"known failure, {k[len('xfail_') :]}: {v}" for k, v in sorted(r.items()) if k.startswith("xfail_")]
         if "prediction_choices" in r:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import warnings
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 from distckpt import _torch_compat as compat
+from distckpt._log import notify
 from distckpt.apply.state import WRAP_STATE, WrapState, wrap_state
 from distckpt.errors import ConfigError
 from distckpt.layout import Layout
@@ -119,7 +119,7 @@ def _foreign_checkpointing(model: nn.Module) -> None:
                 # HF (reentrant) and peft make the embeddings' output require grad with a hook; distckpt's
                 # blocks need none, and it costs a backward through the embeddings (1.354x vs 1.329x FLOPs).
                 m.disable_input_require_grads()
-        warnings.warn(
+        notify(
             "distckpt.apply.wrap: the model had Hugging Face gradient checkpointing enabled "
             f"({len(hf)} modules); it was disabled so that no block is recomputed twice, and "
             "distckpt checkpoints the blocks instead.",
@@ -183,7 +183,7 @@ def wrap(
     candidates = find_blocks(model, blocks)
     replaced = unwrap(model, [m for _, m in candidates])
     if replaced:
-        logger.info("distckpt.apply.wrap: replacing the earlier checkpointing of %d blocks", replaced)
+        notify(f"distckpt.apply.wrap: replacing the earlier checkpointing of {replaced} blocks", warn=False)
     for name, block in candidates:
         if "forward" in vars(block):
             raise ConfigError(
@@ -327,12 +327,11 @@ def hand_over(model: nn.Module, layout: Layout) -> None:
     state.handed_over = parallelism
     if state.planned_for is None or state.planned_for == parallelism:
         return  # still to be planned (first forward: it will use these facts), or planned for them
-    logger.info(
-        "distckpt budget: planned for %s over %d ranks at wrap, redone for %s over %d ranks",
-        state.planned_for.strategy,
-        state.planned_for.world_size,
-        parallelism.strategy,
-        parallelism.world_size,
+    notify(
+        f"distckpt budget: planned for {state.planned_for.strategy} over {state.planned_for.world_size} ranks at "
+        f"wrap, redone for {parallelism.strategy} over {parallelism.world_size} ranks (parallelize's layout): the "
+        "blocks checkpointed may change",
+        warn=False,  # parallelize's documented hand-over, not a mistake: logged
     )
     unwrap(model, [m for _, m in state.candidates])
     _apply_plan(model, state)

@@ -226,51 +226,22 @@ def _train_against_reference(
     """``opts.steps`` SGD steps of the parallel model under GradSyncGuard, each compared with the
     single-process reference on the global batch."""
     from distckpt.check.sync_guard import GradSyncGuard
-    from distckpt.errors import GradDesyncError
 
-    findings: list[Finding] = []
     guard = GradSyncGuard(pmodel, params_every=1, no_grad_steps=min(2, opts.steps), on_no_grad="ignore")
     opt = torch.optim.SGD([p for p in pmodel.parameters() if p.requires_grad], lr=opts.lr)
     ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=opts.lr)
     worst, no_grad = 0.0, []
     for step in range(opts.steps):
         rng = torch.get_rng_state()
-        try:
-            loss = loss_fn(pmodel, batch_fn(step, rank, world))
-            loss.backward()
-            rep = guard.check()
-        except GradDesyncError as e:
-            findings.append(
-                Finding(
-                    "sync",
-                    False,
-                    f"step {step}: {e}".split(" Likely cause")[0],
-                    "gradients were not synchronized: use reentrant=False and graph='auto'",
-                )
-            )
-            return findings
-        except Exception as e:
-            findings.append(
-                Finding(
-                    "step",
-                    False,
-                    f"step {step} under {opts.strategy}: {type(e).__name__}: "
-                    f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}",
-                )
-            )
-            return findings
+        done = _parallel_step(pmodel, loss_fn, batch_fn, guard, step, rank, world, opts.strategy)
+        if isinstance(done, Finding):
+            return [done]
+        value, rep = done
         after = torch.get_rng_state()
-        # What DDP computes: the mean over ranks of each rank's gradient, here in one process. Every
-        # rank replays each rank's batch from the same RNG state (dropout masks agree).
-        for r in range(world):
-            torch.set_rng_state(rng)
-            (loss_fn(ref, batch_fn(step, r, world)) / world).backward()
+        ref_norm = _reference_grad_norm(ref, loss_fn, batch_fn, step, world, rng)
         torch.set_rng_state(after)
-        ref_grads = list(_grads(ref).values())
-        ref_norm = float(torch.stack([g.double().norm() for g in ref_grads]).norm()) if ref_grads else 0.0
-        value = float(loss.detach())
         if _any_rank(not all(math.isfinite(v) for v in (value, rep.grad_norm or 0.0, ref_norm))):
-            findings.append(
+            return [
                 Finding(
                     "finite",
                     False,
@@ -280,22 +251,73 @@ def _train_against_reference(
                     "a non-finite loss or gradient is never safe: fix the "
                     "model, loss, data or lr first (it is not a checkpointing setting)",
                 )
-            )
-            return findings
+            ]
         worst = max(worst, abs((rep.grad_norm or 0.0) - ref_norm) / max(ref_norm, 1e-12))
         no_grad = rep.no_grad
         opt.step()
         opt.zero_grad()
         ref_opt.step()
         ref_opt.zero_grad()
-    findings.append(
+    return _training_verdict(worst, no_grad, world, opts.steps)
+
+
+def _parallel_step(
+    pmodel: nn.Module,
+    loss_fn: Callable,
+    batch_fn: Callable,
+    guard: Any,
+    step: int,
+    rank: int,
+    world: int,
+    strategy: str | None,
+) -> tuple[float, Any] | Finding:
+    """Forward and backward of ``step`` on this rank's batch, then the guard's check: ``(loss, the guard's
+    report)``, or the Finding that ends the diagnosis (gradients out of sync, or the step raised)."""
+    from distckpt.errors import GradDesyncError
+
+    try:
+        loss = loss_fn(pmodel, batch_fn(step, rank, world))
+        loss.backward()
+        rep = guard.check()
+    except GradDesyncError as e:
+        return Finding(
+            "sync",
+            False,
+            f"step {step}: {e}".split(" Likely cause")[0],
+            "gradients were not synchronized: use reentrant=False and graph='auto'",
+        )
+    except Exception as e:
+        return Finding(
+            "step",
+            False,
+            f"step {step} under {strategy}: {type(e).__name__}: "
+            f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}",
+        )
+    return float(loss.detach()), rep
+
+
+def _reference_grad_norm(
+    ref: nn.Module, loss_fn: Callable, batch_fn: Callable, step: int, world: int, rng: torch.Tensor
+) -> float:
+    """The global gradient norm of ``step`` without checkpointing, in one process: what DDP computes, the mean
+    over ranks of each rank's gradient. Every rank replays each rank's batch from the same RNG state ``rng``
+    (dropout masks agree); the RNG is left where the last replay left it."""
+    for r in range(world):
+        torch.set_rng_state(rng)
+        (loss_fn(ref, batch_fn(step, r, world)) / world).backward()
+    ref_grads = list(_grads(ref).values())
+    return float(torch.stack([g.double().norm() for g in ref_grads]).norm()) if ref_grads else 0.0
+
+
+def _training_verdict(worst: float, no_grad: list[str], world: int, steps: int) -> list[Finding]:
+    """The findings of a run that finished its steps: in sync (the guard never raised), as the reference
+    (``worst``: the largest relative difference of the global gradient norms), every parameter trained."""
+    return [
         Finding(
             "sync",
             True,
-            f"gradients identical across {world} ranks on {opts.steps} step(s), parameters too (GradSyncGuard)",
-        )
-    )
-    findings.append(
+            f"gradients identical across {world} ranks on {steps} step(s), parameters too (GradSyncGuard)",
+        ),
         Finding(
             "reference",
             worst <= 1e-4,
@@ -305,9 +327,7 @@ def _train_against_reference(
             if worst <= 1e-4
             else "the parallel run computes other gradients than the model "
             "itself: check the loss is a mean over equal rank batches, and use reentrant=False",
-        )
-    )
-    findings.append(
+        ),
         Finding(
             "gradients",
             not no_grad,
@@ -318,9 +338,8 @@ def _train_against_reference(
             if not no_grad
             else "use reentrant=False (a frozen input under reentrant "
             "checkpointing), or set requires_grad=False on parameters meant to be frozen",
-        )
-    )
-    return findings
+        ),
+    ]
 
 
 def _any_rank(flag: bool) -> bool:

@@ -7,11 +7,9 @@ differs and the likely cause.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import math
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,49 +20,11 @@ from distckpt import _torch_compat as compat
 from distckpt._dist import local_shard as _local
 from distckpt._dist import unwrap_ddp as _inner
 from distckpt.apply.compile import uncompiled
+from distckpt.check.op_record import CAUSES, Call, Mismatch, op_mismatches, recording, storage_of
 from distckpt.errors import ConfigError, RecomputeMismatchError
 from distckpt.runtime.swap import _clean_fqn, checkpoint_mode, checkpointing_disabled, is_checkpointed
 
 __all__ = ["Mismatch", "RecomputeReport", "verify_recompute"]
-
-_RANDOM_OPS = (
-    "bernoulli",
-    "dropout",
-    "rand",
-    "normal",
-    "uniform",
-    "multinomial",
-    "exponential",
-    "cauchy",
-    "geometric",
-    "log_normal",
-    "poisson",
-    "random_",
-)
-_UNINITIALIZED_OPS = ("empty",)  # outputs of empty/empty_like/new_empty hold garbage: never compared
-# Autograd detaches the tensors it saves in the recompute but not in the forward, and autocast casts a
-# weight once per autocast region (its cache), so the recompute casts where the forward reused a
-# cast: neither is a difference (a cast's value follows from its input, which is compared).
-_IGNORED_OPS = frozenset({"aten::detach", "aten::alias", "aten::lift_fresh", "aten::_to_copy"})
-
-
-@dataclass(frozen=True)
-class Mismatch:
-    """One place where the checkpointed step differs from the step without checkpointing.
-
-    Attributes:
-        module: FQN of the module (a submodule of a checkpointed block, the block, or the owner of a
-            differing gradient or buffer).
-        kind: ``"rng"``, ``"control_flow"``, ``"shape"``, ``"state"``, ``"batchnorm"``, ``"buffer"``,
-            ``"gradient"``, ``"loss"`` or ``"checkpoint_error"``.
-        detail: what differs.
-        cause: the likely cause and the fix, in words.
-    """
-
-    module: str
-    kind: str
-    detail: str
-    cause: str
 
 
 @dataclass
@@ -94,226 +54,6 @@ class RecomputeReport:
         return "recompute differs:\n" + "\n".join(
             f"  {m.module} [{m.kind}]: {m.detail}. {m.cause}" for m in self.mismatches
         )
-
-
-_CAUSES = {
-    "rng": "Likely cause: a random op (dropout) is recomputed with another RNG state because the block is "
-    "checkpointed with preserve_rng_state=False. Fix: distckpt.wrap(..., preserve_rng_state=True) "
-    "(the default).",
-    "rng_preserved": "Likely cause: a random op draws from a generator or device whose state checkpointing "
-    "does not save. Fix: use the default generator, or leave this block out of checkpointing.",
-    "control_flow": "Likely cause: control flow inside the block reads state (a flag or attribute such as a task "
-    "switch) that changed between forward and backward. Fix: pass it as a forward argument or "
-    "restore it before backward, or leave this block out of checkpointing (wrap's blocks=).",
-    "shape": "Likely cause: data-dependent shapes (nonzero, unique, masked_select) or state that changed between "
-    "forward and backward. Fix: make the shapes depend only on the block's inputs, or leave this block "
-    "out of checkpointing (wrap's blocks=).",
-    "state": "Likely cause: the block reads state (an attribute, a global, a buffer or a parameter modified in "
-    "place) that changed between forward and backward. Fix: pass it as a forward argument, or leave "
-    "this block out of checkpointing (wrap's blocks=).",
-    "batchnorm": "Likely cause: BatchNorm running statistics updated a second time by the recompute "
-    "(pytorch#96136). Fix: checkpoint with distckpt.wrap (which restores them) rather than a bare "
-    "torch.utils.checkpoint, or keep BatchNorm outside checkpointed blocks.",
-    "buffer": "Likely cause: the block updates this buffer in its forward, and the recompute updates it again. "
-    "Fix: leave this block out of checkpointing, or update the buffer outside it.",
-    "gradient": "Likely cause: the recompute of a checkpointed block does not reproduce its forward. Fix: run "
-    "verify_recompute with the blocks checkpointed one at a time to find it.",
-    "loss": "Likely cause: the forward itself differs when checkpointing is on (a module that behaves "
-    "differently under checkpointing). Fix: leave the block out of checkpointing.",
-    "nonfinite": "The recompute cannot be verified on non-finite values (nan equals nothing, not even itself). "
-    "Fix the model, loss or data first (run loss_fn without checkpointing: "
-    "distckpt.checkpointing_disabled), then verify again.",
-    "checkpoint_error": "Likely cause: the recompute saved tensors of other shapes or dtypes than the forward "
-    "(state or data that changed between forward and backward). Fix: see the message; leave "
-    "this block out of checkpointing if it must read such state.",
-}
-
-
-def _storage(t: torch.Tensor) -> int:
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # tensors without storage (subclasses)
-        return -1
-
-
-def _op_record(
-    name: str, module: str, out: Any, state: frozenset[int] = frozenset()
-) -> tuple[str, str, list[tuple[Any, ...]]]:
-    tensors = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
-    values = []
-    for t in tensors:
-        t = t.detach()
-        # Buffers updated in place (BatchNorm statistics) legitimately differ in the recompute;
-        # whether their final value is right is checked on the buffers themselves.
-        if t.is_complex() or t.is_sparse or t.device.type == "meta" or _storage(t) in state:
-            values.append((tuple(t.shape), t.dtype, None, None))
-            continue
-        t64 = t.double()
-        values.append((tuple(t.shape), t.dtype, float(t64.sum()), float((t64 * t64).sum())))
-    return name, module, values
-
-
-@dataclass
-class _Call:
-    """One checkpointed call of a block: what its forward ran and what its recompute ran."""
-
-    index: int
-    block: str
-    preserve_rng: bool
-    fwd: list[Any] = field(default_factory=list)
-    rec: list[Any] = field(default_factory=list)
-    stack: list[str] = field(default_factory=list)
-
-
-def _recorder(log: list[Any], stack: list[str], state: frozenset[int]) -> Any:
-    # A TorchDispatchMode (what selective checkpointing itself uses) sees every op with its outputs;
-    # it is the only place where the recompute's intermediate values can be observed.
-    from distckpt._torch_compat import torch_dispatch_mode
-
-    class _Recorder(torch_dispatch_mode()):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-            out = func(*args, **(kwargs or {}))
-            if func.name() in _IGNORED_OPS:
-                return out
-            log.append(_op_record(str(func.name()), stack[-1], out, state))
-            return out
-
-    return _Recorder()
-
-
-@contextlib.contextmanager
-def _recording(
-    blocks: list[tuple[str, nn.Module]], calls: list[_Call], phase: list[str], state: frozenset[int]
-) -> Iterator[None]:
-    """Record per checkpointed call the ops of its forward and of its recompute.
-
-    Non-reentrant blocks: through their ``context_fn`` (checkpoint enters one context around the
-    forward and another around the recompute). Reentrant blocks accept no ``context_fn``: their
-    submodules' outputs are recorded with forward hooks, which fire in both passes.
-    """
-    handles = []
-    saved: list[tuple[nn.Module, Any]] = []
-    current: dict[int, _Call] = {}
-    try:
-        for bname, block in blocks:
-            opts = block._distckpt_options
-            saved.append((block, opts))
-
-            def pre(mod: nn.Module, _args: Any, bname: str = bname, opts: Any = opts) -> None:
-                if phase[0] == "fwd":
-                    call = _Call(len(calls), bname, opts.preserve_rng_state, stack=[bname])
-                    calls.append(call)
-                    current[id(mod)] = call
-
-            handles.append(block.register_forward_pre_hook(pre))
-            for sub_name, sub in block.named_modules():
-                if sub is block:
-                    continue
-                full = f"{bname}.{sub_name}"
-
-                def sub_pre(_m: nn.Module, _a: Any, full: str = full, block: nn.Module = block) -> None:
-                    call = current.get(id(block))
-                    if call is not None:
-                        call.stack.append(full)
-
-                def sub_post(
-                    _m: nn.Module,
-                    _a: Any,
-                    out: Any,
-                    full: str = full,
-                    block: nn.Module = block,
-                    reentrant: bool = opts.reentrant,
-                ) -> None:
-                    call = current.get(id(block))
-                    if call is None:
-                        return
-                    if call.stack and call.stack[-1] == full:
-                        call.stack.pop()
-                    if reentrant:  # op-level records are not available: record the submodule's output
-                        log = call.fwd if phase[0] == "fwd" else call.rec
-                        log.append(_op_record(f"{type(_m).__name__} output", full, out, state))
-
-                handles.append(sub.register_forward_pre_hook(sub_pre))
-                handles.append(sub.register_forward_hook(sub_post))
-            if opts.reentrant:
-                continue
-            user_fn = opts.context_fn
-
-            def context_fn(block: nn.Module = block, user_fn: Any = user_fn, bname: str = bname) -> tuple[Any, Any]:
-                call = current[id(block)]  # context_fn runs in the forward, inside this call
-                fwd_user, rec_user = user_fn() if user_fn else (contextlib.nullcontext(), contextlib.nullcontext())
-
-                @contextlib.contextmanager
-                def ctx(log: list[Any]) -> Iterator[None]:
-                    current[id(block)] = call  # submodule hooks tag ops with this call's module stack
-                    call.stack[:] = [bname]  # a recompute stopped early leaves submodules on the stack
-                    with fwd_or_rec(log), _recorder(log, call.stack, state):
-                        yield
-
-                def fwd_or_rec(log: list[Any]) -> Any:
-                    return fwd_user if log is call.fwd else rec_user
-
-                return ctx(call.fwd), ctx(call.rec)
-
-            block._distckpt_options = dataclasses.replace(opts, context_fn=context_fn)
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-        for block, opts in saved:
-            block._distckpt_options = opts
-
-
-def _values_differ(a: tuple[Any, ...], b: tuple[Any, ...], rtol: float) -> bool:
-    (_, _, s1, q1), (_, _, s2, q2) = a, b
-    if s1 is None or s2 is None:
-        return False
-    if not all(math.isfinite(x) for x in (s1, q1, s2, q2)):  # the bounds below are inf > inf: never true
-        return not all((math.isnan(x) and math.isnan(y)) or x == y for x, y in ((s1, s2), (q1, q2)))
-    # Outputs differing by d (L2) change the sum of squares by at most 2|x||d| and the sum by at
-    # most sqrt(n)|d|: both bounds at |d| = rtol * |x|.
-    norm = math.sqrt(max(q1, q2, 0.0))
-    n = max(1, math.prod(a[0]))
-    return abs(q1 - q2) > 2 * rtol * norm * norm + 1e-30 or abs(s1 - s2) > rtol * norm * math.sqrt(n) + 1e-30
-
-
-def _first_mismatch(call: _Call, rtol: float) -> Mismatch | None:
-    """The first op (or submodule output) whose recompute differs from its forward."""
-    fwd, rec = call.fwd, call.rec
-    if not rec:
-        return None
-    # Non-reentrant checkpoint stops the recompute once it has what backward needs: compare the prefix.
-    for k, ((fname, fmod, fvals), (rname, _rmod, rvals)) in enumerate(zip(fwd, rec)):
-        if fname != rname or len(fvals) != len(rvals):
-            return Mismatch(
-                fmod,
-                "control_flow",
-                f"op #{k} of the recompute is {rname}, the forward ran {fname}",
-                _CAUSES["control_flow"],
-            )
-        if any(_UNINITIALIZED in fname for _UNINITIALIZED in _UNINITIALIZED_OPS):
-            continue
-        for fv, rv in zip(fvals, rvals):
-            if fv[0] != rv[0] or fv[1] != rv[1]:
-                return Mismatch(
-                    fmod,
-                    "shape",
-                    f"{fname} (op #{k}) gave shape {list(rv[0])} {rv[1]} in the "
-                    f"recompute, {list(fv[0])} {fv[1]} in the forward",
-                    _CAUSES["shape"],
-                )
-            if _values_differ(fv, rv, rtol):
-                random = any(r in fname.lower() for r in _RANDOM_OPS)
-                kind = "rng" if random else "state"
-                cause = _CAUSES[("rng_preserved" if call.preserve_rng else "rng") if random else "state"]
-                return Mismatch(
-                    fmod,
-                    kind,
-                    f"{fname} (op #{k}) gave other values in the recompute "
-                    f"(sum {rv[2]:.6g} vs {fv[2]:.6g} in the forward)",
-                    cause,
-                )
-    return None
 
 
 def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
@@ -377,8 +117,11 @@ def verify_recompute(
 
     Both runs start from the same CPU and CUDA RNG state and the same buffers. Compared: the loss,
     every gradient, every buffer (BatchNorm statistics), and, inside each checkpointed block, every
-    op of the recompute against the same op of the forward (sums of its outputs), which names the
-    first module whose recompute differs. Blocks checkpointed with ``reentrant=True`` are compared
+    op of the recompute against the same op of the forward (sums of its outputs, integer outputs
+    element by element), which names the first module whose recompute differs; a routing op (top-k,
+    sort, argmax) that decided otherwise comes first, as ``[routing]`` at its router (checkpointed
+    mixture-of-experts layers replay their forward's routing unless inside
+    :func:`distckpt.routing_replay_disabled`). Blocks checkpointed with ``reentrant=True`` are compared
     at the outputs of their submodules instead of op by op. When the model is wrapped in DDP or
     FSDP, each run synchronizes gradients: call it on all ranks (or pass the unwrapped model).
 
@@ -409,18 +152,18 @@ def verify_recompute(
     ]
     params = [(_clean_fqn(n), p) for n, p in inner.named_parameters()]
     buffers = [(_clean_fqn(n), b) for n, b in inner.named_buffers()]
-    calls: list[_Call] = []
+    calls: list[Call] = []
     with uncompiled(inner):  # blocks compiled per block: the recording below checks the checkpointing, eagerly
         with_ckpt, without, error = _run_both(model, loss_fn, blocks, params, buffers, calls)
 
-    mismatches = _op_mismatches(calls, blocks, error, rtol)
+    mismatches = op_mismatches(calls, blocks, error, rtol)
     if not _close(with_ckpt.loss, without.loss, rtol, atol):
         mismatches.append(
             Mismatch(
                 "",
                 "loss",
                 f"loss {float(with_ckpt.loss):.8g} with checkpointing, {float(without.loss):.8g} without",
-                _CAUSES["loss"],
+                CAUSES["loss"],
             )
         )
     grad_mismatches, max_diff = _grad_mismatches(params, with_ckpt.grads, without.grads, rtol, atol)
@@ -454,7 +197,7 @@ def _run_both(
     blocks: list[tuple[str, nn.Module]],
     params: list[tuple[str, nn.Parameter]],
     buffers: list[tuple[str, torch.Tensor]],
-    calls: list[_Call],
+    calls: list[Call],
 ) -> tuple[_Run, _Run, Exception | None]:
     """One step with checkpointing (recording each block's forward and recompute into ``calls``), then
     one without, from the same RNG state and buffers; afterwards RNG, buffers and ``.grad`` are restored.
@@ -477,12 +220,18 @@ def _run_both(
     try:
         for _, p in params:
             p.grad = None
-        with _recording(blocks, calls, phase, frozenset(_storage(b) for _, b in buffers)):
+        with recording(blocks, calls, phase, frozenset(storage_of(b) for _, b in buffers)):
             loss = _scalar(loss_fn(model))
             phase[0] = "rec"
             try:
                 loss.backward()
             except tuc.CheckpointError as e:  # torch's own check of the recomputed saved tensors
+                error = e
+            except RuntimeError as e:
+                # A recompute that ran other ops than its forward can fail inside itself (a selective block's saved
+                # matmul output beside tensors of other shapes): reported as the recompute's error.
+                if not any(c.rec for c in calls):
+                    raise
                 error = e
             loss_a = loss.detach().clone()
         with_ckpt = _Run(loss_a, _grads(params), [b.detach().clone() for _, b in buffers])
@@ -499,28 +248,6 @@ def _run_both(
         for (_, p), g in zip(params, before_grads):
             p.grad = g
     return with_ckpt, without, error
-
-
-def _op_mismatches(
-    calls: list[_Call], blocks: list[tuple[str, nn.Module]], error: Exception | None, rtol: float
-) -> list[Mismatch]:
-    """Differences inside the checkpointed blocks (first, as they name the op), then torch's CheckpointError."""
-    mismatches: list[Mismatch] = []
-    if reentrant_calls := [c for c in calls if blocks and c.fwd and _is_reentrant(blocks, c.block)]:
-        _match_reentrant(reentrant_calls)
-    for call in calls:
-        m = _first_mismatch(call, rtol)
-        if m is not None:
-            mismatches.append(m)
-    if error is not None:
-        rec = [c for c in calls if c.rec]
-        where = rec[-1].stack[-1] if rec and rec[-1].stack else (blocks[0][0] if blocks else "")
-        mismatches.append(
-            Mismatch(
-                where, "checkpoint_error", str(error).strip().splitlines()[0].rstrip("."), _CAUSES["checkpoint_error"]
-            )
-        )
-    return mismatches
 
 
 def _grad_mismatches(
@@ -542,7 +269,7 @@ def _grad_mismatches(
                         name.rpartition(".")[0],
                         "gradient",
                         f"{name} has a gradient only {'without' if a is None else 'with'} checkpointing",
-                        _CAUSES["gradient"],
+                        CAUSES["gradient"],
                     )
                 )
             continue
@@ -552,7 +279,7 @@ def _grad_mismatches(
             what = f"max abs diff {diff:.3g}" if a.shape == b.shape else f"shape {list(a.shape)} vs {list(b.shape)}"
             mismatches.append(
                 Mismatch(
-                    name.rpartition(".")[0], "gradient", f"gradient of {name} differs ({what})", _CAUSES["gradient"]
+                    name.rpartition(".")[0], "gradient", f"gradient of {name} differs ({what})", CAUSES["gradient"]
                 )
             )
     return mismatches, max_diff
@@ -571,7 +298,7 @@ def _nonfinite(with_ckpt: _Run, without: _Run) -> list[Mismatch]:
                     module,
                     "nonfinite",
                     f"the {what} is not finite {' and '.join(bad)} checkpointing",
-                    _CAUSES["nonfinite"],
+                    CAUSES["nonfinite"],
                 )
             ]
     return []
@@ -595,7 +322,7 @@ def _buffer_mismatches(
                     name.rpartition(".")[0],
                     kind,
                     f"buffer {name} differs after the step with checkpointing",
-                    _CAUSES[kind],
+                    CAUSES[kind],
                 )
             )
     return mismatches
@@ -610,24 +337,6 @@ def _mismatch_error(report: RecomputeReport) -> RecomputeMismatchError:
     )
     err.report = report  # type: ignore[attr-defined]
     return err
-
-
-def _is_reentrant(blocks: list[tuple[str, nn.Module]], name: str) -> bool:
-    return any(n == name and m._distckpt_options.reentrant for n, m in blocks)
-
-
-def _match_reentrant(calls: list[_Call]) -> None:
-    """Reentrant recomputes are recorded per block, in backward order: deal them back to the calls."""
-    by_block: dict[str, list[_Call]] = {}
-    for c in calls:
-        by_block.setdefault(c.block, []).append(c)
-    for group in by_block.values():
-        rec = [r for c in group for r in c.rec]
-        for c in group:
-            c.rec = []
-        for c in reversed(group):  # backward recomputes the last call first
-            n = len(c.fwd)
-            c.rec, rec = rec[:n], rec[n:]
 
 
 def _dedupe(mismatches: list[Mismatch]) -> list[Mismatch]:

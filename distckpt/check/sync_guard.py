@@ -7,7 +7,6 @@ names the parameters that differ; it also watches trainable parameters that neve
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +18,7 @@ from distckpt._dist import local_shard as _local
 from distckpt._dist import rank_world
 from distckpt._dist import shard_key as _shard_key
 from distckpt._dist import unwrap_ddp as _inner
+from distckpt._log import notify
 from distckpt.errors import ConfigError, GradDesyncError, NoGradientError
 from distckpt.runtime.swap import _clean_fqn
 
@@ -383,7 +383,7 @@ class GradSyncGuard:
             )
             if self.on_no_grad == "raise":
                 raise NoGradientError(msg)
-            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+            notify(msg, category=RuntimeWarning, stacklevel=3)
             self._reported.update(new)
         return stuck
 

@@ -97,6 +97,7 @@ def add_plan_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategy", choices=STRATEGIES, default="fsdp2", help="data parallelism (default fsdp2)")
     parser.add_argument("--world-size", type=int, default=1, help="ranks (default 1)")
     parser.add_argument("--shard-size", type=int, default=None, help="hsdp: ranks that shard (one node's)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (fsdp2; default 1)")
     parser.add_argument("--micro-batch", type=int, default=None, help="per-rank batch (default: the factory's)")
     parser.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the factory's)")
     parser.add_argument("--budget", default=None, help="per-rank memory budget for the budget plan, e.g. 60GiB")
@@ -123,6 +124,7 @@ def run_plan(args: argparse.Namespace) -> int:
             budget=parse_size(args.budget) if args.budget else None,
             optimizer=args.optimizer,
             grad_accumulation=args.grad_accumulation,
+            tp=args.tp,
         )
     except ConfigError as e:
         print(f"distckpt plan: {e}", file=sys.stderr)

@@ -63,6 +63,7 @@ class PlanReport:
     budget_bytes: int | None
     budget_error: str = ""  # why no choice fits the budget, when none does
     profile: ModelProfile | None = field(default=None, repr=False, compare=False)  # the stretched profile
+    tp: int = 1  # tensor-parallel ranks: world_size // tp data-parallel ranks shard what FSDP shards
 
     def with_budget(self, budget: int, *, grad_accumulation: bool = False) -> PlanReport:
         """The same report with the ``budget`` plan for ``budget`` bytes (no new trace).
@@ -75,7 +76,7 @@ class PlanReport:
             self.profile,
             budget,
             strategy=self.strategy,
-            world_size=self.world_size,
+            world_size=self.world_size // self.tp,
             shard_size=self.shard_size,
             optimizer=self.optimizer,
             grad_accumulation=grad_accumulation,
@@ -166,6 +167,7 @@ def plan_at_scale(
     grad_accumulation: bool = False,
     blocks: Any = None,
     example_inputs: Any = None,
+    tp: int = 1,
 ) -> PlanReport:
     """Predict one rank's peak training memory and recompute FLOPs under ``none``, ``full``,
     ``pointwise``, ``selective`` and a ``budget`` plan, without allocating the model (``FakeTensorMode``).
@@ -182,35 +184,50 @@ def plan_at_scale(
         grad_accumulation: gradients persist across micro-batches.
         blocks: the candidate blocks (as ``wrap``'s ``blocks=``); ``None`` finds them.
         example_inputs: overrides the factory's batch.
+        tp: tensor-parallel ranks (``"fsdp2"``; dividing ``world_size``): each block is traced with the shapes one
+            tensor-parallel rank holds (:func:`distckpt.select.tp_shapes.shrink_for_tp`: the attention and MLP
+            linears and the activations between them ``1/tp``), and FSDP shards over ``world_size // tp`` ranks.
 
     Returns:
         A :class:`PlanReport`.
 
     Raises:
-        ConfigError: a bad strategy, optimizer, shard size or factory, or a model that reads tensor
+        ConfigError: a bad strategy, optimizer, shard size, tp or factory, or a model that reads tensor
             values while it runs (it cannot run on fake tensors).
     """
-    # The strategy, shard size and optimizer are checked (as _report checks them) before seconds of tracing.
-    static_bytes(
-        ModelProfile(blocks=()), strategy=strategy, world_size=world_size, optimizer=optimizer, shard_size=shard_size
-    )
+    from distckpt.options import check_tp
+    from distckpt.select.tp_shapes import shrink_for_tp
+
+    # The strategy, shard size, tp and optimizer are checked (as _report checks them) before seconds of tracing.
+    check_tp(tp, strategy, world_size)
+    dp = world_size // tp
+    static_bytes(ModelProfile(blocks=()), strategy=strategy, world_size=dp, optimizer=optimizer, shard_size=shard_size)
     with compat.fake_mode():
         model, root, prefix, call = _subject(factory, example_inputs)
         call = Call(*_resize(as_args(call), micro_batch, seq_len))
         root.train()
         found = find_blocks(model, blocks)
+        if tp > 1:
+            shrink_for_tp(model, found, tp)
         mp, kept = profile_cut(root, model, found, call, prefix=prefix)
-    return _report(
+    report = _report(
         mp,
         found,
         kept,
         strategy=strategy,
-        world_size=world_size,
+        world_size=dp,
         shard_size=shard_size,
         optimizer=optimizer,
-        budget=budget,
+        budget=None,
         grad_accumulation=grad_accumulation,
     )
+    report = dataclasses.replace(report, world_size=world_size, tp=tp)
+    if budget is None:
+        return report
+    try:
+        return report.with_budget(budget, grad_accumulation=grad_accumulation)
+    except ConfigError as e:
+        return dataclasses.replace(report, budget_bytes=budget, budget_error=str(e))
 
 
 def _report(
@@ -327,6 +344,8 @@ def _blocks(p: PolicyEstimate) -> str:
 def render(r: PlanReport) -> str:
     """The report as ``distckpt plan`` prints it."""
     where = f"{r.strategy}, {r.world_size} ranks" + (f", shard size {r.shard_size}" if r.shard_size else "")
+    if r.tp > 1:
+        where += f" ({r.world_size // r.tp} dp x {r.tp} tp)"
     lines = [
         f"distckpt plan: {_count(r.total_params)} parameters, {len(r.blocks)} blocks ({r.blocks[0]}, ...; "
         f"{r.traced_blocks} traced), {where}, {r.optimizer}",

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,6 +21,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import distckpt
+from distckpt._log import notify
 from distckpt.apply.wrap import hand_over, parallel_kind
 from distckpt.errors import ConfigError
 from distckpt.integrations._common import check_guard_every, checkpoint_blocks
@@ -228,7 +228,7 @@ def _refuse_accelerator(accelerator: Accelerator) -> None:
     if kind in _DDP_TYPES and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         # Measured (accelerate 1.16): Accelerator(cpu=True, fsdp_plugin=...) sets ACCELERATE_USE_FSDP, then picks
         # MULTI_CPU and builds DDP without a word (Accelerate selects FSDP for accelerator devices only).
-        warnings.warn(
+        notify(
             f"Accelerate ignored its FSDP plugin ({kind.value}: it builds DistributedDataParallel), so distckpt makes "
             "that DDP exact. For FSDP on CPU use distckpt.parallelize(model, 'fsdp') or 'fsdp2'.",
             stacklevel=3,

@@ -38,9 +38,11 @@ import torch.nn as nn
 from torch.autograd.graph import get_gradient_edge
 
 from distckpt import _torch_compat as compat
+from distckpt._dist import grad_meta, zero_grad
 from distckpt.errors import ConfigError, GradDesyncError
 from distckpt.layout import Layout
 from distckpt.options import Engine
+from distckpt.parallel.deferred import deferred
 
 __all__ = ["SyncState"]
 
@@ -423,7 +425,7 @@ class SyncState:
             # Here, before any parameter's gradient is accumulated, DDP has not reduced anything, so a
             # changed graph raises this ConfigError instead of DDP's "graph has changed" or a desync.
             self._check_static(torch.tensor(self.used), torch.tensor(self.in_graph))
-        reduces = self._armed if self.engine is Engine.DDP else self.sync
+        reduces = self._armed if self.engine is Engine.DDP else self.sync and not deferred(self)
         # Queued now, this runs before DDP's finalize (queued by the last bucket); it queues the real
         # work behind it, so that resetting grads happens after the reduction wrote them.
         compat.queue_after_backward(lambda: self._end_of_backward(reduces))
@@ -578,7 +580,7 @@ class _Participate(torch.autograd.Function):
         ctx: Any, state: SyncState, rec: _Record, keys: list[_Key], out: torch.Tensor, *params: torch.Tensor
     ) -> Any:
         ctx.state, ctx.record, ctx.keys = state, rec, keys
-        ctx.meta = [(t.shape, t.dtype, t.device) for t in params]
+        ctx.meta = [grad_meta(t) for t in params]
         ctx.set_materialize_grads(False)
         # detach(): the same data without a view relation (FSDP2 warns about view outputs; an in-place
         # op on the result is still seen by autograd through the shared version counter).
@@ -587,10 +589,7 @@ class _Participate(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor | None) -> Any:
         skip = ctx.state.on_participate_backward(ctx.record, ctx.keys)
-        zeros = [
-            None if s else torch.zeros((), dtype=dt, device=dev).expand(shape)
-            for s, (shape, dt, dev) in zip(skip, ctx.meta)
-        ]
+        zeros = [None if s else zero_grad(meta) for s, meta in zip(skip, ctx.meta)]
         return (None, None, None, grad, *zeros)
 
 

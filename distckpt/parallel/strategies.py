@@ -26,6 +26,7 @@ from distckpt.parallel.fsdp2 import apply_fsdp2
 from distckpt.parallel.mesh import resolve_layout
 from distckpt.parallel.param_sync import SyncState
 from distckpt.parallel.state import attach_state, sync_state
+from distckpt.parallel.tp import tp_mesh_of
 from distckpt.parallel.units import (
     owners_of,
     reentrant_blocks,
@@ -67,9 +68,9 @@ def parallelize(
 ) -> nn.Module:
     """Wrap a model whose blocks ``distckpt.apply.wrap`` checkpointed in DDP, FSDP or FSDP2, correctly.
 
-    Order (fixed): checkpointing is already inside the blocks; FSDP wraps each block (checkpointed
-    or not; ``use_orig_params=True``) then the root; FSDP2 ``fully_shard``s each block, then
-    the root; DDP wraps the root. Then every unit's forward gets the zero-weight join of its
+    Order (fixed): tensor parallel (the user's, if any) and checkpointing are already inside the blocks; FSDP
+    wraps each block (checkpointed or not; ``use_orig_params=True``) then the root; FSDP2 ``fully_shard``s each
+    block, then the root; DDP wraps the root. Then every unit's forward gets the zero-weight join of its
     parameters, and the end of backward resets the grads of parameters no rank used to None.
 
     Args:
@@ -83,7 +84,8 @@ def parallelize(
             checked each step.
         device_mesh: a 1-D DeviceMesh for FSDP2/FSDP/DDP (default: the world), or a 2-D one named
             ``("replicate", "shard")`` spanning every rank: FSDP2 (and ``"hsdp"``) then apply HSDP, DDP
-            replicates over all its ranks.
+            replicates over all its ranks. A model made tensor-parallel over ``mesh["tp"]`` (torch's
+            ``parallelize_module``) takes the ``("dp", "tp")`` mesh or ``mesh["dp"]``, under ``"fsdp2"``.
         shard_size: ``"hsdp"`` only: ranks per shard group, dividing the world size (default:
             ``LOCAL_WORLD_SIZE``, the ranks of one node); distckpt builds the mesh.
         compile: compile each block (checkpoint included) before sharding: ``True``, a dict of
@@ -102,7 +104,7 @@ def parallelize(
     name = strategy.strategy if isinstance(strategy, Layout) else strategy
     if engine_of(name) is not Engine.NONE:  # engine_of checks the name first
         _refuse_unready(model, name)
-    layout, device_mesh = resolve_layout(strategy, device_mesh, shard_size, compile, _device().type)
+    layout, device_mesh = resolve_layout(strategy, device_mesh, shard_size, compile, _device().type, tp_mesh_of(model))
     # The hand-over point: a budget is planned for the layout used here (before any unit exists).
     hand_over(model, layout)
     if layout.engine is Engine.NONE:

@@ -21,7 +21,9 @@ import torch.nn as nn
 import torch.utils.checkpoint as tuc
 
 from distckpt import _torch_compat as compat
+from distckpt._log import notify
 from distckpt.errors import ConfigError
+from distckpt.runtime.routing import replay_wrapped, replaying
 from distckpt.runtime.selective import bind
 
 __all__ = [
@@ -97,9 +99,11 @@ def without_cache(
     if hits:
         kwargs = {**kwargs, **{k: False if k == "use_cache" else None for k in hits}}
         changed += hits
-    if changed and type(module) not in _WARNED_CACHE:
+    # Said on the first training forward of a block a plan checkpoints, not in a profile's sample steps (before,
+    # the profile's forward took the one notice and silenced it: a budget's run never said it).
+    if changed and type(module) not in _WARNED_CACHE and not module.__dict__.get("_distckpt_profiling"):
         _WARNED_CACHE.add(type(module))
-        warnings.warn(
+        notify(
             f"distckpt: {module._distckpt_orig_class.__name__} is checkpointed, so in training it runs without a "
             f"KV cache, as with Hugging Face's gradient checkpointing ({', '.join(sorted(set(changed)))} ignored). "
             "Forwards under torch.no_grad() (generation) keep their cache.",
@@ -136,6 +140,12 @@ def _keep_running_stats(norms: list[nn.Module]) -> Iterator[None]:
 
 def _context_fn(opts: CheckpointOptions, module: nn.Module) -> Callable[[], tuple[Any, Any]]:
     own = bind(opts.context_fn, module)  # op-level: this block's own reach; full: torch's noop_context_fn
+    if torch.compiler.is_compiling():
+        return own  # routing replay there: bind marks the routing ops must-save
+    return replay_wrapped(_with_norms(own, module), module)
+
+
+def _with_norms(own: Callable[[], tuple[Any, Any]], module: nn.Module) -> Callable[[], tuple[Any, Any]]:
     norms = module._distckpt_norms
     if not norms:
         return own
@@ -307,7 +317,7 @@ def _run_reentrant(
             f"{', '.join(bad)} (keyword or nested arguments that require grad). "
             "Use distckpt.wrap(..., reentrant=False)."
         )
-    fn = functools.partial(inner, **kwargs) if kwargs else inner
+    fn = replaying(functools.partial(inner, **kwargs) if kwargs else inner, module)
     norms = module._distckpt_norms
     if norms:
         plain = fn

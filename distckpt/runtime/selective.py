@@ -14,6 +14,7 @@ and recomputes everything else: the per-op choice a budget makes inside a block.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from distckpt import _torch_compat as compat
 from distckpt.errors import ConfigError
+from distckpt.runtime.routing import ROUTING_PACKETS, Stacked, replay_contexts, replays
 
 __all__ = [
     "DEFAULT_SAVE_OPS",
@@ -181,7 +183,19 @@ def _reach_mode(inner: Any, reach: _Reach, save: frozenset[Any]) -> Any:
     return _counting_mode()(inner, reach, save)
 
 
-def _contexts(save: frozenset[Any], every_other_matmul: bool, reach: _Reach | None = None) -> tuple[Any, Any]:
+def _contexts(
+    save: frozenset[Any], every_other_matmul: bool, reach: _Reach | None = None, replay: bool = False
+) -> tuple[Any, Any]:
+    if replay:  # made by bind under torch.compile
+        if torch.compiler.is_compiling():  # AOT autograd traces the checkpoint: the routing ops become must-save
+            save = save | ROUTING_PACKETS
+        else:
+            # Dynamo could not trace the checkpoint (a graph break inside it) and runs it eagerly: torch's
+            # must-save would fail on Mixtral's in-place division of its top-k values ("Tensor cached during
+            # selective activation checkpoint has been mutated"), so the eager replay runs under the op policy.
+            fwd, rec = _contexts(save, every_other_matmul) if save else (contextlib.nullcontext(),) * 2
+            mine_fwd, mine_rec = replay_contexts()
+            return Stacked(mine_fwd, fwd), Stacked(mine_rec, rec)
     fwd, rec = create_selective_checkpoint_contexts(_policy(save, every_other_matmul, reach))
     return fwd, (rec if reach is None else _reach_mode(rec, reach, save))
 
@@ -204,15 +218,20 @@ def bind(context_fn: Callable[[], tuple[Any, Any]] | None, block: Any) -> Callab
     """``context_fn`` for checkpointing ``block``: one of distckpt's op-level policies gets the
     block's own :class:`_Reach` (what its recompute reads), any other is returned as it is, and
     ``None`` (full recompute) is torch's ``noop_context_fn``."""
+    compiling = torch.compiler.is_compiling()
+    # Routing replay under torch.compile (eagerly: distckpt.runtime.routing's dispatch modes, added by the
+    # checkpoint's caller): the routing ops' outputs are must-save (see _contexts), so the compiled backward reads
+    # the forward's decisions instead of deciding again.
+    replay = compiling and replays(block)  # a block an eager forward showed to be dense: torch's plain compiled AC
     if context_fn is None:
-        return noop_context_fn
+        return functools.partial(_contexts, frozenset(), False, None, True) if replay else noop_context_fn
     if not (isinstance(context_fn, functools.partial) and context_fn.func is _contexts):
         return context_fn
-    if torch.compiler.is_compiling():
+    if compiling:
         # Under torch.compile the partitioner saves only what backward reads, so the reach has no job there;
         # and dynamo takes a context_fn only as a constant: a _Reach in it broke the graph and ran the whole
         # checkpoint eagerly (measured, torch 2.13).
-        return functools.partial(_contexts, *context_fn.args[:2])
+        return functools.partial(_contexts, *context_fn.args[:2], None, replay)
     save, every_other = context_fn.args[:2]
     key = (tuple(sorted(str(p) for p in save)), every_other)
     reach = block.__dict__.setdefault(_REACH, {}).setdefault(key, _Reach())

@@ -9,6 +9,7 @@ it is chosen above (:mod:`distckpt.apply.wrap`); the planner's sample steps use 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,6 +25,7 @@ from distckpt.runtime.recompute import (
     run_checkpointed,
     without_cache,
 )
+from distckpt.runtime.routing import replays, routes
 from distckpt.runtime.selective import KEEP_MODE, context_mode
 
 __all__ = [
@@ -78,7 +80,11 @@ class _CheckpointedMixin:
             return run_checkpointed(self, inner, opts, args, kwargs)
         if compiled is not None:
             if eager_reason(self):
-                return run_checkpointed(self, compiled.inner(self), opts, args, kwargs)  # compiled forward only
+                # Compiled forward only, in an eager checkpoint; eager too while routing replay may be needed.
+                if replays(self):
+                    _warn_eager_for_replay(self)
+                    return run_checkpointed(self, inner, opts, args, kwargs)
+                return run_checkpointed(self, compiled.inner(self), opts, args, kwargs)
             return compiled.traced(self, args, kwargs)  # checkpoint and forward in one graph
         return run_checkpointed(self, inner, opts, args, kwargs)
 
@@ -92,6 +98,24 @@ class _CheckpointedMixin:
         finally:
             self.__class__ = cls
         return (_rebuild_checkpointed, (rv[0], rv[1]), *rv[2:])
+
+
+_WARNED_REPLAY: set[type] = set()
+
+
+def _warn_eager_for_replay(block: nn.Module) -> None:
+    """A compiled block whose checkpoint runs eagerly (``eager_reason``) runs its forward eagerly where routing
+    replay needs it: replay's dispatch mode must see the routing ops, and torch.compile runs no compiled frame under
+    such a mode. Until the block's first forward tells whether it routes; for good, with one warning, if it does."""
+    if routes(block) and type(block) not in _WARNED_REPLAY:
+        _WARNED_REPLAY.add(type(block))
+        warnings.warn(
+            f"distckpt: the checkpointed {block._distckpt_orig_class.__name__} blocks route tokens (topk, sort, "
+            f"argmax) and their checkpoint runs eagerly ({eager_reason(block)}), so their forward runs eagerly too: "
+            "routing replay must see the routing ops. To compile them, remove that reason (reentrant=False, no "
+            "offload).",
+            stacklevel=3,
+        )
 
 
 def _rebuild_checkpointed(constructor: Callable[..., Any], args: tuple[Any, ...]) -> Any:

@@ -1,5 +1,6 @@
 """Find the blocks of a model that checkpointing may wrap: by class, predicate, FQN glob, or on
-its own (the repeated, same-class children of ``nn.ModuleList``/``nn.Sequential`` containers)."""
+its own (the repeated, same-class children of ``nn.ModuleList``/``nn.Sequential`` containers, and of an
+``nn.ModuleDict`` keyed by layer numbers, as torchtitan keeps its ``layers``)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,15 @@ logger = logging.getLogger("distckpt")
 BlockSpec = Union[type, str, Callable[[nn.Module], bool], Sequence[Union[type, str]], None]
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential)
+
+
+def _is_stack(container: nn.Module) -> bool:
+    """A container of layers: a ModuleList or Sequential, or a ModuleDict whose keys are layer numbers ("0", "1", ...
+    as torchtitan keeps ``layers``, so that FQNs survive a pipeline split that drops some). A ModuleDict keyed by
+    names (task heads ``{"lm": ..., "cls": ...}``) is not one."""
+    if isinstance(container, _CONTAINERS):
+        return True
+    return isinstance(container, nn.ModuleDict) and len(container) > 0 and all(k.isdigit() for k in container)
 
 
 # Modules that run on some inputs only. A mixture-of-experts layer runs each expert on the tokens routed
@@ -74,15 +84,15 @@ def _n_params(modules: Iterable[nn.Module]) -> int:
 
 
 def repeated_block_groups(model: nn.Module) -> list[tuple[type, list[tuple[str, nn.Module]], int]]:
-    """Same-class children (two or more per container) of ModuleList/Sequential containers,
-    grouped by class across the model, most parameters first.
+    """Same-class children (two or more per container) of ModuleList/Sequential containers and of ModuleDicts keyed
+    by layer numbers, grouped by class across the model, most parameters first.
 
     Returns:
         ``[(block_class, [(fqn, module), ...], n_params), ...]``
     """
     groups: dict[type, list[tuple[str, nn.Module]]] = {}
     for name, container in model.named_modules():
-        if not isinstance(container, _CONTAINERS) or (name and conditional_reason(model, name)):
+        if not _is_stack(container) or (name and conditional_reason(model, name)):
             continue  # not a container, or an expert list (conditional: never a block on its own)
         prefix = f"{name}." if name else ""
         by_class: dict[type, list[tuple[str, nn.Module]]] = {}
@@ -106,8 +116,8 @@ def _auto_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     groups = repeated_block_groups(model)
     if not groups:
         raise ConfigError(
-            f"distckpt.wrap found no repeated blocks in {type(model).__name__} (no nn.ModuleList or "
-            "nn.Sequential of two or more same-class modules). Pass blocks= a module class, a "
+            f"distckpt.wrap found no repeated blocks in {type(model).__name__} (no nn.ModuleList, nn.Sequential or "
+            "nn.ModuleDict keyed '0', '1', ... of two or more same-class modules). Pass blocks= a module class, a "
             "predicate or FQN globs such as blocks='layers.*'."
         )
     chosen = groups[0]

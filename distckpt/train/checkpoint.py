@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 
 from distckpt._dist import broadcast_object, rank_world
+from distckpt._log import notify
 from distckpt.errors import ResumeError
 from distckpt.train.integrity import has_manifest, verify_checkpoint, write_manifest
 
@@ -298,8 +299,9 @@ def resume_latest(state: TrainState, ckpt_dir: str | os.PathLike[str]) -> Path |
     """Load the newest intact checkpoint of ``ckpt_dir`` into ``state``; call it on every rank.
 
     A damaged one (a file missing, truncated or changed since its manifest was written; an unreadable
-    ``.metadata``) is skipped for the next older one, and all skipped are named in one warning.
-    Checkpoints without a manifest (older distckpt) load with a warning.
+    ``.metadata``) is skipped for the next older one, and all skipped are named in one message on rank 0 (the
+    ``distckpt`` logger and a warning: :func:`distckpt._log.notify`). Checkpoints without a manifest (older
+    distckpt) load with such a message.
 
     Returns:
         The loaded checkpoint's folder, or ``None`` when ``ckpt_dir`` holds none.
@@ -324,7 +326,7 @@ def resume_latest(state: TrainState, ckpt_dir: str | os.PathLike[str]) -> Path |
         if _rank() == 0 and (skipped or not has_manifest(path)):
             note = f"skipped damaged checkpoints: {', '.join(skipped)}; " if skipped else ""
             unchecked = "" if has_manifest(path) else " (it has no manifest: written by an older distckpt, unchecked)"
-            warnings.warn(f"{note}resuming from {path}{unchecked}", stacklevel=2)
+            notify(f"{note}resuming from {path}{unchecked}", stacklevel=2)
         load_checkpoint(state, path)
         return path
     if skipped:

@@ -30,6 +30,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate
 
 from distckpt._dist import rank_world
+from distckpt._log import notify
 from distckpt.errors import ConfigError, ResumeError
 from distckpt.train.streams import RankShard, StreamReaders, can_shard, open_reader, reader_collate
 
@@ -320,7 +321,7 @@ class ShardedLoader:
                 f"{layout} (data.num_workers={saved_workers}), or set trainer.allow_reshuffle=true to continue anyway."
             )
         if self.rank == 0:
-            warnings.warn(
+            notify(
                 f"trainer.allow_reshuffle: the {name} stream saved on {layout} continues on {now} by replaying "
                 f"{self.batch} batches of epoch {self.epoch}; samples may repeat or be skipped.",
                 stacklevel=3,

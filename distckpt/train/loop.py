@@ -13,7 +13,6 @@ import math
 import os
 import signal
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distckpt._dist import local_tensor, rank_world
+from distckpt._log import notify
 from distckpt.errors import ConfigError
 from distckpt.parallel.strategies import accumulate
 from distckpt.train.callbacks import Callback
@@ -156,61 +156,22 @@ def fit(
     """
     rank, world = rank_world()
     ckpt_dir = Path(run_dir) / "checkpoints"
-    result = LoopResult()
-    if state.data is None:
-        state.data = data  # the loader's position goes into every checkpoint
-    if opts.resume:
-        result.resumed_from = _resume(state, ckpt_dir, rank)
-    result.start_step = state.step
-    optimizer, scheduler, scaler = state.optimizer, state.scheduler, state.scaler
-    clip = clip or (lambda max_norm: torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
-    for cb in callbacks:
-        cb.on_train_start(state.step)
-
+    result = _begin(state, data, opts, ckpt_dir, rank, callbacks)
     bar = _progress_bar(opts, state.step) if rank == 0 and opts.progress and state.step < opts.max_steps else None
+    clip = clip or (lambda max_norm: torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+    run = _Run(
+        model, state, data, opts, device, autocast, clip, guard, tuple(callbacks), sink, bar, result, rank, world
+    )
     watch, t0 = Stopwatch(), time.perf_counter()
     samples_done = 0
-    tasks: list[str] = []
     with _StopRequest() as stop:
         model.train()
         while state.step < opts.max_steps:
             step = state.step + 1  # the step being computed, 1-based
-            micro = micro_batches(data.next_batch(), 0, 1, opts.grad_accum)  # this rank's part, already
-            total, sums = _forward_backward(model, micro, step, opts, device, autocast, scaler)
-            tasks = sorted(sums)
-            for cb in callbacks:
-                cb.on_after_backward(step, model)
-            bad, stop_now, norm, packed = _check_and_reduce(
-                total, sums, tasks, stop.requested, guard, scaler, optimizer, clip, opts, result
-            )
-            _optimizer_step(state, step, bad, opts, result, rank)
-            if scheduler is not None:
-                scheduler.step()
-            state.step = step
+            bad, stop_now, norm = _train_step(run, step, stop.requested)
             samples_done += data.batch_size
             watch.add(data.batch_size)
-            global_losses = {k: packed[3 + j].item() / world for j, k in enumerate(tasks)}
-            result.losses = {"loss": packed[2].item() / world, **global_losses}
-            for cb in callbacks:
-                cb.on_step_end(step, result)
-            evaluated = bool(opts.eval_every and step % opts.eval_every == 0)
-            if evaluated:
-                result.eval_loss = _evaluate(model, data, device, autocast, opts.task_weights, world)
-            if step % max(opts.log_every, 1) == 0 or step == opts.max_steps or stop_now:
-                _log(
-                    sink,
-                    bar,
-                    step,
-                    result,
-                    optimizer,
-                    norm,
-                    watch.lap(),
-                    peak_memory_mib(device),
-                    bad,
-                    with_eval=evaluated,
-                )
-            if bar is not None:
-                bar.update(1)
+            _after_step(run, step, norm, watch, bad, stop_now)
             if _save_or_stop(model, state, ckpt_dir, opts, result, step, stop_now):
                 break
     if bar is not None:
@@ -220,6 +181,80 @@ def fit(
     result.samples_per_s = samples_done / max(result.seconds, 1e-9)
     result.peak_memory_mib = peak_memory_mib(device)
     return result
+
+
+@dataclass
+class _Run:
+    """What every step of :func:`fit` works with: its arguments, the progress bar and the result so far."""
+
+    model: nn.Module
+    state: TrainState
+    data: ShardedLoader
+    opts: LoopOptions
+    device: torch.device
+    autocast: Callable[[], contextlib.AbstractContextManager[Any]]
+    clip: Callable[[float], torch.Tensor]
+    guard: Any
+    callbacks: tuple[Callback, ...]
+    sink: MetricSink
+    bar: Any
+    result: LoopResult
+    rank: int
+    world: int
+
+
+def _begin(
+    state: TrainState, data: ShardedLoader, opts: LoopOptions, ckpt_dir: Path, rank: int, callbacks: Sequence[Callback]
+) -> LoopResult:
+    """Before the first step: the loader joins the saved state, the newest intact checkpoint is resumed (if
+    asked), and the callbacks hear where training starts."""
+    result = LoopResult()
+    if state.data is None:
+        state.data = data  # the loader's position goes into every checkpoint
+    if opts.resume:
+        result.resumed_from = _resume(state, ckpt_dir, rank)
+    result.start_step = state.step
+    for cb in callbacks:
+        cb.on_train_start(state.step)
+    return result
+
+
+def _train_step(run: _Run, step: int, stop_requested: bool) -> tuple[bool, bool, torch.Tensor]:
+    """Optimizer step ``step`` on this rank: its micro-batches forward and backward, the guard and one all-reduce
+    of the losses and flags (:func:`_check_and_reduce`), then the optimizer step (or a skip) and the scheduler.
+    The global losses go into ``run.result.losses``. Returns ``(bad, stop_now, grad_norm)``, the same on every
+    rank."""
+    state, opts, result = run.state, run.opts, run.result
+    micro = micro_batches(run.data.next_batch(), 0, 1, opts.grad_accum)  # this rank's part, already
+    total, sums = _forward_backward(run.model, micro, step, opts, run.device, run.autocast, state.scaler)
+    tasks = sorted(sums)
+    for cb in run.callbacks:
+        cb.on_after_backward(step, run.model)
+    bad, stop_now, norm, packed = _check_and_reduce(
+        total, sums, tasks, stop_requested, run.guard, state.scaler, state.optimizer, run.clip, opts, result
+    )
+    _optimizer_step(state, step, bad, opts, result, run.rank)
+    if state.scheduler is not None:
+        state.scheduler.step()
+    state.step = step
+    global_losses = {k: packed[3 + j].item() / run.world for j, k in enumerate(tasks)}
+    result.losses = {"loss": packed[2].item() / run.world, **global_losses}
+    return bad, stop_now, norm
+
+
+def _after_step(run: _Run, step: int, norm: torch.Tensor, watch: Stopwatch, bad: bool, stop_now: bool) -> None:
+    """After step ``step``: the callbacks, the evaluation and the log line when due, the progress bar."""
+    opts, result = run.opts, run.result
+    for cb in run.callbacks:
+        cb.on_step_end(step, result)
+    evaluated = bool(opts.eval_every and step % opts.eval_every == 0)
+    if evaluated:
+        result.eval_loss = _evaluate(run.model, run.data, run.device, run.autocast, opts.task_weights, run.world)
+    if step % max(opts.log_every, 1) == 0 or step == opts.max_steps or stop_now:
+        rate, mem = watch.lap(), peak_memory_mib(run.device)
+        _log(run.sink, run.bar, step, result, run.state.optimizer, norm, rate, mem, bad, with_eval=evaluated)
+    if run.bar is not None:
+        run.bar.update(1)
 
 
 def _save_or_stop(
@@ -397,7 +432,7 @@ def _optimizer_step(state: TrainState, step: int, bad: bool, opts: LoopOptions, 
             "trainer.max_consecutive_skips (0: no limit)."
         )
     if rank == 0:
-        warnings.warn(f"step {step}: non-finite loss or gradient norm on some rank; step skipped", stacklevel=3)
+        notify(f"step {step}: non-finite loss or gradient norm on some rank; step skipped", stacklevel=3)
 
 
 def _refuse_all_skipped(result: LoopResult, step: int) -> None:

@@ -23,13 +23,20 @@ __all__ = ["Block", "MLPBlock", "MultiTaskGPT", "MultiTaskHF", "MultiTaskMLP", "
 
 
 class Block(nn.Module):
-    """A pre-norm transformer block: causal self-attention then an MLP."""
+    """A pre-norm transformer block: causal self-attention then an MLP.
+
+    Query, key and value are separate linears and the head count is read from their outputs' width, so that
+    tensor parallel (``strategy.tp``) splits them column-wise into whole heads per rank (torchtitan's layout): a
+    fused ``qkv`` split column-wise would give a rank the queries of some heads and the keys of others."""
 
     def __init__(self, d_model: int, n_head: int, dropout: float) -> None:
         super().__init__()
         self.n_head = n_head
+        self.head_dim = d_model // n_head
         self.ln1 = nn.LayerNorm(d_model)
-        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.q = nn.Linear(d_model, d_model)
+        self.k = nn.Linear(d_model, d_model)
+        self.v = nn.Linear(d_model, d_model)
         self.proj = nn.Linear(d_model, d_model)
         self.ln2 = nn.LayerNorm(d_model)
         self.fc = nn.Linear(d_model, 4 * d_model)
@@ -37,13 +44,14 @@ class Block(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
+        b, t, _ = x.shape
+        h = self.ln1(x)
+        # -1 heads: all of them, or this rank's under tensor parallel (q, k, v hold whole heads).
+        q, k, v = (lin(h).view(b, t, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
         # Dropout is applied to the block's output rather than inside SDPA so that the RNG stream
         # (restored on resume, replayed by the recompute) is the same on every backend.
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))
+        x = x + self.drop(self.proj(y.transpose(1, 2).reshape(b, t, -1)))
         return x + self.drop(self.fc_out(F.gelu(self.fc(self.ln2(x)))))
 
 

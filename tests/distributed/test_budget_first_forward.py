@@ -4,19 +4,15 @@ identically on every rank (DDP), and training matches a single-process model wit
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from models import GPT, GPTConfig, batch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for benchmarks.models
-
-import distckpt  # noqa: E402
-from benchmarks.models import GPT, GPTConfig, batch  # noqa: E402
-from distckpt import Budget  # noqa: E402
-from distckpt.select.budget import predicted_peak  # noqa: E402
-from distckpt.select.profile import profile_model  # noqa: E402
+import distckpt
+from distckpt import Budget
+from distckpt.select.budget import predicted_peak
+from distckpt.select.profile import profile_model
 
 CFG = GPTConfig(vocab=64, seq=16, dim=16, heads=2, layers=4)
 STEPS = 2

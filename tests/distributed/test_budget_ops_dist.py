@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import GPT, GPTConfig, batch
 
 import distckpt
-from benchmarks.models import GPT, GPTConfig, batch
 from distckpt import Budget
 from distckpt.runtime.selective import kept_calls
 from distckpt.select.budget import predicted_peak

@@ -6,9 +6,6 @@ One pool of 4 ranks for the whole module (this machine has 2 cores): each test s
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from harness import DistPool
@@ -24,9 +21,6 @@ from patterns import (
 )
 
 import distckpt
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for benchmarks.models (the ranks get
-# this sys.path too)
 
 pytestmark = pytest.mark.dist
 
@@ -117,7 +111,7 @@ def _refusal(rank, world_size, what):
     cases = {
         "shard_size_3": lambda: distckpt.parallelize(model, "hsdp", shard_size=3),
         "dim_names": lambda: distckpt.parallelize(
-            model, "fsdp2", device_mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+            model, "fsdp2", device_mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("x", "y"))
         ),
         "fsdp1_2d": lambda: distckpt.parallelize(model, "fsdp", device_mesh=_mesh()),
         "hsdp_1d": lambda: distckpt.parallelize(model, "hsdp", device_mesh=init_device_mesh("cpu", (4,))),
@@ -248,9 +242,9 @@ def test_dcp_save_and_resume_bitwise(pool4, tmp_path):
 
 
 def _budget_peak(rank, world_size):
+    from models import GPT, GPTConfig, batch
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from benchmarks.models import GPT, GPTConfig, batch
     from distckpt.select.budget import predicted_peak
     from distckpt.select.profile import profile_model
 

@@ -3,17 +3,12 @@ equal a single-process model without checkpointing on the same global batch (iss
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from models import GPT, GPTConfig, batch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for benchmarks.models
-
-import distckpt  # noqa: E402
-from benchmarks.models import GPT, GPTConfig, batch  # noqa: E402
-from distckpt.select.policies import Placement  # noqa: E402
+import distckpt
+from distckpt.select.policies import Placement
 
 CFG = GPTConfig(vocab=64, seq=16, dim=32, heads=2, layers=4)
 MIXED = ("selective", "none", "full", "pointwise")

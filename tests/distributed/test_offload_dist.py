@@ -7,19 +7,14 @@ tensors really leave and come back."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from models import GPT, GPTConfig, batch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for benchmarks and tests
-
-import distckpt  # noqa: E402
-from benchmarks.models import GPT, GPTConfig, batch  # noqa: E402
-from distckpt.select.policies import Placement  # noqa: E402
-from tests.offload_store import use_numpy_store  # noqa: E402
-from tests.patterns import full_grads  # noqa: E402
+import distckpt
+from distckpt.select.policies import Placement
+from tests.offload_store import use_numpy_store
+from tests.patterns import full_grads
 
 CFG = GPTConfig(vocab=64, seq=16, dim=32, heads=2, layers=4)
 MODES = ("offload", "full", "none", "offload")

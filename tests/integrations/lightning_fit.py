@@ -15,6 +15,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
+from lightning_cpu import cpu_fsdp_strategy
 from patterns import (
     PATTERNS,
     Block,
@@ -30,7 +31,6 @@ from patterns import (
 from patterns import build as build_net
 
 import distckpt
-from benchmarks.integrations_lightning import cpu_fsdp_strategy
 from distckpt.integrations.lightning import DistckptDDPStrategy, DistckptFSDPStrategy
 
 STEPS = 3

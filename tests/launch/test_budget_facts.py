@@ -9,9 +9,9 @@ import dataclasses
 
 import torch
 from launchkit import compose
+from models import GPT, GPTConfig, batch
 
 import distckpt
-from benchmarks.models import GPT, GPTConfig, batch
 from distckpt import Budget
 from distckpt.select.budget import predicted_peak, static_bytes
 from distckpt.select.profile import profile_model

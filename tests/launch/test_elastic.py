@@ -10,16 +10,13 @@ process resumed on 2 ranks under torchrun)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 from launchkit import assert_params_equal, compose, final_params, kill_group, popen, torchrun, torchrun_cmd
+from sample_log import global_batches
 
 from launch.run import train
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from sample_log import global_batches  # noqa: E402  (tests/sample_log.py)
 
 pytestmark = [pytest.mark.launch]
 

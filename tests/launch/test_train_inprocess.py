@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+import warnings
 
 import pytest
 import torch
@@ -66,11 +67,18 @@ def _nan_at(steps) -> str:
     return f"trainer.callbacks=[{{_target_:tests.faults.NanGrads{arg}}}]"
 
 
-def test_nonfinite_loss_is_skipped_on_request(tmp_path, capsys):
+def _skips_said(caplog) -> list[str]:
+    """The steps the loop told the user it skipped (the ``distckpt`` logger: rank 0's log)."""
+    return [m for m in caplog.messages if m.endswith("non-finite loss or gradient norm on some rank; step skipped")]
+
+
+def test_nonfinite_loss_is_skipped_on_request(tmp_path, capsys, caplog):
     over = [*NONE, _nan_at([2, 4]), "trainer.on_nonfinite=skip"]
-    with pytest.warns(UserWarning, match="non-finite"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PYTHONWARNINGS=ignore: each skip is still said
         res = _train(tmp_path, "a", over)
     assert res.skipped_steps == [2, 4] and res.step == 6
+    assert [m.split(":")[0] for m in _skips_said(caplog)] == ["step 2", "step 4"]
     records = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped"] for r in records] == [False, True, False, True, False, False]
     params = final_params(tmp_path / "a", over)
@@ -87,19 +95,21 @@ def test_nonfinite_loss_stops_without_writing_a_checkpoint(tmp_path):
     assert sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir()) == ["step_2"]
 
 
-def test_skip_stops_after_max_consecutive_skips(tmp_path):
+def test_skip_stops_after_max_consecutive_skips(tmp_path, caplog):
     over = [*NONE, _nan_at([2, 3, 4, 5]), "trainer.max_consecutive_skips=3", "trainer.save_every=1"]
-    with pytest.warns(UserWarning, match="non-finite"), pytest.raises(NonFiniteLossError) as e:
+    with pytest.raises(NonFiniteLossError) as e:
         _train(tmp_path, "a", over)
+    assert [m.split(":")[0] for m in _skips_said(caplog)] == ["step 2", "step 3"]  # the third one stops
     assert str(e.value).startswith("3 steps in a row (2-4) had a non-finite loss")
     assert "trainer.max_consecutive_skips" in str(e.value)
     assert sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir()) == ["step_1", "step_2", "step_3"]
 
 
-def test_a_run_where_every_step_is_skipped_fails(tmp_path, capsys):
+def test_a_run_where_every_step_is_skipped_fails(tmp_path, capsys, caplog):
     # 6 steps, fewer than the default limit of 10 in a row: the end of the run must still not look like success.
-    with pytest.warns(UserWarning, match="non-finite"), pytest.raises(NonFiniteLossError, match="every step"):
+    with pytest.raises(NonFiniteLossError, match="every step"):
         _train(tmp_path, "a", [*NONE, _nan_at(None), "trainer.save_every=0"])
+    assert len(_skips_said(caplog)) == 6
     assert "distckpt run summary" not in capsys.readouterr().out
     assert not (tmp_path / "a" / "checkpoints").exists()
 

@@ -1,29 +1,18 @@
-"""The memory benchmark's measurements that make its rows comparable (benchmarks/memory.py): the
-profiler-based peak used for every row equals MemTracker's on an eager step, FLOPs (CPU attention
-included) of a compiled step are counted inside its graphs, and the dominance check reads both axes."""
+"""The memory benchmark's measurements that make its rows comparable (benchmarks/memory.py, measured with
+tests/peaks.py, its frontier in tests/frontier.py): the profiler-based peak used for every row equals
+MemTracker's on an eager step, FLOPs (CPU attention included) of a compiled step are counted inside its
+graphs, and the dominance check reads both axes."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
+from frontier import Config, budget_configs, dominance, dominated_by
+from models import GPT, GPTConfig, batch
+from peaks import CompiledBudget, fwd_bwd_flops, mem_tracker_peak, profiled_peak, train_step
 from torch.utils.flop_counter import FlopCounterMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for benchmarks
-
-from benchmarks.memory import (  # noqa: E402
-    CompiledBudget,
-    Config,
-    _fwd_bwd_flops,
-    _mem_tracker_peak,
-    _profiled_peak,
-    _step,
-    dominated_by,
-)
-from benchmarks.models import GPT, GPTConfig, batch  # noqa: E402
-from distckpt import _torch_compat as compat  # noqa: E402
-from distckpt.select.profile import scalar_loss  # noqa: E402
+from distckpt import _torch_compat as compat
+from distckpt.select.profile import scalar_loss
 
 CFG = GPTConfig(vocab=64, seq=16, dim=32, heads=2, layers=2)  # small: a torch.compile takes seconds
 
@@ -33,18 +22,18 @@ def _tiny():
     model = GPT(CFG).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     inputs = batch(CFG, 2)
-    _step(model, opt, inputs, {})  # the optimizer state exists: steady state
+    train_step(model, opt, inputs, {})  # the optimizer state exists: steady state
     return model, opt, inputs
 
 
 def test_profiled_peak_equals_mem_tracker_on_an_eager_step():
     model, opt, inputs = _tiny()
-    assert _profiled_peak(model, opt, inputs, {}) == _mem_tracker_peak(model, opt, inputs, {}, torch.device("cpu"))
+    assert profiled_peak(model, opt, inputs, {}) == mem_tracker_peak(model, opt, inputs, {}, torch.device("cpu"))
 
 
 def test_compiled_flops_are_counted_inside_the_graphs():
     model, _, inputs = _tiny()
-    eager = _fwd_bwd_flops(model, inputs, {})
+    eager = fwd_bwd_flops(model, inputs, {})
     with FlopCounterMode(display=False) as plain:  # torch 2.13's own counter: no CPU attention
         scalar_loss(model(*inputs)).backward()
     model.zero_grad(set_to_none=True)
@@ -53,8 +42,8 @@ def test_compiled_flops_are_counted_inside_the_graphs():
     assert eager - plain.get_total_flops() == CFG.layers * (forward(q, q, q) + backward(q, q, q, q)) > 0
     compiled = CompiledBudget(model, 1.0)  # no budget pressure: no matmul is recomputed
     opt = torch.optim.AdamW(compiled.parameters(), lr=1e-4)
-    _step(compiled, opt, inputs, {})
-    assert _fwd_bwd_flops(compiled, inputs, {}) == eager
+    train_step(compiled, opt, inputs, {})
+    assert fwd_bwd_flops(compiled, inputs, {}) == eager
     assert compiled.graph_flops.graphs == 2  # one forward graph, one backward graph
 
 
@@ -74,15 +63,13 @@ def test_dominated_by_needs_both_axes():
 
 
 def test_budget_points_at_every_other_points_peak():
-    from benchmarks.memory import _budget_configs
-
     others = [
         _point("torch full", 300, 9, "peer"),
         _point("full", 300, 9, "distckpt"),
         _point("compile 0.5", 420, 1, "compile"),
         _point("too small", 50, 0, "compile"),
     ]
-    points = _budget_configs(100, 1000, None, 3, others)
+    points = budget_configs(100, 1000, None, 3, others)
     assert [(c.budget, c.at) for c in points] == [
         (100, ""),
         (300, "torch full = full"),
@@ -94,12 +81,10 @@ def test_budget_points_at_every_other_points_peak():
 
 
 def test_an_undominated_point_shows_the_budget_at_its_peak():
-    from benchmarks.memory import _dominance
-
     none, peer = _point("none", 1000, 0, "distckpt"), _point("compile 0.5", 600, 10, "compile")
     at = _point("budget 0.00 MiB", 590, 40)
     at.at = "compile 0.5"
-    rows = _dominance("m", [none, peer, at], 1000)
+    rows = dominance("m", [none, peer, at], 1000)
     want = (
         "| compile 0.5 | 60.0% | 1.0% | **no**: budget 0.00 MiB, sized at its peak, measured 59.0% at 4.0% recompute |"
     )

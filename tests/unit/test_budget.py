@@ -5,21 +5,17 @@ from __future__ import annotations
 
 import copy
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from models import GPT, GPTConfig, batch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for benchmarks.models
-
-import distckpt  # noqa: E402
-from benchmarks.models import GPT, GPTConfig, batch  # noqa: E402
-from distckpt import Budget, ConfigError, parse_policy  # noqa: E402
-from distckpt.select.budget import plan_budget, predicted_peak, static_bytes  # noqa: E402
-from distckpt.select.budget.memory_terms import _bounds  # noqa: E402
-from distckpt.select.profile import BlockProfile, ModelProfile, profile_model  # noqa: E402
+import distckpt
+from distckpt import Budget, ConfigError, parse_policy
+from distckpt.select.budget import plan_budget, predicted_peak, static_bytes
+from distckpt.select.budget.memory_terms import _bounds
+from distckpt.select.profile import BlockProfile, ModelProfile, profile_model
 
 CPU = torch.device("cpu")
 

@@ -13,22 +13,18 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from models import SIZES, GPTConfig, batch, hf_gpt2
+from peaks import loss_allocator_peak
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for benchmarks
-
-import distckpt  # noqa: E402
-from benchmarks.memory import loss_allocator_peak  # noqa: E402
-from benchmarks.models import SIZES, GPTConfig, batch, hf_gpt2  # noqa: E402
-from distckpt import Budget  # noqa: E402
-from distckpt.apply.wrap import checkpoint_mode  # noqa: E402
-from distckpt.select.budget import plan_budget, predicted_peak  # noqa: E402
-from distckpt.select.policies import Placement  # noqa: E402
-from distckpt.select.profile import memory_tracker, profile_model  # noqa: E402
+import distckpt
+from distckpt import Budget
+from distckpt.apply.wrap import checkpoint_mode
+from distckpt.select.budget import plan_budget, predicted_peak
+from distckpt.select.policies import Placement
+from distckpt.select.profile import memory_tracker, profile_model
 
 pytest.importorskip("transformers")
 

@@ -4,17 +4,11 @@ benchmark (benchmarks/budget_accuracy.py reports every model)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from budget_rows import accuracy_models, measure
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for benchmarks
-
-from benchmarks.budget_accuracy import _models, measure  # noqa: E402
-
-MODELS = _models()
+MODELS = accuracy_models()
 
 
 @pytest.mark.parametrize("name", ["MultiTaskGPT", "two-tower (CLIP-like)", "heterogeneous MLP chain", "llama + LoRA"])
@@ -57,8 +51,9 @@ def test_mixed_placement_predicted_within_three_percent(name):
     import copy
     import dataclasses
 
+    from peaks import steady_peak
+
     import distckpt
-    from benchmarks.budget_accuracy import steady_peak
     from distckpt.select.blocks import find_blocks
     from distckpt.select.budget import predicted_peak
     from distckpt.select.policies import Placement
@@ -69,7 +64,7 @@ def test_mixed_placement_predicted_within_three_percent(name):
     base = make()
     base.train()
     batch = inputs()
-    # MemTracker does not see the RNG state checkpointed blocks save (see benchmarks.budget_accuracy._profiled).
+    # MemTracker does not see the RNG state checkpointed blocks save (see budget_rows.profiled).
     mp = dataclasses.replace(profile_model(base, find_blocks(base, blocks), batch), rng_state_bytes=0)
     n = len(mp.blocks)
     for order in (("selective", "full", "pointwise", "none"), ("pointwise", "none", "selective", "full")):

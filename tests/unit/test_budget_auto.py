@@ -4,21 +4,17 @@ plan as the measured profile on CPU when forced with an explicit budget, and on 
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from models import GPT, GPTConfig, batch, hf_gpt2
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for benchmarks.models
-
-import distckpt  # noqa: E402
-from benchmarks.models import GPT, GPTConfig, batch, hf_gpt2  # noqa: E402
-from distckpt import ConfigError  # noqa: E402
-from distckpt.select.budget import budget_profile, plan_budget, predicted_peak  # noqa: E402
-from distckpt.select.budget import planner as budget_mod  # noqa: E402
-from distckpt.select.policies import Candidates  # noqa: E402
-from distckpt.select.profile import profile_model  # noqa: E402
+import distckpt
+from distckpt import ConfigError
+from distckpt.select.budget import budget_profile, plan_budget, predicted_peak
+from distckpt.select.budget import planner as budget_mod
+from distckpt.select.policies import Candidates
+from distckpt.select.profile import profile_model
 
 CFG = GPTConfig(vocab=64, seq=32, dim=32, heads=2, layers=5)  # 5 blocks, 3 traced: two are stretched
 

@@ -4,19 +4,15 @@ blocks, and the gradients equal a single-process model without checkpointing on 
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from models import GPT, GPTConfig, batch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for benchmarks.models
-
-import distckpt  # noqa: E402
-from benchmarks.models import GPT, GPTConfig, batch  # noqa: E402
-from distckpt import Budget  # noqa: E402
-from distckpt.select.budget import predicted_peak  # noqa: E402
-from distckpt.select.profile import profile_model  # noqa: E402
+import distckpt
+from distckpt import Budget
+from distckpt.select.budget import predicted_peak
+from distckpt.select.profile import profile_model
 
 CFG = GPTConfig(vocab=64, seq=16, dim=16, heads=2, layers=4)
 
@@ -59,9 +55,9 @@ def test_same_choice_on_every_rank_and_exact_gradients(dist_pool):
 
 
 def _accuracy_rows(rank: int, world_size: int, strategies: tuple[str, ...]):
-    from benchmarks.budget_accuracy import _dist_rank
+    from budget_rows import dist_rows
 
-    return _dist_rank(rank, world_size, ("MultiTaskMLP",), strategies)
+    return dist_rows(rank, world_size, ("MultiTaskMLP",), strategies)
 
 
 @pytest.mark.dist
@@ -80,9 +76,9 @@ def test_predicted_peak_per_rank_within_three_percent(dist_pool):
 
 
 def _accumulation_rows(rank: int, world_size: int):
-    from benchmarks.budget_accuracy import _dist_rank
+    from budget_rows import dist_rows
 
-    return _dist_rank(rank, world_size, ("MultiTaskMLP",), ("ddp", "fsdp", "fsdp2"), 2)
+    return dist_rows(rank, world_size, ("MultiTaskMLP",), ("ddp", "fsdp", "fsdp2"), 2)
 
 
 @pytest.mark.dist
@@ -99,9 +95,9 @@ def test_predicted_peak_with_gradient_accumulation(dist_pool):
 
 
 def _gpt2_accumulation_rows(rank: int, world_size: int):
-    from benchmarks.budget_accuracy import _dist_rank
+    from budget_rows import dist_rows
 
-    return _dist_rank(rank, world_size, ("gpt2 (HF)", "MultiTaskGPT"), ("fsdp", "fsdp2"), 2, ("none", "all"))
+    return dist_rows(rank, world_size, ("gpt2 (HF)", "MultiTaskGPT"), ("fsdp", "fsdp2"), 2, ("none", "all"))
 
 
 @pytest.mark.dist

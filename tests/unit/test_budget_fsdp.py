@@ -3,19 +3,14 @@ stays under the budget, and gradients equal a single-process model without check
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from models import GPT, GPTConfig, batch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for benchmarks.models
-
-import distckpt  # noqa: E402
-from benchmarks.models import GPT, GPTConfig, batch  # noqa: E402
-from distckpt import Budget  # noqa: E402
-from distckpt.select.budget import predicted_peak  # noqa: E402
-from distckpt.select.profile import profile_model  # noqa: E402
+import distckpt
+from distckpt import Budget
+from distckpt.select.budget import predicted_peak
+from distckpt.select.profile import profile_model
 
 CFG = GPTConfig(vocab=64, seq=32, dim=32, heads=2, layers=4)
 

@@ -11,27 +11,20 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
+from models import GPT, GPTConfig, batch
+from peaks import allocator_peak
 from torch.distributed._tools.mem_tracker import MemTracker
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for benchmarks.models
-
-import distckpt  # noqa: E402
-from benchmarks.memory import allocator_peak  # noqa: E402
-from benchmarks.models import GPT, GPTConfig, batch  # noqa: E402
-from distckpt import Budget, ConfigError  # noqa: E402
-from distckpt.select.blocks import find_blocks  # noqa: E402
-from distckpt.select.budget import plan_budget, predicted_peak  # noqa: E402
-from distckpt.select.policies import Placement  # noqa: E402
-from distckpt.select.profile import (
-    flop_counter,  # noqa: E402
-    profile_model,  # noqa: E402
-)
+import distckpt
+from distckpt import Budget, ConfigError
+from distckpt.select.blocks import find_blocks
+from distckpt.select.budget import plan_budget, predicted_peak
+from distckpt.select.policies import Placement
+from distckpt.select.profile import flop_counter, profile_model
 
 CPU = torch.device("cpu")
 MIXED = ("none", "selective", "full", "pointwise")
@@ -222,7 +215,7 @@ def test_profile_measures_only_the_modes_a_budget_can_use(monkeypatch):
 
 
 def _allocator_peak(model: nn.Module, x: torch.Tensor) -> int:
-    """The CPU allocator's peak of forward+backward (as benchmarks/memory.py measures: it sees the RNG
+    """The CPU allocator's peak of forward+backward (as benchmarks/memory.py measures, tests/peaks.py: it sees the RNG
     state, MemTracker does not)."""
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in [*model.parameters(), x]}
     live = sum(storages.values())

@@ -10,25 +10,21 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
+from models import GPT, GPTConfig, batch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for benchmarks and tests
-
-import distckpt  # noqa: E402
-from benchmarks.models import GPT, GPTConfig, batch  # noqa: E402
-from distckpt import Budget, ConfigError  # noqa: E402
-from distckpt.apply.wrap import checkpoint_mode, is_checkpointed  # noqa: E402
-from distckpt.runtime import recompute  # noqa: E402
-from distckpt.select.blocks import find_blocks  # noqa: E402
-from distckpt.select.budget import offload_offered, plan_budget, predicted_peak  # noqa: E402
-from distckpt.select.policies import Placement  # noqa: E402
-from distckpt.select.profile import memory_tracker, profile_model, scalar_loss  # noqa: E402
-from tests.offload_store import NumpyStore, use_numpy_store  # noqa: E402
+import distckpt
+from distckpt import Budget, ConfigError
+from distckpt.apply.wrap import checkpoint_mode, is_checkpointed
+from distckpt.runtime import recompute
+from distckpt.select.blocks import find_blocks
+from distckpt.select.budget import offload_offered, plan_budget, predicted_peak
+from distckpt.select.policies import Placement
+from distckpt.select.profile import memory_tracker, profile_model, scalar_loss
+from tests.offload_store import NumpyStore, use_numpy_store
 
 CPU = torch.device("cpu")
 CFG = GPTConfig(vocab=64, seq=16, dim=32, heads=2, layers=4, dropout=0.1)  # dropout: its mask is offloaded too
@@ -196,7 +192,7 @@ def test_mixed_placements_with_offload_predicted_within_three_percent(which):
 
 
 def test_steady_step_with_offload_predicted_within_three_percent():
-    from benchmarks.budget_accuracy import steady_peak
+    from peaks import steady_peak
 
     torch.manual_seed(0)
     base, inputs = GPT(CFG), batch(CFG, 4)

@@ -11,10 +11,10 @@ import random
 
 import pytest
 import torch
+from models import GPT, GPTConfig, batch
+from peaks import allocator_peak
 
 import distckpt
-from benchmarks.memory import allocator_peak
-from benchmarks.models import GPT, GPTConfig, batch
 from distckpt import Budget, ConfigError
 from distckpt.select import KeepOps, Placement
 from distckpt.select.budget import plan_budget, predicted_peak

@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from models import GPT, MLP, GPTConfig, batch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for benchmarks.models
-
-import distckpt  # noqa: E402
-from benchmarks.models import GPT, MLP, GPTConfig, batch  # noqa: E402
-from distckpt import ConfigError, chunk_feed_forward  # noqa: E402
-from distckpt.apply.chunk import is_chunked, unchunk_feed_forward  # noqa: E402
+import distckpt
+from distckpt import ConfigError, chunk_feed_forward
+from distckpt.apply.chunk import is_chunked, unchunk_feed_forward
 
 CPU = torch.device("cpu")
 

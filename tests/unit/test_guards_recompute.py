@@ -235,7 +235,7 @@ def test_nan_gradient_difference_fails_and_is_reported_as_nan():
 def test_op_values_inf_against_finite_differ():
     """An op output that is inf in the forward and finite in the recompute is a difference (the tolerance
     bounds are inf there, and inf > inf is false)."""
-    from distckpt.check.recompute import _values_differ
+    from distckpt.check.op_record import _values_differ
 
     f32 = torch.float32
     inf = float("inf")

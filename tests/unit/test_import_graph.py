@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # distckpt/'s layers, bottom first, by the first name under distckpt ("" is distckpt/__init__.py, the API).
 # A new package or top-level module goes in one of them; see the module docstring for what counts.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "_torch_compat", "_dist", "_spawn", "options", "layout", "factory"),  # no distckpt layer needed
+    ("errors", "_log", "_torch_compat", "_dist", "_spawn", "options", "layout", "factory"),  # no distckpt layer needed
     ("runtime",),  # the checkpointed block: class swap, recompute run-time, op-level contexts
     ("select",),  # what to checkpoint: policies over the budget planner over the profiler (SELECT_LAYERS)
     ("apply",),  # wrap: the policy resolved and the run-time placed on the chosen blocks; chunked FFN
@@ -40,11 +40,12 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("", "cli", "integrations"),  # the public API, the commands (doctor, plan), optional framework integrations
 )
 
-# Inside distckpt/select/, bottom first: the profiler, what a policy sees (candidates) and the block finder, the
+# Inside distckpt/select/, bottom first: the profiler, what a policy sees (candidates), the block finder and the
+# tensor-parallel shapes (tp_shapes), the
 # memory planner, the policy objects, and the package's public names ("": select/__init__.py).
 SELECT_LAYERS: tuple[tuple[str, ...], ...] = (
     ("profile",),
-    ("candidates", "blocks"),
+    ("candidates", "blocks", "tp_shapes"),
     ("budget",),
     ("policies",),
     ("",),

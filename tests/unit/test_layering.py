@@ -1,4 +1,5 @@
-"""Import direction: the library (distckpt/) never imports the launcher or its config/logging stack.
+"""Import direction: the library (distckpt/) never imports the launcher or its config/logging stack, and the
+tests never import the benchmarks.
 
 Every import statement counts, including lazy ones inside functions, so a library module cannot
 reach ``launch/`` (or Hydra, OmegaConf, wandb, TensorBoard) on any code path.
@@ -48,3 +49,16 @@ def test_scanner_sees_lazy_imports():
         "    from torch.utils.tensorboard import SummaryWriter\n    import torch.nn\n"
     )
     assert [_forbidden(name) for _, name in _imported(tree)] == [True, True, True, False]
+
+
+def test_tests_do_not_import_the_benchmarks():
+    # The tests' fixtures (models, measurements) live in tests/ and the benchmarks import them, not the other way:
+    # a benchmark may change its tables without touching what a test asserts.
+    tests = LIBRARY.parent / "tests"
+    bad = [
+        f"{path.relative_to(LIBRARY.parent)}:{line} imports {name}"
+        for path in sorted(tests.rglob("*.py"))
+        for line, name in _imported(ast.parse(path.read_text(), filename=str(path)))
+        if name.split(".")[0] == "benchmarks"
+    ]
+    assert not bad, "tests/ must not import benchmarks/ (move the fixture into tests/):\n" + "\n".join(bad)

@@ -9,7 +9,7 @@ import pytest
 
 from distckpt import ConfigError
 from distckpt.layout import CompileOptions, Layout, default_shard_size
-from distckpt.options import STRATEGIES, Engine, check_run, engine_of
+from distckpt.options import STRATEGIES, Engine, check_run, check_tp, engine_of
 
 
 @pytest.mark.parametrize(
@@ -67,6 +67,24 @@ def test_describe_names_the_mesh():
     assert Layout.of("hsdp", world_size=4, shard_size=2).describe() == "hsdp over 4 ranks (mesh 2 replicate x 2 shard)"
     assert Layout.of("ddp", world_size=2).describe() == "ddp over 2 ranks"
     assert Layout.of("none").describe() == "one process"
+
+
+def test_tensor_parallel_is_one_more_field():
+    layout = Layout.of("fsdp2", world_size=2, tp=2)
+    assert (layout.tp, layout.ranks, layout.shards) == (2, 4, 2)  # FSDP2 shards over the 2 data-parallel ranks
+    assert layout.mesh_dims == (("dp", 2), ("tp", 2))
+    assert layout.describe() == "fsdp2 over 2 ranks x tp 2 (mesh 2 dp x 2 tp)"
+    assert Layout.of("fsdp2", world_size=4).tp == 1
+    for strategy in ("ddp", "fsdp", "hsdp", "none"):
+        with pytest.raises(ConfigError, match="runs with strategy='fsdp2' only"):
+            Layout.of(strategy, world_size=2, shard_size=2 if strategy == "hsdp" else None, tp=2)
+    with pytest.raises(ConfigError, match="positive int"):
+        Layout.of("fsdp2", world_size=2, tp=0)
+    with pytest.raises(ConfigError, match="already says them"):
+        Layout.of(layout, tp=2)
+    check_tp(2, "fsdp2", world_size=4)
+    with pytest.raises(ConfigError, match="tp=3 does not divide the 4 ranks"):
+        check_tp(3, "fsdp2", world_size=4)
 
 
 def test_the_rules_take_strategy_names_at_the_boundary():

@@ -5,21 +5,17 @@ mode's: one copy rule for both)."""
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from models import GPT, GPTConfig, batch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for benchmarks.models
-
-import distckpt  # noqa: E402
-from benchmarks.models import GPT, GPTConfig, batch  # noqa: E402
-from distckpt import Budget  # noqa: E402
-from distckpt.apply.wrap import is_checkpointed  # noqa: E402
-from distckpt.runtime import recompute  # noqa: E402
-from tests.offload_store import use_numpy_store  # noqa: E402
+import distckpt
+from distckpt import Budget
+from distckpt.apply.wrap import is_checkpointed
+from distckpt.runtime import recompute
+from tests.offload_store import use_numpy_store
 
 CFG = GPTConfig(vocab=64, seq=16, dim=16, heads=2, layers=4, dropout=0.1)
 POLICIES = ["full", "every:2", "first:1", "fraction:0.5", "selective", "budget"]

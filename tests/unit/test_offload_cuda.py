@@ -6,27 +6,23 @@ checkpointing; the exchange rate measured once per device; and a budget plan off
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from models import GPT, GPTConfig, batch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for benchmarks.models
-
-import distckpt  # noqa: E402
-from benchmarks.models import GPT, GPTConfig, batch  # noqa: E402
-from distckpt.select.blocks import find_blocks  # noqa: E402
-from distckpt.select.budget import plan_budget, predicted_peak  # noqa: E402
-from distckpt.select.policies import Placement  # noqa: E402
-from distckpt.select.profile import profile_model  # noqa: E402
+import distckpt
+from distckpt.select.blocks import find_blocks
+from distckpt.select.budget import plan_budget, predicted_peak
+from distckpt.select.policies import Placement
+from distckpt.select.profile import profile_model
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 KW = dict(strategy="none", optimizer="none")
 
 
 def _gpt() -> tuple[torch.nn.Module, tuple]:
-    # benchmarks.models' GPT (GPT-2's layout) rather than HF's: a GPU machine's own python may lack transformers.
+    # tests/models.py's GPT (GPT-2's layout) rather than HF's: a GPU machine's own python may lack transformers.
     cfg = GPTConfig(vocab=2048, seq=256, dim=256, heads=4, layers=6)
     torch.manual_seed(0)
     return GPT(cfg).cuda().train(), batch(cfg, 8, device="cuda")

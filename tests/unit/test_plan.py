@@ -9,9 +9,8 @@ import sys
 
 import pytest
 import torch
+from plan_cases import compare, compare_dist, gpt_factory, hf_factory, make_llama_70b
 
-import benchmarks.ranks
-from benchmarks.plan_accuracy import compare, compare_dist, gpt_factory, hf_factory, make_llama_70b
 from distckpt.cli import main
 from distckpt.cli.plan import plan_at_scale
 from distckpt.errors import ConfigError
@@ -28,7 +27,7 @@ def test_predicted_peaks_within_5_percent_of_measured(name, factory):
 
 
 @pytest.mark.dist
-def test_per_rank_peaks_within_5_percent_on_two_ranks_ddp_and_fsdp2(dist_pool, monkeypatch):
+def test_per_rank_peaks_within_5_percent_on_two_ranks_ddp_and_fsdp2(dist_pool):
     # One run of 2 gloo ranks: each rank's steady-state step per policy under DDP (its C++ gradient
     # bucket counted from the step's start; the plan counts it as one more gradient-sized buffer) and FSDP2
     # (every block its own unit; the plan counts what is unsharded per phase: memory_terms._Sharded).
@@ -39,8 +38,7 @@ def test_per_rank_peaks_within_5_percent_on_two_ranks_ddp_and_fsdp2(dist_pool, m
         assert world == dist_pool.world_size
         return dict(enumerate(dist_pool.run(target, *args, timeout=timeout)))
 
-    monkeypatch.setattr(benchmarks.ranks, "run_ranks", pooled)
-    results = compare_dist("gpt", 4, ("ddp", "fsdp2"))
+    results = compare_dist("gpt", 4, ("ddp", "fsdp2"), run_ranks=pooled)
     assert set(results) == {"ddp", "fsdp2"}
     for strategy, rows in results.items():
         assert set(rows) == {"none", "full", "pointwise", "selective", "budget"}
@@ -81,13 +79,34 @@ def test_hsdp_shards_over_the_shard_group_only(monkeypatch):
         plan_at_scale(f, strategy="ddp", optimizer="lion")
 
 
+def test_tp_traces_one_tensor_parallel_rank(monkeypatch, capsys):
+    from distckpt.cli import plan as cli_plan
+    from distckpt.cli.plan import render
+
+    f = gpt_factory(2)
+    tp = plan_at_scale(f, strategy="fsdp2", world_size=4, tp=2)
+    dp_only = plan_at_scale(f, strategy="fsdp2", world_size=2)
+    # The same 2 dp ranks shard both; each tp rank holds half of every attention/MLP linear and of the
+    # activations between them (tests/distributed/test_tp.py: within 0.5% of a measured TP + FSDP2 step).
+    assert tp.param_bytes < dp_only.param_bytes and tp.activation_bytes < dp_only.activation_bytes
+    assert tp.policy("none").peak_bytes < dp_only.policy("none").peak_bytes
+    assert "fsdp2, 4 ranks (2 dp x 2 tp)" in render(tp)
+    assert main(["plan", "--factory", "plan_cases:make_gpt", "--world-size", "4", "--tp", "2"]) == 0
+    assert "(2 dp x 2 tp)" in capsys.readouterr().out
+    monkeypatch.setattr(cli_plan, "profile_cut", lambda *a, **k: pytest.fail("traced before checking the arguments"))
+    with pytest.raises(ConfigError, match="strategy='fsdp2' only"):
+        plan_at_scale(f, strategy="ddp", world_size=4, tp=2)
+    with pytest.raises(ConfigError, match="does not divide the 4 ranks"):
+        plan_at_scale(f, strategy="fsdp2", world_size=4, tp=3)
+
+
 def test_cli_plan_prints_each_policy_and_rejects_a_bad_budget(capsys):
     assert (
         main(
             [
                 "plan",
                 "--factory",
-                "benchmarks.plan_accuracy:make_gpt",
+                "plan_cases:make_gpt",
                 "--strategy",
                 "ddp",
                 "--world-size",
@@ -113,7 +132,7 @@ def test_cli_plan_prints_each_policy_and_rejects_a_bad_budget(capsys):
         "budget:8.00MiB",
     ):
         assert word in out, word
-    assert main(["plan", "--factory", "benchmarks.plan_accuracy:make_gpt", "--budget", "lots"]) == 2
+    assert main(["plan", "--factory", "plan_cases:make_gpt", "--budget", "lots"]) == 2
     assert "not a size" in capsys.readouterr().err
 
 

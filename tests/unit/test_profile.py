@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn as nn
+from models import GPT, GPTConfig, batch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for benchmarks.models
-
-from benchmarks.models import GPT, GPTConfig, batch  # noqa: E402
-from distckpt.select.budget import predicted_peak  # noqa: E402
-from distckpt.select.profile import profile_model  # noqa: E402
+from distckpt.select.budget import predicted_peak
+from distckpt.select.profile import profile_model
 
 CPU = torch.device("cpu")
 B, D, H = 8, 16, 64

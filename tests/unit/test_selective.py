@@ -4,22 +4,18 @@ FLOPs on a transformer block (MemTracker, FlopCounterMode)."""
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint as tuc
+from models import GPT, Block, GPTConfig, batch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for benchmarks.models
-
-import distckpt  # noqa: E402
-from benchmarks.models import GPT, Block, GPTConfig, batch  # noqa: E402
-from distckpt import ConfigError, Selective  # noqa: E402
-from distckpt.runtime.selective import resolve_ops, selective_context_fn  # noqa: E402
-from distckpt.select.profile import flop_counter  # noqa: E402
+import distckpt
+from distckpt import ConfigError, Selective
+from distckpt.runtime.selective import resolve_ops, selective_context_fn
+from distckpt.select.profile import flop_counter
 
 CPU = torch.device("cpu")
 

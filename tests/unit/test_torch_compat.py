@@ -440,3 +440,21 @@ def test_pytree_and_norm_base():
     for m in (nn.BatchNorm1d(2), nn.SyncBatchNorm(2), nn.InstanceNorm1d(2), nn.LazyBatchNorm1d()):
         assert isinstance(m, norm)
     assert not isinstance(nn.LayerNorm(2), norm)
+
+
+def _fsdp2_flag(rank, world_size):
+    from torch.distributed.fsdp import fully_shard
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fully_shard(model[0])
+    fully_shard(model)
+    seen = [compat.fsdp2_reduces_grads(model.modules())]
+    model.set_requires_gradient_sync(False)  # what torch.distributed.pipelining sets for each micro-batch
+    seen.append(compat.fsdp2_reduces_grads(model.modules()))
+    model.set_requires_gradient_sync(True)
+    seen.append(compat.fsdp2_reduces_grads(model.modules()))
+    return seen, compat.fsdp2_reduces_grads([nn.Linear(2, 2)])  # not FSDP2: nothing turned off
+
+
+def test_fsdp2_reduces_grads(dist_pool):
+    assert dist_pool.run(_fsdp2_flag) == [([True, False, True], True)] * 2

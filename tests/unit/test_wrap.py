@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from models import hf_checkpointing_enable
 
 import distckpt
-from benchmarks.models import hf_checkpointing_enable
 from distckpt import ConfigError
 from distckpt.apply.wrap import is_checkpointed
 from distckpt.select.profile import flop_counter
@@ -198,6 +198,36 @@ def test_auto_blocks_prefers_finer_nested_blocks_and_resnet_stages():
     model = ResNetLike()
     distckpt.wrap(model)
     assert distckpt.checkpointed(model) == ["layer1.0", "layer1.1", "layer2.0", "layer2.1", "layer2.2"]
+
+
+def test_auto_blocks_in_a_module_dict_keyed_by_layer_numbers():
+    class Titan(nn.Module):  # torchtitan keeps layers in a ModuleDict "0", "1", ... (FQNs survive a pipeline split)
+        def __init__(self, keys=range(4)):
+            super().__init__()
+            self.embed = nn.Linear(4, 16)
+            self.layers = nn.ModuleDict({str(i): Block() for i in keys})
+            # Task heads keyed by name, larger than the layers together: never taken for blocks.
+            self.heads = nn.ModuleDict({t: nn.Linear(16, 2000) for t in ("lm", "cls")})
+
+        def forward(self, x):
+            h = self.embed(x)
+            for layer in self.layers.values():
+                h = layer(h)
+            return sum(head(h).sum() for head in self.heads.values())
+
+    model = Titan()
+    assert sum(p.numel() for p in model.heads.parameters()) > sum(p.numel() for p in model.layers.parameters())
+    ref = copy.deepcopy(model)
+    distckpt.wrap(model, "full")
+    assert distckpt.checkpointed(model) == [f"layers.{i}" for i in range(4)]
+    x = torch.randn(3, 4)
+    model(x).backward()
+    ref(x).backward()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=n)
+    stage = Titan(keys=range(2, 4))  # a pipeline stage keeps the layers it runs under their numbers
+    distckpt.wrap(stage, "full")
+    assert distckpt.checkpointed(stage) == ["layers.2", "layers.3"]
 
 
 def test_auto_blocks_hf_gpt2_and_llama():
@@ -717,6 +747,40 @@ def test_hf_padded_batch_cache_off_in_training_exact(family, reentrant, monkeypa
         _hf_step(wrapped, batch)
     assert sum("without a KV cache" in str(w.message) for w in rec) == 1  # once per layer class
     assert_same(ref, got, exact=True)
+
+
+def test_hf_cache_turned_off_is_said_with_warnings_ignored(monkeypatch, caplog):
+    """The cache turned off is said on the ``distckpt`` logger (rank 0's log under the launcher) even with every
+    warning ignored, as PYTHONWARNINGS=ignore does in many training scripts; once per layer class."""
+    import sys
+
+    monkeypatch.setattr(sys.modules["distckpt.runtime.recompute"], "_WARNED_CACHE", set())
+    model = distckpt.wrap(_tiny_decoder("gpt2"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _hf_step(model, _padded_batch())
+        _hf_step(model, _padded_batch())
+    said = [r for r in caplog.records if r.name == "distckpt" and "without a KV cache" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelname == "WARNING", caplog.messages
+
+
+def test_hf_cache_notice_waits_for_training_after_a_profile(monkeypatch, caplog):
+    """A profile (a budget's, at wrap) runs every block checkpointed: it says nothing, and the first training
+    step says it. Before, the profile's forward took the one notice and silenced it: a budget's run never said it."""
+    import sys
+
+    from distckpt.select.blocks import find_blocks
+    from distckpt.select.profile import profile_model
+
+    monkeypatch.setattr(sys.modules["distckpt.runtime.recompute"], "_WARNED_CACHE", set())
+    model, batch = _tiny_decoder("gpt2"), _padded_batch()
+    profile_model(model, find_blocks(model, None), batch, modes=("full",))
+    assert not [m for m in caplog.messages if "without a KV cache" in m]
+    distckpt.wrap(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _hf_step(model, batch)
+    assert len([m for m in caplog.messages if "without a KV cache" in m]) == 1, caplog.messages
 
 
 def test_hf_generation_keeps_its_cache():

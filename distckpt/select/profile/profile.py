@@ -468,12 +468,16 @@ _CACHE: weakref.WeakKeyDictionary[nn.Module, dict[Any, tuple[frozenset[str], Mod
 
 def _cache_key(model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inputs: Any) -> tuple[Any, ...]:
     """What a cached profile of ``model`` (:data:`_CACHE`, and the estimator's) is valid for: the block
-    list, the input shapes, train/eval and the world size (a profile measured before the process group
-    existed was not agreed between the ranks: a plan redone at parallelize must not use it as is)."""
+    list, the input shapes, train/eval, the world size (a profile measured before the process group
+    existed was not agreed between the ranks: a plan redone at parallelize must not use it as is) and the
+    tensor-parallel parameters."""
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
 
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    return tuple(name for name, _ in blocks), _signature(as_args(example_inputs)), model.training, world
+    # Tensor parallel applied since (DTensor parameters: the profile counts their local shards) is another model.
+    tp = sum(isinstance(p, DTensor) for p in model.parameters())
+    return tuple(name for name, _ in blocks), _signature(as_args(example_inputs)), model.training, world, tp
 
 
 def _recompute_modes(modes: Any) -> frozenset[str]:

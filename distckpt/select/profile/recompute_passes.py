@@ -14,8 +14,11 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint as tuc
 
 from distckpt import _torch_compat as compat
+from distckpt._dist import rank_world
+from distckpt.errors import ConfigError
 from distckpt.runtime import recompute
 from distckpt.runtime.recompute import CheckpointOptions, cache_positions, stateful_norms
 from distckpt.runtime.selective import OP_MODES, bind, mode_context_fn
@@ -60,10 +63,13 @@ def _all_checkpointed(
             )
             m._distckpt_norms = stateful_norms(m)
             m._distckpt_cache_slots = cache_positions(orig)
+            m._distckpt_profiling = True  # the "runs without a KV cache" notice waits for a training forward
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the wrapper's one-time "runs without a KV cache" notice
+            warnings.simplefilter("ignore")  # what the sample steps warn (the model's own warnings) is not the run's
             yield
     finally:
+        for m in mods:
+            m.__dict__.pop("_distckpt_profiling", None)
         unwrap(model, mods)
         for p in model.parameters():
             p.grad = None
@@ -241,13 +247,34 @@ def _checkpointed_peaks(
             with _AfterOps(after_op):
                 loss.backward()
             del loss
-    except Exception as e:  # noqa: BLE001 - any failure only loses precision, never correctness
-        logger.info("distckpt.select.profile: the checkpointed sample step failed (%s); recompute peaks estimated", e)
+    except Exception as e:  # noqa: BLE001 - a CheckpointError raises in _failed; any other only loses precision
+        _failed("the checkpointed sample step", "recompute peaks estimated", e)
         return None
     finally:
         for h in hooks + windows.hooks + own_backward.hooks:
             h.remove()
     return _read_peaks(tracker, blocks, dev, left, in_recompute, windows.peak, own_backward.peak)
+
+
+def _failed(step: str, instead: str, e: Exception) -> None:
+    """A checkpointed sample step raised ``e``. torch's ``CheckpointError`` (a recompute that differs from its
+    forward) is an error: a plan would checkpoint such blocks and train wrong or fail. Any other failure costs the
+    plan its measured numbers only, and says so (a warning, and the ``distckpt`` logger on rank 0).
+
+    Raises:
+        ConfigError: ``e`` is a ``CheckpointError``.
+    """
+    line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    if isinstance(e, tuc.CheckpointError):
+        raise ConfigError(
+            f"distckpt budget: {step} with every block checkpointed failed, because a block's recompute differs "
+            f"from its forward ({line}). Run distckpt.verify_recompute(model, loss_fn) to find the block and the "
+            "cause, then fix it or leave that block out (wrap's blocks=)."
+        ) from e
+    msg = f"distckpt budget: {step} failed ({type(e).__name__}: {line}); {instead}, so the plan is less precise."
+    if rank_world()[0] == 0:
+        logger.warning(msg)
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
 
 def _read_peaks(
@@ -376,8 +403,8 @@ def _recompute_flops(
     try:
         with _all_checkpointed(model, blocks, [counting(i) for i in range(len(blocks))]), counter:
             scalar_loss(model(*args, **kwargs)).backward()
-    except Exception as e:  # noqa: BLE001 - any failure only loses precision, never correctness
-        logger.info("distckpt.select.profile: the recompute FLOP count failed (%s)", e)
+    except Exception as e:  # noqa: BLE001 - a CheckpointError raises in _failed; any other only loses precision
+        _failed("the checkpointed FLOP count step", "recompute FLOPs estimated", e)
         return None
     if ops is not None:
         ops[:] = [tuple(c.ops) for c in costs]

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from distckpt import _torch_compat as compat
 
@@ -43,14 +44,23 @@ def scalar_loss(out: Any) -> torch.Tensor:
     return torch.stack(parts).sum()
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of ``t``: a DTensor's (tensor parallel) local shard, any other tensor itself."""
+    if isinstance(t, DTensor):
+        with torch.no_grad():  # the shard itself, no autograd node
+            return t.to_local()
+    return t
+
+
 def _storage_key(t: torch.Tensor) -> tuple[str, int]:
     # The storage's identity, not its data_ptr(): the same on real tensors, and it also tells fake
     # tensors apart (distckpt plan profiles under FakeTensorMode, where every data_ptr() is 0).
+    t = _local(t)
     return (str(t.device), compat.storage_id(t))
 
 
 def _storage_bytes(t: torch.Tensor) -> int:
-    return t.untyped_storage().nbytes()
+    return _local(t).untyped_storage().nbytes()
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

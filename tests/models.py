@@ -1,13 +1,16 @@
-"""Small GPT-style models for the memory benchmarks and the memory tests (no downloads).
+"""Small models for the memory tests and the benchmarks (no downloads).
 
 ``GPT`` is a pre-LayerNorm decoder with ``scaled_dot_product_attention`` and a 4x GELU MLP; given
 targets it returns the cross-entropy loss (computed inside the model, so a profile sees it).
-``hf_gpt2`` builds Hugging Face's GPT-2 architecture from a ``GPT2Config`` (random weights), ``hf_llama`` its
+``hf_gpt2`` builds Hugging Face's GPT-2 architecture from a ``GPTConfig`` (random weights), ``hf_llama`` its
 Llama architecture from a ``LlamaConfig`` of the same size (SwiGLU width 8/3 of the model's, as Llama's).
+``Chain`` is a heterogeneous MLP chain (every block of another width), ``TwoTower`` a CLIP-like model
+of two towers of different widths with a contrastive loss.
 
-The memory tests (tests/unit/test_profile.py, test_budget*.py, ...) import these models on purpose:
-what they assert about the profiler and the budget must hold on the very model the benchmark tables
-report, so the model has one definition here rather than a copy in tests/ that could drift.
+The memory tests (tests/unit/test_profile.py, test_budget*.py, ...) and the benchmarks
+(benchmarks/memory.py, budget_accuracy.py, ...) use these same models on purpose: what the tests assert
+about the profiler and the budget must hold on the very model the benchmark tables report, so each model
+has one definition, here.
 """
 
 from __future__ import annotations
@@ -18,7 +21,21 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["GPT", "Block", "GPTConfig", "MLP", "hf_checkpointing_enable", "hf_gpt2", "hf_llama", "SIZES"]
+__all__ = [
+    "GPT",
+    "Block",
+    "Chain",
+    "ChainMLP",
+    "GPTConfig",
+    "MLP",
+    "SIZES",
+    "TwoTower",
+    "batch",
+    "hf_checkpointing_enable",
+    "hf_gpt2",
+    "hf_llama",
+    "is_chain_block",
+]
 
 
 @dataclass(frozen=True)
@@ -152,3 +169,67 @@ def hf_checkpointing_enable(model: nn.Module, *, use_reentrant: bool = False) ->
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     return model
+
+
+class ChainMLP(nn.Module):
+    """One block of :class:`Chain`: widths differ from block to block, so do its input, activations and FLOPs."""
+
+    def __init__(self, a: int, b: int):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(a, 2 * b), nn.Linear(2 * b, b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.fc2(torch.relu(self.fc1(x))))
+
+
+class Chain(nn.Module):
+    """A heterogeneous MLP chain: 8 input features, one :class:`ChainMLP` per pair of ``widths``, a scalar loss."""
+
+    def __init__(self, widths: tuple[int, ...]):
+        super().__init__()
+        self.inp = nn.Linear(8, widths[0])
+        self.blocks = nn.ModuleList(ChainMLP(a, b) for a, b in zip(widths[:-1], widths[1:]))
+        self.head = nn.Linear(widths[-1], 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h).square().mean()
+
+
+def is_chain_block(m: nn.Module) -> bool:
+    """``blocks=`` for a :class:`Chain`."""
+    return isinstance(m, ChainMLP)
+
+
+class Tower(nn.Module):
+    def __init__(self, d_in: int, d: int, layers: int, out: int):
+        super().__init__()
+        self.inp = nn.Linear(d_in, d)
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(d, 2, 2 * d, dropout=0.0, batch_first=True) for _ in range(layers)
+        )
+        self.proj = nn.Linear(d, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.proj(h.mean(1))
+
+
+class TwoTower(nn.Module):
+    """CLIP-like: an image tower and a text tower of different widths, a contrastive loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.image = Tower(48, 64, 3, 32)
+        self.text = Tower(16, 32, 3, 32)
+
+    def forward(self, pixels: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        a = nn.functional.normalize(self.image(pixels), dim=-1)
+        b = nn.functional.normalize(self.text(tokens), dim=-1)
+        logits = a @ b.t() / 0.07
+        target = torch.arange(len(a))
+        return (nn.functional.cross_entropy(logits, target) + nn.functional.cross_entropy(logits.t(), target)) / 2
