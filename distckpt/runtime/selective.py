@@ -225,6 +225,9 @@ def bind(context_fn: Callable[[], tuple[Any, Any]] | None, block: Any) -> Callab
     replay = compiling and replays(block)  # a block an eager forward showed to be dense: torch's plain compiled AC
     if context_fn is None:
         return functools.partial(_contexts, frozenset(), False, None, True) if replay else noop_context_fn
+    if isinstance(context_fn, functools.partial) and context_fn.func is _keep_contexts:
+        # The "ops" mode has no reach (it keeps named calls only): under compile, routing replay's must-save.
+        return functools.partial(_keep_contexts, context_fn.args[0], True) if replay else context_fn
     if not (isinstance(context_fn, functools.partial) and context_fn.func is _contexts):
         return context_fn
     if compiling:
@@ -312,10 +315,12 @@ class KeepOps:
         return KEEP_MODE
 
 
-def _keep_policy(calls: frozenset[tuple[str, int]]) -> Callable[..., CheckpointPolicy]:
+def _keep_policy(calls: frozenset[tuple[str, int]], routing: bool = False) -> Callable[..., CheckpointPolicy]:
     seen: collections.Counter = collections.Counter()  # per forward: calls of each op so far
 
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if routing and op.overloadpacket in ROUTING_PACKETS:
+            return CheckpointPolicy.MUST_SAVE  # routing replay under torch.compile (see bind)
         name = str(op)
         index = seen[name]
         seen[name] += 1
@@ -324,10 +329,15 @@ def _keep_policy(calls: frozenset[tuple[str, int]]) -> Callable[..., CheckpointP
     return policy
 
 
-def _keep_contexts(calls: frozenset[tuple[str, int]]) -> tuple[Any, Any]:
+def _keep_contexts(calls: frozenset[tuple[str, int]], replay: bool = False) -> tuple[Any, Any]:
     # torch 2.13 asks the policy in the forward only (the recompute takes what the forward stored), so one
-    # call counter per forward is the whole state.
-    return create_selective_checkpoint_contexts(_keep_policy(calls))
+    # call counter per forward is the whole state. ``replay`` (made by bind under torch.compile) as in _contexts:
+    # traced, the routing ops are must-save; run eagerly after a graph break, replay's own dispatch modes.
+    if replay and not torch.compiler.is_compiling():
+        mine_fwd, mine_rec = replay_contexts()
+        fwd, rec = create_selective_checkpoint_contexts(_keep_policy(calls))
+        return Stacked(mine_fwd, fwd), Stacked(mine_rec, rec)
+    return create_selective_checkpoint_contexts(_keep_policy(calls, routing=replay))
 
 
 def keep_context_fn(keep: KeepOps) -> Callable[[], tuple[Any, Any]]:
