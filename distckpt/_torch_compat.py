@@ -34,6 +34,8 @@ __all__ = [
     "op_overload_types",
     "outside_fake_mode",
     "queue_after_backward",
+    "sac_planner",
+    "sac_runtimes_as_flops",
     "saved_tensors_of",
     "sdpa_flop_count_fns",
     "stop_recomputation_error",
@@ -458,3 +460,60 @@ def default_store() -> Any:
     from torch.distributed.distributed_c10d import _get_default_store
 
     return _get_default_store()
+
+
+# torch.distributed._tools: torch's own planner of selective activation checkpointing (SAC), the MILP over modules
+# (``sac_ilp.sac_milp``: which modules to checkpoint and what share of their activations to discard) and per module
+# over ops (``get_optimal_checkpointing_policy_per_module``), on statistics of a step run under FakeTensorMode
+# (``SACEstimator``, ``MemTracker``, ``RuntimeEstimator``, gathered by ``ilp_utils.aggregate_stats``). Private and
+# undocumented; benchmarks.frontier compares the budget with it at the same measured peak. Its MILP needs ``pulp``
+# and its trade-off curves ``pwlf`` (the ``bench`` extra). torch 2.13.
+
+
+def sac_planner() -> Any:
+    """torch's SAC planner as one namespace: ``SACEstimator``, ``MemTracker``, ``RuntimeEstimator``,
+    ``aggregate_stats``, ``parse_module_info``, ``sac_milp``, ``get_optimal_checkpointing_policy_per_module`` and
+    ``OPS_TO_ALWAYS_SKIP`` (the ops its per-op decisions skip, as a policy must). torch 2.13.
+
+    Raises:
+        ImportError: ``pulp`` or ``pwlf`` is not installed (``pip install -e ".[bench]"``).
+    """
+    import types
+
+    import pwlf  # noqa: F401  - the trade-off curves need it; fail here, not deep inside aggregate_stats
+    from torch.distributed._tools import ilp_utils, mem_tracker, runtime_estimator, sac_estimator, sac_ilp
+
+    return types.SimpleNamespace(
+        SACEstimator=sac_estimator.SACEstimator,
+        MemTracker=mem_tracker.MemTracker,
+        RuntimeEstimator=runtime_estimator.RuntimeEstimator,
+        aggregate_stats=ilp_utils.aggregate_stats,
+        parse_module_info=ilp_utils.parse_module_info,
+        sac_milp=sac_ilp.sac_milp,
+        get_optimal_checkpointing_policy_per_module=sac_ilp.get_optimal_checkpointing_policy_per_module,
+        OPS_TO_ALWAYS_SKIP=sac_estimator.OPS_TO_ALWAYS_SKIP,
+    )
+
+
+@contextlib.contextmanager
+def sac_runtimes_as_flops(count: Callable[[Any, Any, Any], tuple[Any, int]]) -> Iterator[None]:
+    """Inside: torch's ``RuntimeEstimator`` runs every op through ``count(func, args, kwargs)``, which returns
+    its output and FLOPs, and prices it at those FLOPs (as milliseconds at 1 TFLOP/s) in its
+    ``"operator-level-cost-model"`` mode, for the ``SACEstimator`` made inside too. Why: its two modes time ops
+    on CUDA only (the roofline reads the GPU's peak FLOP/s, the benchmark mode uses CUDA events); on the CPU,
+    FLOPs are also the cost the budget minimises, so both planners minimise the same thing.
+    ``RuntimeEstimator._roofline_estimate`` is a classmethod that ``SACEstimator`` reads when it is made or
+    called. torch 2.13."""
+    from torch.distributed._tools.runtime_estimator import RuntimeEstimator
+
+    original = RuntimeEstimator.__dict__["_roofline_estimate"]
+
+    def estimate(cls: Any, func: Any, args: Any, kwargs: Any) -> tuple[Any, float]:
+        out, flops = count(func, args, kwargs or {})
+        return out, flops / 1e9
+
+    RuntimeEstimator._roofline_estimate = classmethod(estimate)
+    try:
+        yield
+    finally:
+        RuntimeEstimator._roofline_estimate = original

@@ -2,7 +2,8 @@
 
 ``GPT`` is a pre-LayerNorm decoder with ``scaled_dot_product_attention`` and a 4x GELU MLP; given
 targets it returns the cross-entropy loss (computed inside the model, so a profile sees it).
-``hf_gpt2`` builds Hugging Face's GPT-2 architecture from a ``GPTConfig`` (random weights).
+``hf_gpt2`` builds Hugging Face's GPT-2 architecture from a ``GPTConfig`` (random weights), ``hf_llama`` its
+Llama architecture from a ``LlamaConfig`` of the same size (SwiGLU width 8/3 of the model's, as Llama's).
 ``Chain`` is a heterogeneous MLP chain (every block of another width), ``TwoTower`` a CLIP-like model
 of two towers of different widths with a contrastive loss.
 
@@ -32,6 +33,7 @@ __all__ = [
     "batch",
     "hf_checkpointing_enable",
     "hf_gpt2",
+    "hf_llama",
     "is_chain_block",
 ]
 
@@ -133,6 +135,29 @@ def hf_gpt2(cfg: GPTConfig) -> nn.Module:
     )
     conf._attn_implementation = "sdpa"
     return GPT2LMHeadModel(conf)
+
+
+def hf_llama(cfg: GPTConfig) -> nn.Module:
+    """Hugging Face's Llama (``LlamaForCausalLM``) built from a config of the same size as ``cfg``: as many
+    key/value heads as query heads, an MLP of width ``8/3 * dim`` (a multiple of 8), no cache in training."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    conf = LlamaConfig(
+        vocab_size=cfg.vocab,
+        hidden_size=cfg.dim,
+        intermediate_size=cfg.dim * 8 // 3 // 8 * 8,
+        num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.heads,
+        max_position_embeddings=cfg.seq,
+        attention_dropout=cfg.dropout,
+        use_cache=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    conf._attn_implementation = "sdpa"
+    return LlamaForCausalLM(conf)
 
 
 def hf_checkpointing_enable(model: nn.Module, *, use_reentrant: bool = False) -> nn.Module:

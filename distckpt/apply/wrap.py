@@ -27,7 +27,7 @@ from distckpt.runtime.recompute import (
     prepare_eager_run,
     stateful_norms,
 )
-from distckpt.runtime.selective import OP_MODES, context_mode, mode_context_fn
+from distckpt.runtime.selective import KEEP_MODE, OP_MODES, KeepOps, context_mode, keep_context_fn, mode_context_fn
 from distckpt.runtime.swap import (
     _COMPILE,
     CHECKPOINT_MODES,
@@ -256,10 +256,8 @@ def _apply_plan(model: nn.Module, state: WrapState) -> None:
         block._distckpt_cache_slots = cache_positions(type(block)._distckpt_orig_class)
         if eager_reason(block):
             prepare_eager_run()
-    counts = (
-        ", ".join(f"{sum(m == k for m in modes.values())} {k}" for k in CHECKPOINT_MODES[1:] if k in modes.values())
-        or "none"
-    )
+    names = [str(m) for m in modes.values()]  # a KeepOps is the "ops" mode
+    counts = ", ".join(f"{names.count(k)} {k}" for k in CHECKPOINT_MODES[1:] if k in names) or "none"
     logger.info(
         "distckpt.apply.wrap: policy %s checkpoints %d of %d blocks (%s)", pol, len(modes), len(candidates), counts
     )
@@ -267,11 +265,14 @@ def _apply_plan(model: nn.Module, state: WrapState) -> None:
         compiled.apply(model)
 
 
-def _mode_context_fn(mode: str, opts: CheckpointOptions, made: dict[str, Any]) -> Any:
-    """The ``context_fn`` a block checkpointed in ``mode`` runs under: none for full, the policy's own
-    for its own op-level mode (a ``Selective`` with its ops), else the named mode's (made once)."""
+def _mode_context_fn(mode: str | KeepOps, opts: CheckpointOptions, made: dict[str, Any]) -> Any:
+    """The ``context_fn`` a block checkpointed in ``mode`` runs under: none for full, its kept calls' for a
+    :class:`KeepOps`, the policy's own for its own op-level mode (a ``Selective`` with its ops), else the
+    named mode's (made once)."""
     if mode == "full":
         return None
+    if isinstance(mode, KeepOps):
+        return keep_context_fn(mode)
     if opts.context_fn is not None and context_mode(opts.context_fn) == mode:
         return opts.context_fn
     if mode not in made:
@@ -279,7 +280,7 @@ def _mode_context_fn(mode: str, opts: CheckpointOptions, made: dict[str, Any]) -
     return made[mode]
 
 
-def _block_modes(pol: Policy, candidates: Candidates, opts: CheckpointOptions) -> dict[int, str]:
+def _block_modes(pol: Policy, candidates: Candidates, opts: CheckpointOptions) -> dict[int, str | KeepOps]:
     """``{index: mode}`` for the blocks ``pol`` checkpoints: its ``modes`` when it has them (a budget
     plan, a placement), else its selection, all in the policy's own mode.
 
@@ -291,14 +292,14 @@ def _block_modes(pol: Policy, candidates: Candidates, opts: CheckpointOptions) -
         return dict.fromkeys(select_blocks(pol, candidates), own)
     modes = dict(pol.modes(candidates))
     assert all(0 <= i < len(candidates.blocks) for i in modes), modes  # internal invariant
-    allowed = CHECKPOINT_MODES[1:]
-    bad = {m for m in modes.values() if m not in allowed}
+    allowed = tuple(m for m in CHECKPOINT_MODES[1:] if m != KEEP_MODE)
+    bad = {repr(m) for m in modes.values() if not isinstance(m, KeepOps) and m not in allowed}
     if bad:
         raise ConfigError(
-            f"policy {pol} returned checkpoint modes {sorted(bad)}; each must be one of {allowed} "
+            f"policy {pol} returned checkpoint modes {sorted(bad)}; each must be one of {allowed} or a KeepOps "
             "(leave a block out to keep it unchecked)."
         )
-    op_level = sorted({m for m in modes.values() if m in OP_MODES})
+    op_level = sorted({str(m) for m in modes.values() if m in OP_MODES or isinstance(m, KeepOps)})
     if opts.reentrant and op_level:
         raise ConfigError(f"{' and '.join(op_level)} (op-level) checkpointing needs reentrant=False.")
     return modes

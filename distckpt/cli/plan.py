@@ -25,7 +25,7 @@ from distckpt import _torch_compat as compat
 from distckpt.errors import ConfigError
 from distckpt.factory import load_factory
 from distckpt.select import find_blocks
-from distckpt.select.budget import MODES, optimizer_terms, plan_budget, predicted_peak, shards, static_bytes
+from distckpt.select.budget import optimizer_terms, plan_budget, predicted_peak, shards, static_bytes
 from distckpt.select.profile import Call, ModelProfile, as_args, batch_tensors, profile_cut
 
 __all__ = ["PlanReport", "PolicyEstimate", "plan_at_scale", "render"]
@@ -39,7 +39,8 @@ class PolicyEstimate:
     peak_bytes: int
     recompute_flops: int
     checkpointed: tuple[int, ...]
-    modes: tuple[str, ...] = ()  # per block: "none", "pointwise", "selective" or "full"
+    # per block: "none", "pointwise", "selective", "full", or (a budget) the KeepOps of an "ops" block
+    modes: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ class PlanReport:
             grad_accumulation=grad_accumulation,
         )
         rest = tuple(p for p in self.policies if p.policy != "budget")
-        est = PolicyEstimate("budget", bp.peak_bytes, bp.recompute_flops, bp.selected, bp.modes)
+        est = PolicyEstimate("budget", bp.peak_bytes, bp.recompute_flops, bp.selected, bp.placement)
         return dataclasses.replace(self, policies=(*rest, est), budget_bytes=budget, budget_error="")
 
     def policy(self, name: str) -> PolicyEstimate:
@@ -332,10 +333,12 @@ def _ranges(idx: tuple[int, ...]) -> str:
 
 def _blocks(p: PolicyEstimate) -> str:
     """The checkpointed blocks, by mode when a plan mixes them (``full 0-3, selective 4-79``)."""
-    used = [m for m in reversed(MODES[1:]) if m in p.modes]  # offload and full first, as the budget orders them
+    # The most recompute (or transfer) first: offload, full, then the per-op and op-level modes.
+    names = {str(x) for x in p.modes}  # a KeepOps is the "ops" mode
+    used = [m for m in ("offload", "full", "ops", "selective", "pointwise") if m in names]
     if len(used) < 2:
         return _ranges(p.checkpointed)
-    return ", ".join(f"{m} {_ranges(tuple(i for i, x in enumerate(p.modes) if x == m))}" for m in used)
+    return ", ".join(f"{m} {_ranges(tuple(i for i, x in enumerate(p.modes) if str(x) == m))}" for m in used)
 
 
 def render(r: PlanReport) -> str:

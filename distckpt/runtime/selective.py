@@ -6,7 +6,9 @@ Two op-level modes have names (a budget chooses among them per block, besides no
 ``"selective"`` (torchtitan's: keep those outputs but recompute every other matmul) and
 ``"pointwise"`` (keep every matmul/attention/conv output: the recompute re-runs only the ops that
 ``FlopCounterMode`` counts no FLOPs for, the pointwise ops, norms and softmax, as torch.compile's
-min-cut partitioner does at ``activation_memory_budget=1``).
+min-cut partitioner does at ``activation_memory_budget=1``). A third, ``"ops"`` (:class:`KeepOps`), keeps
+the outputs of exactly the op calls it names (``("aten.addmm.default", 0)``: the block's first ``addmm``)
+and recomputes everything else: the per-op choice a budget makes inside a block.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import collections
 import contextlib
 import functools
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,10 +29,14 @@ from distckpt.runtime.routing import ROUTING_PACKETS, Stacked, replay_contexts, 
 
 __all__ = [
     "DEFAULT_SAVE_OPS",
+    "KEEP_MODE",
     "MATMUL_OPS",
     "OP_MODES",
+    "KeepOps",
     "bind",
     "context_mode",
+    "keep_context_fn",
+    "kept_calls",
     "mode_context_fn",
     "resolve_ops",
     "selective_context_fn",
@@ -218,6 +225,9 @@ def bind(context_fn: Callable[[], tuple[Any, Any]] | None, block: Any) -> Callab
     replay = compiling and replays(block)  # a block an eager forward showed to be dense: torch's plain compiled AC
     if context_fn is None:
         return functools.partial(_contexts, frozenset(), False, None, True) if replay else noop_context_fn
+    if isinstance(context_fn, functools.partial) and context_fn.func is _keep_contexts:
+        # The "ops" mode has no reach (it keeps named calls only): under compile, routing replay's must-save.
+        return functools.partial(_keep_contexts, context_fn.args[0], True) if replay else context_fn
     if not (isinstance(context_fn, functools.partial) and context_fn.func is _contexts):
         return context_fn
     if compiling:
@@ -270,9 +280,84 @@ def mode_context_fn(mode: str) -> Callable[[], tuple[Any, Any]]:
     return selective_context_fn(every_other_matmul=mode == "selective")
 
 
+# The per-op mode's name (KeepOps): a block keeps the outputs of the op calls named, nothing else.
+KEEP_MODE = "ops"
+
+
+@dataclass(frozen=True)
+class KeepOps:
+    """The ``"ops"`` checkpoint mode of one block: keep the outputs of exactly these op calls, recompute
+    every other op in backward (the op-level choice a budget makes per block, or placed by hand with
+    :class:`~distckpt.select.Placement`).
+
+    Attributes:
+        calls: ``(op, index)`` pairs: ``op`` an aten overload's name as ``str(op)`` gives it
+            (``"aten.addmm.default"``), ``index`` which of that op's calls in one forward of the block
+            (0: the first). A block's forward runs its ops in the same order every time, and its
+            recompute runs them again in that order, so a call is found by its place.
+    """
+
+    calls: tuple[tuple[str, int], ...]
+
+    def __post_init__(self) -> None:
+        ok = all(
+            isinstance(c, tuple) and len(c) == 2 and isinstance(c[0], str) and isinstance(c[1], int) and c[1] >= 0
+            for c in self.calls
+        )
+        if not ok:
+            raise ConfigError(
+                f"KeepOps(calls=...) takes (op name, call index) pairs such as ('aten.addmm.default', 0), got "
+                f"{self.calls!r}."
+            )
+        object.__setattr__(self, "calls", tuple(sorted(set(self.calls))))
+
+    def __str__(self) -> str:
+        return KEEP_MODE
+
+
+def _keep_policy(calls: frozenset[tuple[str, int]], routing: bool = False) -> Callable[..., CheckpointPolicy]:
+    seen: collections.Counter = collections.Counter()  # per forward: calls of each op so far
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if routing and op.overloadpacket in ROUTING_PACKETS:
+            return CheckpointPolicy.MUST_SAVE  # routing replay under torch.compile (see bind)
+        name = str(op)
+        index = seen[name]
+        seen[name] += 1
+        return CheckpointPolicy.MUST_SAVE if (name, index) in calls else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def _keep_contexts(calls: frozenset[tuple[str, int]], replay: bool = False) -> tuple[Any, Any]:
+    # torch 2.13 asks the policy in the forward only (the recompute takes what the forward stored), so one
+    # call counter per forward is the whole state. ``replay`` (made by bind under torch.compile) as in _contexts:
+    # traced, the routing ops are must-save; run eagerly after a graph break, replay's own dispatch modes.
+    if replay and not torch.compiler.is_compiling():
+        mine_fwd, mine_rec = replay_contexts()
+        fwd, rec = create_selective_checkpoint_contexts(_keep_policy(calls))
+        return Stacked(mine_fwd, fwd), Stacked(mine_rec, rec)
+    return create_selective_checkpoint_contexts(_keep_policy(calls, routing=replay))
+
+
+def keep_context_fn(keep: KeepOps) -> Callable[[], tuple[Any, Any]]:
+    """The ``context_fn`` of the ``"ops"`` mode: keep the outputs of ``keep.calls``, recompute the rest."""
+    return functools.partial(_keep_contexts, frozenset(keep.calls))
+
+
+def kept_calls(context_fn: Callable[[], tuple[Any, Any]]) -> KeepOps | None:
+    """The :class:`KeepOps` a ``context_fn`` of :func:`keep_context_fn` keeps, else ``None``."""
+    if isinstance(context_fn, functools.partial) and context_fn.func is _keep_contexts:
+        return KeepOps(tuple(context_fn.args[0]))
+    return None
+
+
 def context_mode(context_fn: Callable[[], tuple[Any, Any]]) -> str:
     """The named mode a ``context_fn`` runs: ``"pointwise"`` for the default saved ops without
-    every-other-matmul recompute, else ``"selective"`` (any other op-level policy, user-made too)."""
+    every-other-matmul recompute, ``"ops"`` for :func:`keep_context_fn`'s, else ``"selective"`` (any other
+    op-level policy, user-made too)."""
+    if kept_calls(context_fn) is not None:
+        return KEEP_MODE
     if isinstance(context_fn, functools.partial) and context_fn.func is _contexts:
         save, every_other = context_fn.args[:2]  # a block's bound one carries its reach third
         if not every_other and save == resolve_ops(DEFAULT_SAVE_OPS):

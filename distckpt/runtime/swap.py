@@ -26,7 +26,7 @@ from distckpt.runtime.recompute import (
     without_cache,
 )
 from distckpt.runtime.routing import replays, routes
-from distckpt.runtime.selective import context_mode
+from distckpt.runtime.selective import KEEP_MODE, context_mode
 
 __all__ = [
     "CHECKPOINT_MODES",
@@ -39,8 +39,9 @@ __all__ = [
 
 # How a block can be checkpointed, in order of decreasing memory (a budget plan chooses one per block);
 # "offload" (appended, so the earlier codes stay): not recomputed, every tensor its forward saves kept in
-# host memory until its backward (on CUDA; on the CPU host memory is the step's own).
-CHECKPOINT_MODES = ("none", "pointwise", "selective", "full", "offload")
+# host memory until its backward (on CUDA; on the CPU host memory is the step's own); "ops" (appended too):
+# the outputs of the op calls a KeepOps names kept, everything else recomputed (a per-op choice).
+CHECKPOINT_MODES = ("none", "pointwise", "selective", "full", "offload", KEEP_MODE)
 
 # Prefixes that wrappers insert into FQNs; checkpointed() reports names as in the user's model.
 _WRAPPER_NAMES = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
@@ -146,7 +147,7 @@ def _clean_fqn(name: str) -> str:
 
 
 def checkpoint_mode(module: nn.Module) -> str:
-    """``"full"``, ``"selective"`` or ``"pointwise"`` (op-level; see
+    """``"full"``, ``"selective"``, ``"pointwise"`` or ``"ops"`` (op-level; see
     :func:`distckpt.runtime.selective.context_mode`), ``"offload"`` (not recomputed: its saved tensors
     kept in host memory) or ``"none"``: how distckpt checkpoints ``module``."""
     if not is_checkpointed(module):
@@ -165,7 +166,7 @@ def checkpointed(model: nn.Module, *, modes: bool = False) -> list[str] | dict[s
 
     Args:
         model: the model (possibly inside DDP/FSDP).
-        modes: return ``{fqn: "full" | "selective" | "pointwise" | "offload"}`` instead: how each block
+        modes: return ``{fqn: "full" | "selective" | "pointwise" | "ops" | "offload"}`` instead: how each block
             is checkpointed (a ``budget`` plan mixes them; ``"offload"``: not recomputed, listed because
             its forward runs through distckpt's wrapper too).
     """

@@ -6,6 +6,7 @@ sub-packages: budget/ (the memory planner) over profile/ (per-block bytes and FL
 Everything outside this package imports from here or from a sub-package's ``__init__``.
 """
 
+from distckpt.runtime.selective import KeepOps
 from distckpt.select.blocks import BlockSpec, conditional_reason, find_blocks, repeated_block_groups
 from distckpt.select.candidates import Candidates, Parallelism
 from distckpt.select.policies import (
@@ -34,6 +35,7 @@ __all__ = [
     "FirstN",
     "Fraction",
     "Full",
+    "KeepOps",
     "Parallelism",
     "Placement",
     "PlannedPolicy",

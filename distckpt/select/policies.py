@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from distckpt.errors import ConfigError
+from distckpt.runtime.selective import KEEP_MODE, KeepOps
 from distckpt.runtime.swap import CHECKPOINT_MODES
 from distckpt.select.candidates import Candidates, Parallelism
 
@@ -157,8 +158,10 @@ class Budget:
     the first forward (they persist across micro-batches). Each block gets none, ``pointwise``
     (op-level: keep every matmul/attention output, recompute only the FLOP-free ops), ``selective``
     (recompute every other matmul too) or full checkpointing (``selective=False``: none or full, and
-    the profile skips the op-level sample steps). On CUDA a block may also be ``offload``ed (not
-    recomputed; its saved tensors kept in pinned host memory) when asked for: priced at
+    the profile skips the op-level sample steps) or, with ``per_op`` (the default), ``"ops"``: the outputs
+    of exactly the matmul/attention calls that pay most for their bytes kept, the rest recomputed (a
+    per-op choice inside the block, :class:`~distckpt.runtime.selective.KeepOps`). On CUDA a block may
+    also be ``offload``ed (not recomputed; its saved tensors kept in pinned host memory) when asked for: priced at
     ``offload_flops_per_byte`` FLOPs per byte moved, or ``"auto"``: measured once per device (matmul
     FLOP/s over host-link bytes/s). ``None`` (the default, until offload has been measured on a GPU)
     and off CUDA: not offered. The selection itself lives in :mod:`distckpt.select.budget`. A
@@ -171,6 +174,7 @@ class Budget:
     grad_accumulation: bool = False
     shard_size: int | None = None  # "hsdp": ranks per shard group (default: LOCAL_WORLD_SIZE)
     selective: bool = True  # offer the op-level modes (pointwise, selective) per block (False: none or full)
+    per_op: bool = True  # with selective: offer the "ops" mode (which op calls' outputs a block keeps)
     # "offload" per block: its price in FLOPs per byte moved to the host and back, "auto" to measure it on CUDA;
     # None (default) or math.inf: not offered, not profiled. Off CUDA host memory is the step's own: not offered.
     offload_flops_per_byte: float | str | None = None
@@ -240,15 +244,16 @@ class Budget:
             shard_size=self.shard_size,
             selective=self.selective and candidates.op_level,
             offload_flops_per_byte=self.offload_flops_per_byte,
+            per_op=self.per_op,
         )
 
     def select(self, candidates: Candidates) -> list[int]:
         return list(self.plan(candidates).selected)
 
-    def modes(self, candidates: Candidates) -> dict[int, str]:
-        """``{index: "pointwise" | "selective" | "full" | "offload"}`` for the blocks to checkpoint."""
+    def modes(self, candidates: Candidates) -> dict[int, str | KeepOps]:
+        """``{index: "pointwise" | "selective" | "full" | "offload" | KeepOps}`` for the blocks to checkpoint."""
         plan = self.plan(candidates)
-        return {i: plan.modes[i] for i in plan.selected}
+        return {i: plan.mode_of(i) for i in plan.selected}
 
 
 @dataclass(frozen=True)
@@ -276,24 +281,28 @@ class Selective:
 @dataclass(frozen=True)
 class Placement:
     """Checkpoint each block in the mode given for it: ``"none"``, ``"pointwise"``, ``"selective"``,
-    ``"full"`` or ``"offload"`` (:data:`CHECKPOINT_MODES`).
+    ``"full"``, ``"offload"`` (:data:`CHECKPOINT_MODES`) or a :class:`~distckpt.runtime.selective.KeepOps`
+    (the ``"ops"`` mode: the outputs of the op calls it names kept).
 
     ``choice`` holds one mode per candidate block (in forward order), or ``{fqn: mode}`` (blocks not
     named: none). It is how a benchmark or a test places mixed modes by hand, as a budget plan does.
     """
 
-    choice: tuple[str, ...] | dict[str, str]
+    choice: tuple[str | KeepOps, ...] | dict[str, str | KeepOps]
 
     def __post_init__(self) -> None:
         values = self.choice.values() if isinstance(self.choice, dict) else self.choice
-        bad = sorted({m for m in values if m not in CHECKPOINT_MODES})
+        named = [m for m in CHECKPOINT_MODES if m != KEEP_MODE]
+        bad = sorted({repr(m) for m in values if not isinstance(m, KeepOps) and m not in named})
         if bad:
-            raise ConfigError(f"Placement modes must be among {', '.join(map(repr, CHECKPOINT_MODES))}, got {bad}.")
+            raise ConfigError(
+                f"Placement modes must be among {', '.join(map(repr, named))} or a KeepOps (the ops mode), got {bad}."
+            )
 
     def select(self, candidates: Candidates) -> list[int]:
         return sorted(self.modes(candidates))
 
-    def modes(self, candidates: Candidates) -> dict[int, str]:
+    def modes(self, candidates: Candidates) -> dict[int, str | KeepOps]:
         """``{index: mode}`` for the blocks to checkpoint (every mode but none).
 
         Raises:

@@ -239,10 +239,11 @@ def test_budget_respected_in_real_train_steps():
     for budget in (smallest, (full_peak + none_peak) // 2, none_peak):
         model = copy.deepcopy(base)
         distckpt.wrap(model, Budget(budget, strategy="none"), example_inputs=inputs)
-        modes = distckpt.checkpointed(model, modes=True)  # {"h.i": "full" | "selective"}
+        modes = distckpt.checkpointed(model, modes=True)  # {"h.i": "full" | "selective" | "ops" | ...}
         assert _train_peak(model, inputs) <= budget
-        b = [mp.blocks[int(fqn.split(".")[1])] for fqn in modes]
-        flops.append(sum(x.full_flops if m == "full" else x.selective_flops for x, m in zip(b, modes.values())))
+        plan = plan_budget(mp, budget, strategy="none")  # the plan wrap applied, on the same profile
+        assert modes == {f"h.{i}": plan.modes[i] for i in plan.selected}
+        flops.append(plan.recompute_flops)
     assert flops[0] > flops[1] > flops[2] >= 0  # more memory, less recompute
     with pytest.raises(ConfigError, match=f"budget:{smallest} or more"):
         distckpt.wrap(copy.deepcopy(base), Budget(smallest - 1, strategy="none"), example_inputs=inputs)

@@ -46,10 +46,10 @@ def test_estimator_path_plans_as_the_measured_profile(kind):
         est, got = budget_profile(Candidates(model, blocks, inputs), "cpu", size, estimate=True)
         assert got == size and est.device == "cpu"
         plan, want = plan_budget(est, size), plan_budget(measured, size)
-        real = predicted_peak(measured, plan.modes)  # the plan's mode per block (none, selective, full)
+        real = predicted_peak(measured, plan.placement)  # the plan's mode per block (none, ..., full; KeepOps)
         assert abs(plan.peak_bytes / real - 1) < 0.05 and real <= size, (size, plan, real)
         if kind == "gpt":
-            assert plan.modes == want.modes, (size, plan, want)
+            assert plan.placement == want.placement, (size, plan, want)
     # The real tensors are put back untouched: the same objects, values, no gradients, not fake.
     for n, p in model.named_parameters():
         assert p is before[n][0] and torch.equal(p, before[n][1]) and p.grad is None, n

@@ -256,6 +256,27 @@ def test_fake_mode_and_storage_id():
     assert compat.storage_id(x) == compat.storage_id(x.view(3, 1)) != compat.storage_id(torch.zeros(3))
 
 
+def test_sac_planner_prices_ops_at_the_flops_given():
+    pytest.importorskip("pulp")
+    pytest.importorskip("pwlf")
+    tools = compat.sac_planner()
+    assert all(callable(f) for f in (tools.sac_milp, tools.get_optimal_checkpointing_policy_per_module))
+    assert torch.ops.aten.detach.default in tools.OPS_TO_ALWAYS_SKIP
+
+    def count(func, args, kwargs):
+        return func(*args, **kwargs), 2000 if func.overloadpacket is torch.ops.aten.mm else 0
+
+    with compat.sac_runtimes_as_flops(count), compat.fake_mode():
+        a, b = torch.randn(4, 4), torch.randn(4, 4)
+        est = tools.RuntimeEstimator()
+        with est("operator-level-cost-model"):
+            torch.mm(a, b).relu()
+    assert est.total_runtime == pytest.approx(2000 / 1e9)  # the mm at its 2000 "FLOPs", the relu at 0
+    if not torch.cuda.is_available():  # restored: torch's roofline again, which needs CUDA
+        with compat.fake_mode(), pytest.raises(AssertionError, match="CUDA"):
+            tools.RuntimeEstimator._roofline_estimate(torch.ops.aten.mm.default, (torch.randn(2, 2),) * 2, {})
+
+
 def test_outside_fake_mode_makes_real_tensors():
     with compat.fake_mode():
         assert type(torch.ones(1)).__name__ == "FakeTensor"

@@ -286,7 +286,7 @@ def test_budget_never_exceeded_and_exact(name):
         # (selective._Reach), as a budget's own blocks do from the first step; a fresh model learns it in
         # its first backward, keeping more in that first forward (CLIP: 8688 B more, one pointwise block).
         model = copy.deepcopy(probe)
-        distckpt.wrap(model, Placement(plan.modes), blocks=fqns)
+        distckpt.wrap(model, Placement(plan.placement), blocks=fqns)
         rows.append(dict(frac=frac, budget=budget, peak=_peak(fam, model, batch), blocks=len(plan.selected)))
     RESULTS[name]["budget_points"] = rows
     mid = rows[BUDGET_POINTS.index(0.5)]

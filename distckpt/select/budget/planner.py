@@ -105,6 +105,7 @@ def select_for_budget(
     shard_size: int | None = None,
     selective: bool = True,
     offload_flops_per_byte: float | str | None = None,
+    per_op: bool = True,
 ) -> BudgetPlan:
     """The plan for ``budget:SIZE`` (``None``: ``budget:auto``): which blocks to checkpoint, and how.
 
@@ -124,6 +125,7 @@ def select_for_budget(
         offload_flops_per_byte: the price of ``"offload"`` in FLOPs per byte moved; ``"auto"``: measured on
             CUDA (:func:`distckpt.select.profile.flops_per_byte`); ``None``: not offered; off CUDA offered
             only to tests (:func:`offload_offered`).
+        per_op: with ``selective``, offer the ``"ops"`` mode too (which op calls' outputs a block keeps).
 
     Returns:
         A :class:`BudgetPlan` (``modes``: one of :data:`MODES` per block of ``candidates.blocks``).
@@ -150,13 +152,15 @@ def select_for_budget(
         shard_size=shard_size,
         selective=selective,
         offload_flops_per_byte=offload_flops_per_byte if offer and offload_flops_per_byte != "auto" else None,
+        per_op=per_op,
     )
     logger.info(
-        "distckpt budget %s: %d of %d blocks full, %d selective, %d pointwise, %d offloaded (%s moved per step), "
-        "predicted peak %s, recompute %.3g GFLOP",
+        "distckpt budget %s: %d of %d blocks full, %d per-op, %d selective, %d pointwise, %d offloaded (%s moved "
+        "per step), predicted peak %s, recompute %.3g GFLOP",
         human_bytes(budget_bytes),
         result.modes.count("full"),
         len(mp.blocks),
+        result.modes.count("ops"),
         result.modes.count("selective"),
         result.modes.count("pointwise"),
         len(result.offloaded),

@@ -6,8 +6,9 @@ The memory model (all terms measured by :mod:`distckpt.select.profile` or counte
     static   = params + grads + optimizer state (as the strategy places them) + buffers + batch
                (minus the gradients backward has not produced yet at that point)
     held_i   = activation_bytes_i (none), pointwise_held_bytes_i / selective_held_bytes_i (its input
-               plus the op outputs it keeps), input_bytes_i (full) or offload_held_bytes_i (offload:
-               what it could not move to the host): one of five choices per block, a checkpointed
+               plus the op outputs it keeps), input_bytes_i plus the outputs of the op calls it keeps
+               (ops: op_sets), input_bytes_i (full) or offload_held_bytes_i (offload: what it could
+               not move to the host): one of six kinds of choice per block, a checkpointed
                one plus the RNG state it saves (rng_state_bytes: on the CPU); every one plus the
                Python numbers its autograd nodes saved (scalar_saved_bytes: on the CPU)
     P_i      = held_0 + ... + held_i                      (what the blocks keep, in the order they run)
@@ -60,26 +61,28 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from distckpt.errors import ConfigError
-from distckpt.runtime.selective import OP_MODES
+from distckpt.runtime.selective import KEEP_MODE, OP_MODES, KeepOps
 from distckpt.runtime.swap import CHECKPOINT_MODES
 from distckpt.select.budget.memory_terms import mode_bounds, static_bytes, tail_peak
+from distckpt.select.budget.op_sets import keep_sets
 from distckpt.select.profile import ModelProfile
 
 __all__ = ["MODES", "BudgetPlan", "human_bytes", "plan_budget", "predicted_peak"]
 
-# What the planner chooses from for each block, by code (the dynamic program's trail keeps the code), in
-# order of decreasing memory: "pointwise" keeps every matmul/attention/conv output and recomputes only
+# What the planner chooses from for each block, by code, in order of decreasing memory (but "offload" and
+# "ops", appended): "pointwise" keeps every matmul/attention/conv output and recomputes only
 # the FLOP-free ops, "selective" recomputes every other matmul too, "full" the whole block.
-MODES = CHECKPOINT_MODES  # ("none", "pointwise", "selective", "full", "offload")
+MODES = CHECKPOINT_MODES  # ("none", "pointwise", "selective", "full", "offload", "ops")
 _FULL = MODES.index("full")
 _OFFLOAD = MODES.index("offload")  # not recomputed: its saved tensors go to host memory (CUDA)
+_OPS = MODES.index(KEEP_MODE)  # the outputs of the op calls a KeepOps names kept (op_sets), the rest recomputed
 # The recomputed modes keep the block's inputs on the device (a checkpoint holds them): see _shared.
-_KEEPS_INPUTS = frozenset(MODES.index(m) for m in ("pointwise", "selective", "full"))
+_KEEPS_INPUTS = frozenset(MODES.index(m) for m in ("pointwise", "selective", "full", KEEP_MODE))
 
 # Above this many (bytes, FLOPs) states per block, states closer than budget/_MAX_STATES bytes are
 # merged (the one with fewer FLOPs is kept, its bytes exact): the budget is still never exceeded,
@@ -102,11 +105,13 @@ class BudgetPlan:
         recompute_flops: the chosen blocks' measured recompute FLOPs.
         min_budget_bytes: the smallest budget any choice fits in.
         modes: per block, one of :data:`MODES` (``"none"``, ``"pointwise"``, ``"selective"``, ``"full"``,
-            ``"offload"``).
+            ``"offload"``, ``"ops"``).
         moved_bytes: bytes the offloaded blocks move over the host link per step (device to host in
             forward plus host to device in backward).
         transfer_flops: the transfers' FLOP-equivalent (``moved_bytes`` times ``offload_flops_per_byte``).
         offload_flops_per_byte: the ratio the transfers were costed at (``None``: offload not offered).
+        keep: per block, the :class:`~distckpt.runtime.selective.KeepOps` of an ``"ops"`` block (the op
+            calls whose outputs it keeps), ``None`` for every other mode.
     """
 
     selected: tuple[int, ...]
@@ -117,6 +122,16 @@ class BudgetPlan:
     moved_bytes: int = 0
     transfer_flops: int = 0
     offload_flops_per_byte: float | None = None
+    keep: tuple[KeepOps | None, ...] = ()
+
+    def mode_of(self, i: int) -> str | KeepOps:
+        """Block ``i``'s mode as ``wrap`` applies it: its :class:`KeepOps` for ``"ops"``, else the mode's name."""
+        return self.keep[i] if self.keep and self.keep[i] is not None else self.modes[i]
+
+    @property
+    def placement(self) -> tuple[str | KeepOps, ...]:
+        """One mode per block as ``wrap`` applies it (:meth:`mode_of`): for ``Placement``, :func:`predicted_peak`."""
+        return tuple(self.mode_of(i) for i in range(len(self.modes)))
 
     @property
     def offloaded(self) -> tuple[int, ...]:
@@ -129,9 +144,17 @@ class BudgetPlan:
         return self.recompute_flops + self.transfer_flops
 
 
-# (bytes held, bound on the prefix, recompute FLOPs, code in MODES, floor): ``floor`` is the part of the
-# bound that inputs an earlier checkpointed block holds do not lower (see _shared).
-Choice = tuple[int, int, int, int, int]
+class Choice(NamedTuple):
+    """One block's choice: the bytes it holds, the bound it puts on the bytes held before it, its recompute
+    FLOPs (the program's cost), its code in :data:`MODES`, its ``floor`` (the part of the bound that inputs
+    an earlier checkpointed block holds do not lower: see :func:`_shared`), and for ``"ops"`` the kept calls."""
+
+    held: int
+    bound: int
+    cost: int
+    code: int
+    floor: int
+    keep: tuple[tuple[str, int], ...] = ()
 
 
 def _transfer_cost(nbytes: int, flops_per_byte: float | None) -> int:
@@ -144,7 +167,7 @@ def _transfer_cost(nbytes: int, flops_per_byte: float | None) -> int:
 def _offload_choice(b: Any, bound: int, w: int, outside: int, flops_per_byte: float | None, floor: int) -> Choice:
     """An offloaded block: it holds on the device only what it could not move (measured), and in its
     backward its saved tensors come back (its measured peak, ``bound``); no RNG state (no checkpoint)."""
-    return (
+    return Choice(
         b.offload_held_bytes + w,
         bound + w + outside,
         _transfer_cost(b.offload_bytes, flops_per_byte),
@@ -153,8 +176,50 @@ def _offload_choice(b: Any, bound: int, w: int, outside: int, flops_per_byte: fl
     )
 
 
+def _keep_bound(b: Any, i: int, bounds: dict[str, list[int]], op_modes: tuple[str, ...]) -> int | None:
+    """The bound of an ``"ops"`` block ``i``: the largest of full's and the measured op-level modes' (its
+    recompute materialises what a full one does: the outputs it kept plus everything it re-runs; each mode's
+    bound is a measured backward peak with every block in that mode). ``None``: no op-level mode was measured
+    on this block (its op-level step failed, or the budget offers none), so no per-op choice."""
+    measured = [m for m in op_modes if b.mode_held_flops(m)[0] >= 0]
+    return max(bounds[m][i] for m in ("full", *measured)) if measured and b.recompute_ops else None
+
+
+def _keep_choice(b: Any, calls: tuple[tuple[str, int], ...], bound: int, extra: int, floor: int) -> Choice:
+    """Block ``b`` keeping the outputs of ``calls`` (each in its :attr:`recompute_ops`): its input and those
+    outputs held, full's recompute less their FLOPs. ``extra``: what every checkpointed choice adds (the RNG
+    state, the wrapped numbers).
+
+    Raises:
+        ConfigError: a call the profile did not see in the block's recompute.
+    """
+    cost = {(name, index): (nbytes, flops) for name, index, nbytes, flops in b.recompute_ops}
+    missing = [c for c in calls if c not in cost]
+    if missing:
+        raise ConfigError(
+            f"{b.fqn}: KeepOps names {missing}, which its recompute does not run as FLOP-counting calls (known: "
+            f"{sorted(cost)}); keep only those (or use another mode for this block)."
+        )
+    nbytes = sum(cost[c][0] for c in calls)
+    return Choice(
+        b.input_bytes + nbytes + extra,
+        bound + extra,
+        max(0, b.full_flops - sum(cost[c][1] for c in calls)),
+        _OPS,
+        floor + extra,
+        tuple(sorted(calls)),
+    )
+
+
 def _choices(
-    mp: ModelProfile, static: int, *, selective: bool = True, offload_flops_per_byte: float | None = None, **kw: Any
+    mp: ModelProfile,
+    static: int,
+    *,
+    selective: bool = True,
+    offload_flops_per_byte: float | None = None,
+    per_op: bool = True,
+    given: list[tuple[tuple[str, int], ...] | None] | None = None,
+    **kw: Any,
 ) -> tuple[list[list[Choice]], int]:
     """Per block, what each choice holds, the bound it puts on the bytes held before it and its
     recompute FLOPs (the op-level modes where the profile measured them and ``selective`` allows
@@ -176,6 +241,11 @@ def _choices(
     at ``offload_flops_per_byte`` (``None``: 0, for a prediction; :func:`plan_budget` offers it only with
     a ratio).
 
+    ``"ops"`` (where the profile listed the block's recompute ops and measured an op-level mode, with
+    ``selective``): with ``per_op``, one choice per point of the block's front of kept calls
+    (:func:`~distckpt.select.budget.op_sets.keep_sets`), plus ``given[i]``'s kept calls (a prediction of a
+    hand-placed :class:`KeepOps`); its bound :func:`_keep_bound`.
+
     Each choice's ``floor``: FSDP1's flat-gradient bound (``memory_terms._flat_gradients``, the end of the
     block's backward), which the shared inputs do not lower (:func:`_shared`): it does not count them
     (they are counted once, in the earlier checkpointed block's held input), so subtracting them there
@@ -190,12 +260,12 @@ def _choices(
     out = []
     for i, b in enumerate(mp.blocks):
         w = b.scalar_saved_bytes
-        options = [(b.activation_bytes + w, plain[i] + w + outside, 0, 0, flat[i] + w + outside)]
+        options = [Choice(b.activation_bytes + w, plain[i] + w + outside, 0, 0, flat[i] + w + outside)]
         for mode in op_modes:
             held, flops = b.mode_held_flops(mode)
             if held >= 0:
                 options.append(
-                    (
+                    Choice(
                         held + rng + w,
                         bounds[mode][i] + rng + w + outside,
                         flops,
@@ -204,7 +274,7 @@ def _choices(
                     )
                 )
         options.append(
-            (
+            Choice(
                 b.input_bytes + rng + w,
                 bounds["full"][i] + rng + w + outside,
                 b.full_flops,
@@ -214,13 +284,19 @@ def _choices(
         )
         if offload and b.offload_held_bytes >= 0:
             options.append(_offload_choice(b, bounds["offload"][i], w, outside, offload_flops_per_byte, flat[i]))
+        bound = _keep_bound(b, i, bounds, op_modes)
+        if bound is not None:
+            sets = [calls for calls, *_ in keep_sets(b.recompute_ops)] if per_op else []
+            for calls in [*sets, *([given[i]] if given and given[i] is not None else [])]:
+                options.append(_keep_choice(b, calls, bound + outside, rng + w, flat[i] + outside))
         out.append(options)
     return out, end + outside
 
 
-def _codes(mp: ModelProfile, choice: Any) -> list[int]:
-    """A per-block choice as codes into :data:`MODES`: a mapping ``{index: mode}`` (absent: none), a
-    sequence of one mode per block, or (the original form) the indices of the fully checkpointed blocks.
+def _codes(mp: ModelProfile, choice: Any) -> list[tuple[int, tuple[tuple[str, int], ...] | None]]:
+    """A per-block choice as ``(code into MODES, kept calls)`` pairs (calls only for ``"ops"``): a mapping
+    ``{index: mode}`` (absent: none), a sequence of one mode per block, or (the original form) the indices of
+    the fully checkpointed blocks. A mode is a name of :data:`MODES` or a :class:`KeepOps`.
 
     Raises:
         ConfigError: an unknown mode, or an op-level mode on a block whose profile did not measure it.
@@ -228,21 +304,34 @@ def _codes(mp: ModelProfile, choice: Any) -> list[int]:
     n = len(mp.blocks)
     if isinstance(choice, Mapping):
         modes = [choice.get(i, "none") for i in range(n)]
-    elif isinstance(choice, (list, tuple)) and len(choice) == n and all(isinstance(m, str) for m in choice):
+    elif isinstance(choice, (list, tuple)) and len(choice) == n and all(isinstance(m, (str, KeepOps)) for m in choice):
         modes = list(choice)
     else:
         full = set(choice)
         modes = ["full" if i in full else "none" for i in range(n)]
+    out: list[tuple[int, tuple[tuple[str, int], ...] | None]] = []
     for i, m in enumerate(modes):
-        if m not in MODES:
-            raise ConfigError(f"block {i}: checkpoint mode must be one of {MODES}, got {m!r}.")
+        if isinstance(m, KeepOps):
+            if not mp.blocks[i].recompute_ops or all(mp.blocks[i].mode_held_flops(o)[0] < 0 for o in OP_MODES):
+                raise ConfigError(
+                    f"block {i} ({mp.blocks[i].fqn}): the profile has no per-op measurement (its recompute's ops "
+                    "or an op-level sample step); choose none or full for it, or profile with the op-level modes."
+                )
+            out.append((_OPS, m.calls))
+            continue
+        if m not in MODES or m == KEEP_MODE:
+            raise ConfigError(
+                f"block {i}: checkpoint mode must be one of {MODES[:-1]} or a KeepOps (the ops mode: which op calls "
+                f"it keeps), got {m!r}; a plan's modes with their KeepOps are BudgetPlan.placement."
+            )
         if m in (*OP_MODES, "offload") and mp.blocks[i].mode_held_flops(m)[0] < 0:
             raise ConfigError(
                 f"block {i} ({mp.blocks[i].fqn}): the profile has no {m} measurement (its {m} "
                 "sample step failed, or the profile was made without that mode); choose none or "
                 "full for it, or profile with that mode (profile_model(..., modes=...))."
             )
-    return [MODES.index(m) for m in modes]
+        out.append((MODES.index(m), None))
+    return out
 
 
 def predicted_peak(
@@ -261,7 +350,8 @@ def predicted_peak(
     Args:
         mp: the profile.
         selected: the indices of the fully checkpointed blocks (a list, set or range), or a mapping
-            ``{index: mode}`` (a mode of :data:`MODES`; blocks not in it: none), or one mode per block.
+            ``{index: mode}`` (a mode of :data:`MODES` or a :class:`KeepOps`; blocks not in it: none), or one
+            mode per block.
 
     Returns:
         The predicted peak in bytes.
@@ -269,15 +359,18 @@ def predicted_peak(
     kw = dict(strategy=strategy, world_size=world_size, shard_size=shard_size)
     given = _codes(mp, selected)
     mp, order = _run_ordered(mp)
+    given = [given[j] for j in order]
     static, step = static_bytes(mp, optimizer=optimizer, **kw)
-    options, end = _choices(mp, static, grad_accumulation=grad_accumulation, **kw)
+    options, end = _choices(
+        mp, static, grad_accumulation=grad_accumulation, per_op=False, given=[k for _, k in given], **kw
+    )
     step = tail_peak(mp, static, step, grad_accumulation=grad_accumulation, **kw)
     prefix, peak, holds = 0, step, False
-    for opts, code, shared in zip(options, [given[j] for j in order], _shared(mp)):
-        held, bound, _, _, floor = next(o for o in opts if o[3] == code)
+    for opts, (code, calls), shared in zip(options, given, _shared(mp)):
+        o = next(o for o in opts if o.code == code and (calls is None or o.keep == calls))
         d = shared if holds else 0  # an earlier checkpointed block holds these inputs already
-        peak = max(peak, prefix + max(bound - d, floor))
-        prefix += held - (d if code in _KEEPS_INPUTS else 0)
+        peak = max(peak, prefix + max(o.bound - d, o.floor))
+        prefix += o.held - (d if code in _KEEPS_INPUTS else 0)
         holds = holds or code in _KEEPS_INPUTS
     return max(peak, prefix + end)
 
@@ -312,7 +405,7 @@ def _fits(options: list[list[Choice]], end: int, step: int, budget: int, shared:
         nxt: dict[bool, int] = {}
         for holds, p in best.items():
             dd = d if holds else 0
-            for h, bound, _, code, floor in opts:
+            for h, bound, _, code, floor, _ in opts:
                 if p <= budget - max(bound - dd, floor):
                     keeps = code in _KEEPS_INPUTS
                     key, q = holds or keeps, p + h - (dd if keeps else 0)
@@ -325,9 +418,11 @@ def _fits(options: list[list[Choice]], end: int, step: int, budget: int, shared:
 
 def _min_peak(options: list[list[Choice]], end: int, step: int, shared: list[int]) -> int:
     """The smallest predicted peak over every choice of blocks (a search over the budget)."""
-    full = [next(o for o in opts if o[3] == _FULL) for opts in options]
+    full = [next(o for o in opts if o.code == _FULL) for opts in options]
     hi = max(
-        step, *(full[i][1] + sum(h for h, *_ in full[:i]) for i in range(len(full))), sum(h for h, *_ in full) + end
+        step,
+        *(full[i].bound + sum(o.held for o in full[:i]) for i in range(len(full))),
+        sum(o.held for o in full) + end,
     )  # checkpointing every block fits this
     lo = step
     if _fits(options, end, step, lo, shared):
@@ -368,49 +463,45 @@ def _costs(options: list[list[Choice]]) -> list[list[Choice]]:
     get every block ``pointwise`` (fewer bytes at the same FLOPs). Both fit one int64 (FLOPs times
     ``blocks + 1`` plus the count) unless the FLOPs are near 2**62 / blocks; then FLOPs alone."""
     scale = len(options) + 1
-    if (sum(max(o[2] for o in opts) for opts in options) + 1) * scale >= 2**62:
+    if (sum(max(o.cost for o in opts) for opts in options) + 1) * scale >= 2**62:
         return options
-    return [
-        [(held, bound, flops * scale + (code != 0), code, floor) for held, bound, flops, code, floor in opts]
-        for opts in options
-    ]
+    return [[o._replace(cost=o.cost * scale + (o.code != 0)) for o in opts] for opts in options]
 
 
-def _cheapest_codes(options: list[list[Choice]], end: int, budget: int, shared: list[int]) -> list[int]:
-    """The Pareto dynamic program of :func:`plan_budget`: per block, the code in :data:`MODES` of the
+def _cheapest(options: list[list[Choice]], end: int, budget: int, shared: list[int]) -> list[int]:
+    """The Pareto dynamic program of :func:`plan_budget`: per block, the index in its ``options`` of the
     cheapest choice (see :func:`_costs`) that fits ``budget``, which some choice must (:func:`_min_peak`)."""
     p = torch.zeros(1, dtype=torch.int64)  # bytes held by the blocks so far
     f = torch.zeros(1, dtype=torch.int64)  # cost so far: recompute FLOPs, then checkpointed blocks (_costs)
     g = torch.zeros(1, dtype=torch.bool)  # some block checkpointed so far: it holds the shared inputs (_shared)
-    trail: list[tuple[torch.Tensor, torch.Tensor]] = []  # per block: (parent index, code in MODES)
+    trail: list[tuple[torch.Tensor, torch.Tensor]] = []  # per block: (parent index, index of the choice)
     quantum = max(1, budget // _MAX_STATES)
     for opts, d in zip(_costs(options), shared):
         # Each choice of block i bounds the bytes held before it; the states that meet it go on with it.
         dd = g.long() * d
         parts = [
-            ((p <= budget - (bound - dd).clamp(min=floor)).nonzero().flatten(), held, cost, code)
-            for held, bound, cost, code, floor in opts
+            ((p <= budget - (o.bound - dd).clamp(min=o.floor)).nonzero().flatten(), k, o) for k, o in enumerate(opts)
         ]
         parent = torch.cat([ok for ok, *_ in parts])
-        code = torch.cat([torch.full((len(ok),), c, dtype=torch.int8) for ok, _, _, c in parts])
-        p = torch.cat([p[ok] + held - (dd[ok] if c in _KEEPS_INPUTS else 0) for ok, held, _, c in parts])
-        f = torch.cat([f[ok] + cost for ok, _, cost, _ in parts])
-        g = torch.cat([g[ok] | (c in _KEEPS_INPUTS) for ok, _, _, c in parts])
+        which = torch.cat([torch.full((len(ok),), k, dtype=torch.int32) for ok, k, _ in parts])
+        p = torch.cat([p[ok] + o.held - (dd[ok] if o.code in _KEEPS_INPUTS else 0) for ok, _, o in parts])
+        f = torch.cat([f[ok] + o.cost for ok, _, o in parts])
+        g = torch.cat([g[ok] | (o.code in _KEEPS_INPUTS) for ok, _, o in parts])
         # A state holding the shared inputs owes less later: the fronts of the two kinds are kept apart.
         kinds = ((~g).nonzero().flatten(), g.nonzero().flatten())
         sel = torch.cat([idx[_pareto(p[idx], f[idx], quantum)] for idx in kinds])
         sel = sel[torch.argsort(p[sel], stable=True)]
         p, f, g = p[sel], f[sel], g[sel]
-        trail.append((parent[sel], code[sel]))
+        trail.append((parent[sel], which[sel]))
     ok = (p <= budget - end).nonzero().flatten()
     assert len(ok), "the cheapest choice fits, so some state must"  # internal invariant
     best = int(ok[torch.argmin(f[ok])])  # the front is sorted by bytes: argmin keeps the fewest bytes on ties
-    codes = [0] * len(options)
+    chosen = [0] * len(options)
     for i in range(len(options) - 1, -1, -1):
-        parent, code = trail[i]
-        codes[i] = int(code[best])
+        parent, which = trail[i]
+        chosen[i] = int(which[best])
         best = int(parent[best])
-    return codes
+    return chosen
 
 
 def plan_budget(
@@ -424,15 +515,18 @@ def plan_budget(
     shard_size: int | None = None,
     selective: bool = True,
     offload_flops_per_byte: float | None = None,
+    per_op: bool = True,
 ) -> BudgetPlan:
-    """The per-block choice (none, pointwise, selective, full or offload) with the least recompute FLOPs
+    """The per-block choice (none, pointwise, selective, ops, full or offload) with the least recompute FLOPs
     (plus transfers' FLOP-equivalent) whose predicted peak is <= ``budget``.
 
     Exact (a Pareto dynamic program over (bytes held, FLOPs) per block prefix; at equal FLOPs the
     fewest checkpointed blocks) up to the merging of
     states closer than ``budget / 4096`` bytes when more than 4096 remain. ``selective=False``
     chooses between none and full only (as for reentrant checkpointing, which takes no op policy);
-    otherwise the op-level modes (``pointwise``, ``selective``) too, where the profile measured them.
+    otherwise the op-level modes (``pointwise``, ``selective``) too, where the profile measured them, and
+    with ``per_op`` the per-op choice (``"ops"``: which FLOP-counting op calls' outputs a block keeps,
+    :mod:`~distckpt.select.budget.op_sets`) where it also listed the block's recompute ops.
     ``offload_flops_per_byte`` (a positive float) offers ``offload`` where the profile measured it, each
     byte moved (device to host and back) costing that many FLOPs; ``None`` or ``math.inf``: not offered.
 
@@ -458,10 +552,11 @@ def plan_budget(
         selective=selective,
         grad_accumulation=grad_accumulation,
         offload_flops_per_byte=offload_flops_per_byte,
+        per_op=per_op,
         **where,
     )
     if offload_flops_per_byte is None:
-        options = [[o for o in opts if o[3] != _OFFLOAD] for opts in options]
+        options = [[o for o in opts if o.code != _OFFLOAD] for opts in options]
     step = tail_peak(mp, static, step, grad_accumulation=grad_accumulation, **where)
     shared = _shared(mp)
     min_budget = _min_peak(options, end, step, shared)
@@ -472,22 +567,24 @@ def plan_budget(
             f"under {strategy} with world size {world_size} take {human_bytes(static)}). Use budget:{min_budget} or "
             "more, shard with FSDP, or use a smaller batch."
         )
-    ran = _cheapest_codes(options, end, budget, shared)
-    codes = [0] * len(ran)
+    ran = [opts[k] for opts, k in zip(options, _cheapest(options, end, budget, shared))]
+    chosen: list[Choice] = [ran[0]] * len(ran)
     for k, j in enumerate(order):
-        codes[j] = ran[k]
-    modes = tuple(MODES[c] for c in codes)
-    peak = predicted_peak(given, modes, optimizer=optimizer, grad_accumulation=grad_accumulation, **where)
+        chosen[j] = ran[k]
+    modes = tuple(MODES[o.code] for o in chosen)
+    kept = tuple(KeepOps(o.keep) if o.code == _OPS else None for o in chosen)  # KeepOps sorts: the same calls
+    placed = [k or m for m, k in zip(modes, kept)]
+    peak = predicted_peak(given, placed, optimizer=optimizer, grad_accumulation=grad_accumulation, **where)
     assert peak <= budget, (peak, budget)
-    costs = [next(o[2] for o in opts if o[3] == c) for opts, c in zip(options, ran)]
-    moved = 2 * sum(b.offload_bytes for b, c in zip(mp.blocks, ran) if c == _OFFLOAD)
+    moved = 2 * sum(b.offload_bytes for b, o in zip(mp.blocks, ran) if o.code == _OFFLOAD)
     return BudgetPlan(
-        tuple(i for i, c in enumerate(codes) if c),
+        tuple(i for i, o in enumerate(chosen) if o.code),
         peak,
-        sum(f for f, c in zip(costs, ran) if c != _OFFLOAD),
+        sum(o.cost for o in ran if o.code != _OFFLOAD),
         min_budget,
         modes,
         moved_bytes=moved,
-        transfer_flops=sum(f for f, c in zip(costs, ran) if c == _OFFLOAD),
+        transfer_flops=sum(o.cost for o in ran if o.code == _OFFLOAD),
         offload_flops_per_byte=offload_flops_per_byte,
+        keep=kept,
     )

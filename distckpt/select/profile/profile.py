@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import weakref
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,6 +17,7 @@ import torch.nn as nn
 from distckpt import _torch_compat as compat
 from distckpt.errors import ConfigError
 from distckpt.runtime.selective import OP_MODES
+from distckpt.select.profile.agree import _agree
 from distckpt.select.profile.recompute_passes import _recompute_profile
 from distckpt.select.profile.recorder import (
     _attribute,
@@ -144,6 +145,12 @@ class BlockProfile:
             back on the device), relative to the bytes the offloaded blocks before it left there.
         offload_forward_overhead_bytes: the same at the block's forward peak in that step (its saved
             tensors leave as they are saved; what its forward still holds in locals stays).
+        recompute_ops: the op calls of the block's full recompute that count FLOPs, in the order they ran,
+            as ``(op, index, bytes, FLOPs)``: ``op`` the aten overload's name, ``index`` which of its calls
+            in one forward of the block, ``bytes`` its output's storages (what keeping that output holds,
+            :class:`~distckpt.runtime.selective.KeepOps`), ``FLOPs`` what recomputing it costs. Their FLOPs
+            add up to ``recompute_flops`` (the calls after the recompute's early stop never run, so they are
+            not listed); ``()`` when not measured (then the budget makes no per-op choice for this block).
     """
 
     fqn: str
@@ -179,6 +186,7 @@ class BlockProfile:
     offload_overhead_bytes: int = 0
     offload_forward_overhead_bytes: int = 0
     offload_grads_bytes: int = -1
+    recompute_ops: tuple[tuple[str, int, int, int], ...] = ()
 
     def mode_held_flops(self, mode: str) -> tuple[int, int]:
         """``(bytes held from forward to backward, recompute FLOPs)`` of a checkpointed ``mode``
@@ -450,30 +458,6 @@ def adam_step_temp_bytes(params: list[torch.Tensor]) -> int:
     """
     sizes = list({_storage_key(p): _storage_bytes(p) for p in params}.values())
     return max((2 * b + (sizes[k - 1] if k else 0) for k, b in enumerate(sizes)), default=0)
-
-
-def _agree(profile: ModelProfile) -> ModelProfile:
-    """Make every rank use the same numbers (the largest any rank measured), so that every rank
-    checkpoints the same blocks; a rank that chose differently would desynchronize DDP/FSDP."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return profile
-    block_fields = [f.name for f in fields(BlockProfile) if f.name != "fqn"]
-    model_fields = [f.name for f in fields(ModelProfile) if f.name not in ("blocks", "device", "run_order")]
-    values = [getattr(b, f) for b in profile.blocks for f in block_fields]
-    values += [getattr(profile, f) for f in model_fields]
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    t = torch.tensor(values, dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    agreed = t.tolist()
-    k = len(block_fields)
-    blocks = tuple(
-        BlockProfile(b.fqn, **dict(zip(block_fields, agreed[i * k : (i + 1) * k])))
-        for i, b in enumerate(profile.blocks)
-    )
-    rest = dict(zip(model_fields, agreed[len(blocks) * k :]))
-    return ModelProfile(blocks=blocks, device=profile.device, run_order=profile.run_order, **rest)
 
 
 # Per model: {(blocks, input shapes, training, world size): (the modes measured, the profile)}.

@@ -4,7 +4,9 @@ block's recompute peak, what it keeps over full checkpointing, and its recompute
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import functools
 import logging
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -28,6 +30,8 @@ from distckpt.select.profile.sample_step import (
     _at,
     _preserved_state,
     _rng_state_bytes,
+    _storage_bytes,
+    _storage_key,
     _tensors,
     memory_tracker,
     scalar_loss,
@@ -315,18 +319,66 @@ def _read_peaks(
     return out
 
 
+class _OpCosts:
+    """Inside a block's full recompute: each op call that counts FLOPs, as ``(op, index, bytes, FLOPs)``
+    (:attr:`BlockProfile.recompute_ops`). ``index`` counts the calls of that op from the recompute's start,
+    as the ``"ops"`` mode's policy counts them in the forward (the recompute re-runs the forward's ops in
+    order); ``bytes`` are the output's storages that are not an input's (what keeping it holds); the
+    FLOPs are ``counter``'s, read around the call (the counter is the outer mode, this one the inner)."""
+
+    def __init__(self, counter: Any) -> None:
+        self.counter = counter
+        self.calls: collections.Counter = collections.Counter()
+        self.ops: list[tuple[str, int, int, int]] = []
+
+    def mode(self) -> Any:
+        """A dispatch mode recording into this object (enter it inside the counter)."""
+        return _recording_mode()(self)
+
+    def seen(self, name: str, flops: int, inputs: Any, out: Any) -> None:
+        index = self.calls[name]
+        self.calls[name] += 1
+        if flops > 0:
+            ins = {_storage_key(t) for t in _tensors(inputs)}
+            kept = {_storage_key(t): _storage_bytes(t) for t in _tensors(out) if _storage_key(t) not in ins}
+            self.ops.append((name, index, sum(kept.values()), int(flops)))
+
+
+@functools.cache
+def _recording_mode() -> type:
+    """:class:`_OpCosts`' dispatch mode, a class made once (torch's ``TorchDispatchMode`` is reached through the
+    compat module, so the class cannot be made at import)."""
+
+    class Recording(compat.torch_dispatch_mode()):  # type: ignore[misc]
+        def __init__(self, costs: _OpCosts) -> None:
+            super().__init__()
+            self.costs = costs
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            before = self.costs.counter.get_total_flops()
+            out = func(*args, **(kwargs or {}))
+            self.costs.seen(str(func), self.costs.counter.get_total_flops() - before, (args, kwargs), out)
+            return out
+
+    return Recording
+
+
 def _recompute_flops(
     model: nn.Module,
     blocks: list[tuple[str, nn.Module]],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     context_fn: Callable[[], tuple[Any, Any]] | None,
+    ops: list[tuple[tuple[str, int, int, int], ...]] | None = None,
 ) -> list[int] | None:
     """FLOPs each block's recompute really runs, every block checkpointed (``context_fn``: selective),
     counted by ``FlopCounterMode`` around each recompute, in a step of its own (a memory peak measured
-    inside ``FlopCounterMode`` is inflated under checkpointing). ``None`` when the step fails."""
+    inside ``FlopCounterMode`` is inflated under checkpointing). ``None`` when the step fails. With
+    ``ops`` (a list, filled per block): the op calls each recompute ran that count FLOPs (:class:`_OpCosts`;
+    the first recompute of a block when several run)."""
     counter = flop_counter()
     flops = [0] * len(blocks)
+    costs = [_OpCosts(counter) for _ in blocks]
 
     def counting(i: int) -> Callable[[], tuple[Any, Any]]:
         own = bind(context_fn, blocks[i][1])  # the block's reach, learned here
@@ -337,8 +389,9 @@ def _recompute_flops(
             @contextlib.contextmanager
             def recompute() -> Iterator[None]:
                 start = counter.get_total_flops()
+                first = not costs[i].calls
                 try:  # checkpoint stops a recompute early by raising through this context
-                    with rec:
+                    with rec, costs[i].mode() if ops is not None and first else contextlib.nullcontext():
                         yield
                 finally:
                     flops[i] += counter.get_total_flops() - start
@@ -353,6 +406,8 @@ def _recompute_flops(
     except Exception as e:  # noqa: BLE001 - a CheckpointError raises in _failed; any other only loses precision
         _failed("the checkpointed FLOP count step", "recompute FLOPs estimated", e)
         return None
+    if ops is not None:
+        ops[:] = [tuple(c.ops) for c in costs]
     return flops
 
 
@@ -398,7 +453,7 @@ def _recompute_profile(
     device: torch.device,
     dev: torch.device,
     modes: frozenset[str],
-) -> dict[str, list[int]]:
+) -> dict[str, list[Any]]:
     """The recompute side of every block in each of ``modes`` ("full", "selective", "pointwise"; full
     is measured whenever another one is, as their reference), as :class:`BlockProfile` fields: backward
     peaks in a step with every block checkpointed (one per mode), what an op-level block holds over a
@@ -410,6 +465,7 @@ def _recompute_profile(
         "recompute_grads_bytes": [-1] * n,
         "recompute_flops": [-1] * n,
         "recompute_accumulating_overhead_bytes": [-1] * n,
+        "recompute_ops": [()] * n,
     }
     for mode in OP_MODES:
         out.update(
@@ -430,9 +486,10 @@ def _recompute_profile(
     )
     if not n or not modes:
         return out
+    ops: list[tuple[tuple[str, int, int, int], ...]] = []
     with _preserved_state(model, device):
         full = _checkpointed_peaks(model, rec.blocks, args, kwargs, batch, dev)
-        full_flops = _recompute_flops(model, rec.blocks, args, kwargs, None)
+        full_flops = _recompute_flops(model, rec.blocks, args, kwargs, None, ops)
     if full is None:
         return out
     # What a recompute holds only while it runs, unseen by MemTracker: its own nodes' wrapped numbers and
@@ -443,6 +500,7 @@ def _recompute_profile(
     )
     if full_flops is not None:
         out["recompute_flops"] = full_flops
+        out["recompute_ops"] = ops
     for mode in (m for m in OP_MODES if m in modes):
         fn = mode_context_fn(mode)
         with _preserved_state(model, device):
