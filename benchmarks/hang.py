@@ -1,6 +1,6 @@
 """Cost of distckpt's guards against a hang under FSDP2: ``python -m benchmarks.hang``.
 
-Two gloo CPU ranks train a small GPT (``benchmarks.models.GPT``, every block checkpointed, each block its own FSDP2
+Two gloo CPU ranks train a small GPT (tests/models.py, every block checkpointed, each block its own FSDP2
 unit: a short step, so that a fixed cost per step weighs more) built by ``distckpt.parallelize(model, "fsdp2")``.
 Steps of three kinds alternate (interleaved, so load changes on the machine hit all alike): without the handshake
 and the watchdog's feed, with the handshake only, and with both (the default). The overhead is the median, over the
@@ -30,16 +30,17 @@ RESULTS = Path(__file__).resolve().parent / "results"
 KINDS = ("off", "handshake", "default")
 
 
-def _config():  # noqa: ANN202 - benchmarks.models imported lazily in the ranks
-    from benchmarks.models import GPTConfig
+def _config():  # noqa: ANN202 - models (tests/) imported lazily in the ranks
+    from models import GPTConfig
 
     # 4.3M parameters: 6 blocks of 192 wide, a 4096-token vocabulary (most of it in the embedding and the head).
     return GPTConfig(vocab=4096, seq=128, dim=192, heads=6, layers=6)
 
 
 def _rank(rank: int, world: int, steps: int, batch_size: int) -> Any:
+    from models import GPT, batch
+
     import distckpt
-    from benchmarks.models import GPT, batch
     from distckpt.parallel.handshake import FORWARD
 
     cfg = _config()

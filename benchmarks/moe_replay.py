@@ -1,7 +1,7 @@
 """What routing replay costs: ``python -m benchmarks.moe_replay``.
 
 A Hugging Face Mixtral (grouped experts, built from its config: 4 layers of width 256, 8 experts, top-2) and a
-dense GPT (``benchmarks.models``), every block checkpointed (``full``), one forward+backward on CPU:
+dense GPT (tests/models.py), every block checkpointed (``full``), one forward+backward on CPU:
 
 - memory: MemTracker's peak of the step with replay (the default) and inside ``routing_replay_disabled``
   (no perturbation: both steps compute the same values), next to what replay records, counted from the
@@ -56,7 +56,7 @@ def _mixtral() -> nn.Module:
 
 
 def _gpt() -> tuple[nn.Module, Any]:
-    from benchmarks.models import GPT, GPTConfig, batch
+    from models import GPT, GPTConfig, batch
 
     cfg = GPTConfig(vocab=1024, seq=256, dim=WIDTH, heads=8, layers=LAYERS)
     torch.manual_seed(0)
