@@ -218,7 +218,6 @@ def plan_at_scale(
         world_size=dp,
         shard_size=shard_size,
         optimizer=optimizer,
-        budget=None,
         grad_accumulation=grad_accumulation,
     )
     report = dataclasses.replace(report, world_size=world_size, tp=tp)
@@ -239,7 +238,6 @@ def _report(
     world_size: int,
     shard_size: int | None,
     optimizer: str,
-    budget: int | None,
     grad_accumulation: bool,
 ) -> PlanReport:
     kw = dict(
@@ -268,7 +266,7 @@ def _report(
         policies.append(PolicyEstimate(op, predicted_peak(mp, modes, **kw), flops, tuple(range(n)), modes))
     params, grads, optim = _per_rank(mp, strategy, world_size, shard_size, optimizer)
     total = sum(p.numel() for p in {id(p): p for _, m in found for p in m.parameters()}.values())
-    report = PlanReport(
+    return PlanReport(
         strategy=strategy,
         world_size=world_size,
         shard_size=shard_size,
@@ -285,12 +283,6 @@ def _report(
         budget_bytes=None,
         profile=mp,
     )
-    if budget is None:
-        return report
-    try:
-        return report.with_budget(budget, grad_accumulation=grad_accumulation)
-    except ConfigError as e:
-        return dataclasses.replace(report, budget_bytes=budget, budget_error=str(e))
 
 
 def _param_count(mp: ModelProfile, found: list[tuple[str, nn.Module]], block_params: int) -> int:
