@@ -483,6 +483,12 @@ def reference_of(name: str, world_size: int = 2, steps: int = 3) -> tuple[list[d
     return reference(PATTERNS[name], world_size=world_size, steps=steps)
 
 
+def reference_grad_norm(name: str, world_size: int) -> float:
+    """The global gradient norm of :func:`reference_of`'s first step: what a guard's report must say."""
+    grads = reference_of(name, world_size=world_size, steps=1)[0][0]
+    return float(torch.cat([g.flatten() for g in grads.values() if g is not None]).norm())
+
+
 def clone(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from harness import DistPool
-from patterns import PATTERNS, assert_matches, build, micro_batches, reference_of, train_parallel
+from patterns import PATTERNS, assert_matches, build, micro_batches, reference_grad_norm, reference_of, train_parallel
 
 import distckpt
 from distckpt.parallel.state import sync_state
@@ -160,11 +160,7 @@ def _guard(rank, world_size, inject):
 
 
 def test_guard_compares_the_tp_ranks_holding_the_same_part(pool4):
-    pattern = PATTERNS["all_heads"]
-    ref = build(pattern)
-    for r in range(DP):
-        (pattern.loss(ref, micro_batches(pattern, 0, r, DP)[0], 0, r) / DP).backward()
-    ref_norm = float(torch.cat([p.grad.flatten() for p in ref.parameters()]).norm())
+    ref_norm = reference_grad_norm("all_heads", DP)
     # Each distinct part counted once: the tp ranks' copies of a replicated part are not added twice.
     assert pool4.run(_guard, None, timeout=120) == [pytest.approx(ref_norm, rel=1e-5)] * WORLD
     for inject, name in (("embed", "embed.weight"), ("bias", "blocks.1.fc2.bias")):
