@@ -460,8 +460,13 @@ def train_parallel(pm: nn.Module, pattern: Pattern, strategy: str, rank: int, wo
     return grads, full_params(pm, strategy)
 
 
-def reference(pattern: Pattern, world_size: int, steps: int = 3) -> tuple[list[dict], dict]:
-    """Single process, no checkpointing: per-step grads (None kept) and final params, by name."""
+def reference(
+    pattern: Pattern, world_size: int, steps: int = 3, *, unused_as_zero: bool = False
+) -> tuple[list[dict], dict]:
+    """Single process, no checkpointing: per-step grads (None kept) and final params, by name.
+
+    ``unused_as_zero``: a parameter no rank used in a step gets a zero gradient instead of None (DeepSpeed's rule),
+    so the optimizer's weight decay and moments still apply to it."""
     model = build(pattern)
     opt = make_optimizer([p for p in model.parameters() if p.requires_grad])
     grads = []
@@ -470,6 +475,9 @@ def reference(pattern: Pattern, world_size: int, steps: int = 3) -> tuple[list[d
         for r in range(world_size):
             xs = micro_batches(pattern, step, r, world_size)
             pattern.schedule(model, pattern.loss, xs, step, r, contextlib.nullcontext, 1.0 / world_size)
+        for p in model.parameters():
+            if unused_as_zero and p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
         grads.append(
             {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
         )

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from patterns import PATTERNS, TASKS, Pattern, _mse, build, make_optimizer, micro_batches
+from patterns import reference as plain_reference
 
 import distckpt
 
@@ -63,20 +64,7 @@ def reference(pattern: Pattern, world: int, steps: int = STEPS) -> tuple[list[di
     """tests/patterns.py's single-process reference (no checkpointing, the global batch, AdamW) with DeepSpeed's
     rule for a parameter no rank used in a step: a zero gradient (ZeRO's flat partitions hold one for every
     parameter), so AdamW's weight decay and moments still apply to it, where plain PyTorch skips a None gradient."""
-    model = build(pattern)
-    opt = make_optimizer([p for p in model.parameters() if p.requires_grad])
-    grads = []
-    for step in range(steps):
-        opt.zero_grad(set_to_none=True)
-        for r in range(world):
-            xs = micro_batches(pattern, step, r, world)
-            pattern.schedule(model, pattern.loss, xs, step, r, contextlib.nullcontext, 1.0 / world)
-        for p in model.parameters():
-            if p.requires_grad and p.grad is None:
-                p.grad = torch.zeros_like(p)
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
-        opt.step()
-    return grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return plain_reference(pattern, world, steps, unused_as_zero=True)
 
 
 def _full(engine: Any) -> tuple[dict[str, torch.Tensor | None], ...]:
