@@ -24,6 +24,7 @@ How it decides (no collective, nothing on the healthy path but an attribute writ
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -81,8 +82,15 @@ class Watchdog:
         self._still_since = time.monotonic()  # since when the watched thread has not moved
         self._alarmed_at: float | None = None  # when this rank first saw the alarm standing
         self._raised = False
+        self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="distckpt-hang-watchdog", daemon=True)
         self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """End the thread (it finishes a store call in flight) and wait for it up to ``timeout`` seconds."""
+        self._stopped.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
 
     # --- fed by the hooks (the main thread, or autograd's): attribute writes only -------------------------------
 
@@ -129,8 +137,7 @@ class Watchdog:
         return every if self._alarmed_at is None else min(every, 0.5)  # an alarm stands: answer quickly
 
     def _run(self) -> None:
-        while True:
-            time.sleep(self._interval())
+        while not self._stopped.wait(self._interval()):
             if not dist.is_initialized() or dist.group.WORLD is not self._group:
                 return  # the process group it watched is gone (a test's regroup, the end of training)
             try:
@@ -279,6 +286,15 @@ def _diagnosis(statuses: dict[int, dict[str, Any]], world: int, limit: float) ->
 
 
 _WATCHDOGS: list[Watchdog] = []
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    # A daemon thread still inside a store call when the interpreter finalizes is ended by unwinding through C++
+    # frames that may not throw: "terminate called without an active exception" and SIGABRT after a finished run
+    # (seen once in Lightning's docs example). atexit runs before that, while the thread can still finish its call.
+    for w in _WATCHDOGS:
+        w.stop()
 
 
 def process_watchdog(limit: float) -> Watchdog:
