@@ -22,7 +22,8 @@ Step time: every eager setup interleaved round by round in one run, medians of p
 rows run ``aot_eager``, op by op in Python: not timed). Where full's peak sits is read off MemTracker per phase
 of full's step (forward, the head, each block's backward, the embeddings' backward, the optimizer step).
 
-Writes ``benchmarks/results/frontier.md`` and ``frontier.png``.
+Writes each model's section and plot to ``benchmarks/results/frontier/`` and ``benchmarks/results/frontier.md``
+from every model's section there.
 """
 
 from __future__ import annotations
@@ -30,8 +31,11 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import os
 import platform
+import shlex
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,7 +51,8 @@ import distckpt
 from benchmarks import sac_ilp
 from distckpt import _torch_compat as compat
 from distckpt.select import Budget, KeepOps, Placement
-from distckpt.select.budget import human_bytes, plan_budget
+from distckpt.select.budget import human_bytes, plan_budget, predicted_peak
+from distckpt.select.budget.op_sets import keep_sets
 from distckpt.select.profile import profile_model, scalar_loss
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -86,6 +91,7 @@ class Run:
     tries: list[str]  # the searches of sac_ilp's budget argument and compile's fraction
     predicted: dict[str, int]  # the budget's prediction: peak and recompute FLOPs
     fwd_bwd: int  # forward+backward FLOPs without checkpointing
+    optimum: list[str] = field(default_factory=list)  # the measured checks of the plan's optimality
 
 
 def _blocks(model: nn.Module, cls: str) -> list[tuple[str, nn.Module]]:
@@ -176,6 +182,104 @@ def one_more_op(plan: Any, mp: Any) -> tuple[list[Any], str] | None:
             modes[i] = KeepOps(tuple(sorted(kept | {(name, index)})))
             return modes, f"block {i} also keeps {name.split('.')[1]} #{index} ({nbytes / 2**20:.2f} MiB)"
     return None
+
+
+def _options(b: Any) -> list[tuple[str | KeepOps, int, int]]:
+    """Every choice the profile offers block ``b``: ``(mode, bytes held, recompute FLOPs)``."""
+    out: list[tuple[str | KeepOps, int, int]] = [("none", b.activation_bytes, 0)]
+    for mode in ("pointwise", "selective", "full"):
+        held, flops = b.mode_held_flops(mode)
+        if held >= 0:
+            out.append((mode, held, flops))
+    for calls, nbytes, saved in keep_sets(b.recompute_ops):
+        out.append((KeepOps(calls), b.input_bytes + nbytes, max(0, b.full_flops - saved)))
+    return out
+
+
+def _named(mode: str | KeepOps) -> str:
+    """A mode as the tables write it: a :class:`KeepOps` with the calls it keeps (``ops[addmm #0, ...]``)."""
+    if not isinstance(mode, KeepOps):
+        return mode
+    return "ops[" + ", ".join(f"{n.split(chr(46))[1]} #{i}" for n, i in mode.calls) + "]"
+
+
+def _step_down(mode: str | KeepOps, b: Any) -> tuple[str | KeepOps, int] | None:
+    """The choice of block ``b`` that recomputes less than ``mode`` at the fewest bytes held (on ties, the least
+    recompute), with its bytes beyond ``mode``'s; ``None`` when none recomputes less."""
+    options = _options(b)
+    here = next((o for o in options if o[0] == mode), None)
+    if here is None:  # a kept set off the front (merged): its own bytes and FLOPs
+        cost = {(n, i): (nb, fl) for n, i, nb, fl in b.recompute_ops}
+        calls = mode.calls if isinstance(mode, KeepOps) else ()
+        here = (mode, b.input_bytes + sum(cost[c][0] for c in calls), b.full_flops - sum(cost[c][1] for c in calls))
+    less = [o for o in options if o[2] < here[2]]
+    if not less:
+        return None
+    m, held, _ = min(less, key=lambda o: (o[1], o[2]))
+    return m, held - here[1]
+
+
+def measured_optimum(
+    plan: Any,
+    mp: Any,
+    base: nn.Module,
+    inputs: tuple,
+    kwargs: dict,
+    example: Any,
+    target: int,
+    full_rc: int,
+    ratio: float = 0.6,
+) -> list[str]:
+    """Measured evidence of how close the plan is to the optimum at ``target`` (full's measured peak): each
+    single-block step down in recompute from the plan (the next cheaper choice of that block at the fewest bytes,
+    :func:`_step_down`) measured against ``target``, and the smallest budget at which the plan reaches 0.6x full's
+    recompute (a bisection over the exact program), that plan measured too."""
+    modes = [plan.mode_of(i) for i in range(len(mp.blocks))]
+    lines, fits = [], 0
+    for i in mp.run_order or range(len(mp.blocks)):
+        down = _step_down(modes[i], mp.blocks[i])
+        if down is None:
+            lines.append(f"block {i} ({_named(modes[i])}): nothing recomputes less")
+            continue
+        mode, extra = down
+        tried = [*modes[:i], mode, *modes[i + 1 :]]
+        s = measure(
+            Setup(f"step down {i}", lambda m, t=tried: distckpt.wrap(m, Placement(tuple(t)), example_inputs=example)),
+            base,
+            inputs,
+            kwargs,
+            keep=False,
+        )
+        fits += s.peak <= target
+        lines.append(
+            f"block {i}: {_named(modes[i])} -> {_named(mode)} (+{extra / 2**20:.2f} MiB held): measured "
+            f"{(s.peak - target) / 2**20:+.2f} MiB vs full's peak ({'fits' if s.peak <= target else 'over'})"
+        )
+    head = f"{fits} of the plan's single-block steps down in recompute fit full's peak when measured" + (
+        " (the plan is a measured local optimum)." if not fits else ": the plan is **not** the measured optimum."
+    )
+    goal = ratio * full_rc
+    if plan.recompute_flops <= goal:
+        return [head, *lines, f"The plan at full's peak recomputes <= {ratio}x full's already."]
+    lo, hi = target, predicted_peak(mp, [], strategy="none")  # lo: more than 0.6x; hi: within it (none)
+    while hi - lo > max(256, target // 4096):
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if plan_budget(mp, mid, strategy="none").recompute_flops <= goal else (mid, hi)
+    six = plan_budget(mp, hi, strategy="none")
+    placed = tuple(six.mode_of(i) for i in range(len(mp.blocks)))
+    s = measure(
+        Setup(f"{ratio}x", lambda m: distckpt.wrap(m, Placement(placed), example_inputs=example)),
+        base,
+        inputs,
+        kwargs,
+        keep=False,
+    )
+    tail = (
+        f"The least budget at which the plan recomputes <= {ratio}x full's: {human_bytes(hi)} "
+        f"({(hi - target) / 2**20:+.2f} MiB vs full's peak, {six.recompute_flops / full_rc:.3f}x); that plan measured: "
+        f"{human_bytes(s.peak)} ({(s.peak - target) / 2**20:+.2f} MiB vs full's peak)."
+    )
+    return [head, *lines, tail]
 
 
 def _search_sac(base: nn.Module, inputs: tuple, kwargs: dict, cls: str, target: int, tries: list[str]) -> Setup:
@@ -273,13 +377,15 @@ def run_model(label: str, rounds: int, with_compile: bool, with_sac: bool) -> Ru
         )
         s.note = what
         setups.append(measure(s, base, inputs, kwargs))
+    full_rc = sum(b.full_flops for b in mp.blocks)
+    optimum = measured_optimum(plan, mp, base, inputs, kwargs, example, target, full_rc)
     if with_sac:
         setups.append(_search_sac(base, inputs, kwargs, cls, target, tries))
     if with_compile:
         setups.append(_search_compile(base, inputs, kwargs, target, tries))
     _time(setups, inputs, kwargs, rounds)
     predicted = {"peak": plan.peak_bytes, "recompute": plan.recompute_flops}
-    return Run(label, setups, phases, target, tries, predicted, none.flops)
+    return Run(label, setups, phases, target, tries, predicted, none.flops, optimum)
 
 
 def _modes_note(plan: Any) -> str:
@@ -355,6 +461,10 @@ def _table(run: Run) -> list[str]:
     for name, d in run.phases[:6]:
         mib = [f"{d.get(k, 0) / 2**20:.2f}" for k in ("Total", "ACT", "TEMP", "GRAD", "OPT")]
         rows.append(f"| {name} | {' | '.join(mib)} |")
+    if run.optimum:
+        head, *steps, tail = run.optimum
+        rows += ["", f"How close the plan is to the measured optimum: {head}", "", *(f"- {t}" for t in steps)]
+        rows += ["", tail]
     if run.tries:
         rows += ["", "Searches (each measured):", "", *(f"- {t}" for t in run.tries)]
     return [*rows, ""]
@@ -379,60 +489,69 @@ def _verdict(b: Setup, none: Setup, full: Setup, ref: Setup, predicted: int) -> 
     return "Issue 35's targets: " + "; ".join(parts) + "."
 
 
-def _plot(runs: list[Run], path: Path) -> None:
+def _slug(label: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in label.lower()).strip("_").replace("__", "_")
+
+
+def _plot(run: Run, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(runs), figsize=(4.8 * len(runs), 4.4), squeeze=False)
-    for ax, run in zip(axes[0], runs):
-        names = {s.name: s for s in run.setups}
-        none, full = names["none"], names["full"]
-        full_rc = max(1, full.flops - none.flops)
-        for s in run.setups:
-            if s.error or s.name == "none":
-                continue
-            x, y = 100 * (s.flops - none.flops) / full_rc, 100 * s.peak / run.target
-            color = "tab:blue" if s.name.startswith("budget") else "tab:red"
-            ax.scatter([x], [y], color=color, s=30, zorder=3)
-            ax.annotate(s.name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=6.5)
-        ax.axhline(100, color="grey", lw=0.8, ls="--")
-        ax.axvline(60, color="tab:green", lw=0.8, ls=":")
-        ax.set_xlabel("recompute FLOPs (% of full's)")
-        ax.set_ylabel("measured peak (% of full's)")
-        ax.set_title(run.label, fontsize=8)
-        ax.grid(alpha=0.3)
-    fig.suptitle(
-        "At full checkpointing's measured peak (dashed): recompute per setup; dotted: 60% of full's", fontsize=9
-    )
+    fig, ax = plt.subplots(figsize=(5.2, 4.4))
+    names = {s.name: s for s in run.setups}
+    none, full = names["none"], names["full"]
+    full_rc = max(1, full.flops - none.flops)
+    for s in run.setups:
+        if s.error or s.name == "none":
+            continue
+        x, y = 100 * (s.flops - none.flops) / full_rc, 100 * s.peak / run.target
+        color = "tab:blue" if s.name.startswith("budget") else "tab:red"
+        ax.scatter([x], [y], color=color, s=30, zorder=3)
+        ax.annotate(s.name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=6.5)
+    ax.axhline(100, color="grey", lw=0.8, ls="--")
+    ax.axvline(60, color="tab:green", lw=0.8, ls=":")
+    ax.set_xlabel("recompute FLOPs (% of full's)")
+    ax.set_ylabel("measured peak (% of full's)")
+    ax.set_title(f"{run.label}: at full's measured peak (dashed); dotted: 60% of full's recompute", fontsize=7.5)
+    ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def write(runs: list[Run], out: Path, rounds: int, started: float) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    md, png = out / "frontier.md", out / "frontier.png"
+def write(run: Run, out: Path, rounds: int, started: float, command: str) -> None:
+    """``run``'s section and plot into ``out/frontier/``, then ``out/frontier.md`` from every model's section
+    there (in :data:`MODELS`' order): a run of some models keeps the others' last results."""
+    parts = out / "frontier"
+    parts.mkdir(parents=True, exist_ok=True)
+    slug = _slug(run.label)
+    _plot(run, parts / f"{slug}.png")
+    how = (
+        f"`{command}` on {platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} thread, "
+        f"{rounds} interleaved timed steps per eager setup (process CPU time, median); "
+        f"{time.perf_counter() - started:.0f} s into the run, load average {os.getloadavg()[0]:.1f} at its end."
+    )
+    table = _table(run)
+    section = [table[0], "", how, "", f"![{run.label}](frontier/{slug}.png)", "", *table[2:]]
+    (parts / f"{slug}.md").write_text("\n".join(section))
     lines = [
         "# The tight end of the frontier (cpu)",
         "",
-        f"Generated by `python -m benchmarks.frontier` on {platform.machine()}, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} thread, {rounds} interleaved timed steps per eager setup (process CPU time, "
-        f"median), {time.perf_counter() - started:.0f} s in all. One steady AdamW step per setup; peak (the CPU "
-        "allocator's, `torch.profiler`) and recompute FLOPs (FlopCounterMode, CPU attention counted) in separate "
-        "passes. Every setup is at full checkpointing's measured peak: `peak - full's` <= 0 means it fits. "
-        "`budget, per block`: the planner before the per-op choice (`Budget(size, per_op=False)`); `budget`: with it. "
-        "Method: [docs/memory.md](../../docs/memory.md#the-tight-end-of-the-frontier).",
-        "",
-        f"![frontier]({png.name})",
+        "Generated by `python -m benchmarks.frontier` (each model's section says how it ran). One steady AdamW step "
+        "per setup; peak (the CPU allocator's, `torch.profiler`) and recompute FLOPs (FlopCounterMode, CPU attention "
+        "counted) in separate passes. Every setup is at full checkpointing's measured peak: `peak - full's` <= 0 "
+        "means it fits. `budget, per block`: the planner before the per-op choice (`Budget(size, per_op=False)`); "
+        "`budget`: with it. Method: [docs/memory.md](../../docs/memory.md#the-tight-end-of-the-frontier).",
         "",
     ]
-    for run in runs:
-        lines += _table(run)
-    md.write_text("\n".join(lines))
-    _plot(runs, png)
-    print(f"wrote {md} and {png}", flush=True)
+    for label in MODELS:
+        f = parts / f"{_slug(label)}.md"
+        if f.exists():
+            lines += [f.read_text(), ""]
+    (out / "frontier.md").write_text("\n".join(lines))
+    print(f"wrote {parts / slug}.md, .png and {out / 'frontier.md'}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -444,10 +563,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # CPU time is compute time
-    started, runs = time.perf_counter(), []
-    for label in args.models:
-        runs.append(run_model(label, args.rounds, not args.no_compile, not args.no_sac))
-        write(runs, args.out, args.rounds, started)  # after each model: a partial run leaves results
+    started = time.perf_counter()
+    command = "python -m benchmarks.frontier " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    for label in args.models:  # after each model: a partial run leaves results
+        run = run_model(label, args.rounds, not args.no_compile, not args.no_sac)
+        write(run, args.out, args.rounds, started, command)
 
 
 if __name__ == "__main__":
