@@ -66,3 +66,9 @@ def _ignored(text: str, category: type[Warning], stacklevel: int) -> bool:
         ):
             return action == "ignore"
     return warnings.defaultaction == "ignore"
+
+
+def first_few(items: list[str], n: int = 5, sep: str = "; ") -> str:
+    """The first ``n`` of ``items`` joined by ``sep``, and how many more there are: how an error lists problems
+    (a guard's parameters that differ, the ones with no gradient) without a thousand-line message."""
+    return sep.join(items[:n]) + (f" (and {len(items) - n} more)" if len(items) > n else "")

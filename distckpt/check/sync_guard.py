@@ -18,7 +18,7 @@ from distckpt._dist import local_shard as _local
 from distckpt._dist import rank_world
 from distckpt._dist import shard_key as _shard_key
 from distckpt._dist import unwrap_ddp as _inner
-from distckpt._log import notify
+from distckpt._log import first_few, notify
 from distckpt.check.zero_guard import ZeroRecorder, is_zero_engine
 from distckpt.errors import ConfigError, GradDesyncError, NoGradientError
 from distckpt.parallel.handshake import watched
@@ -364,10 +364,9 @@ class GradSyncGuard:
             if with_params:
                 problems += [f"{name} (parameter): {m}" for m in _group_differs(col, groups, _P_SUMSQ, self.rtol)]
         if problems:
-            more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
             raise GradDesyncError(
                 f"GradSyncGuard, step {step}: {len(problems)} parameter(s) differ across ranks after "
-                f"synchronization: " + "; ".join(problems[:5]) + more + ". Likely cause: a gradient that "
+                f"synchronization: {first_few(problems)}. Likely cause: a gradient that "
                 "was not all-reduced (reentrant checkpointing with DDP, pytorch#121594; a no_sync()/"
                 "accumulate() context left on; a hook that edits gradients on one rank). Fix: use "
                 "distckpt.wrap(..., reentrant=False) and distckpt.parallelize(model, graph='auto'), and "
@@ -390,7 +389,7 @@ class GradSyncGuard:
                 stuck.append(name)
         new = [n for n in stuck if n not in self._reported]
         if new and self.on_no_grad != "ignore":
-            shown = ", ".join(new[:8]) + (f" (and {len(new) - 8} more)" if len(new) > 8 else "")
+            shown = first_few(new, 8, ", ")
             msg = (
                 f"GradSyncGuard, step {step}: {len(new)} parameter(s) with requires_grad=True got no gradient "
                 f"(None or zero) on any rank for {self.no_grad_steps} checked steps: {shown}. Likely cause: the "

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from distckpt._log import first_few
 from distckpt.errors import GradDesyncError
 from distckpt.runtime.swap import _clean_fqn
 
@@ -117,10 +118,9 @@ class ZeroRecorder:
                 if msg:
                     problems.append(f"{name} (parameter): {msg}")
         if problems:
-            more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
             raise GradDesyncError(
                 f"GradSyncGuard, step {step}: {len(problems)} parameter(s) differ across ranks under DeepSpeed "
-                f"ZeRO-{self.stage}: " + "; ".join(problems[:5]) + more + ". Likely cause: ranks use different "
+                f"ZeRO-{self.stage}: {first_few(problems)}. Likely cause: ranks use different "
                 "parameters (a task head per rank) and ZeRO reduced whatever each rank had. Fix: build the engine "
                 "with distckpt.integrations.deepspeed.initialize(model, config=..., graph='auto')."
             )

@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 
-from distckpt._log import Notice, RuntimeNotice, notify
+from distckpt._log import Notice, RuntimeNotice, first_few, notify
 
 MSG = "a checkpoint was skipped"
 
@@ -63,3 +63,10 @@ def test_a_script_without_logging_is_told_once(monkeypatch, capsys, ignored):
         _library_call()
     assert len(caught) == (0 if ignored else 1)
     assert capsys.readouterr().err.count(MSG) == (1 if ignored else 0)
+
+
+def test_first_few_lists_n_and_counts_the_rest():
+    items = [f"p{i}" for i in range(7)]
+    assert first_few(items) == "p0; p1; p2; p3; p4 (and 2 more)"
+    assert first_few(items, 8, ", ") == ", ".join(items)
+    assert first_few([]) == ""
