@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from budget_rows import mode_name, step_down
 from models import GPT, SIZES, GPTConfig, batch, hf_checkpointing_enable, hf_gpt2, hf_llama
 from peaks import CompiledBudget, fwd_bwd_flops, mem_tracker_peak, profiled_peak, train_step
 
@@ -52,7 +53,6 @@ from benchmarks import sac_ilp
 from distckpt import _torch_compat as compat
 from distckpt.select import Budget, KeepOps, Placement
 from distckpt.select.budget import human_bytes, plan_budget, predicted_peak
-from distckpt.select.budget.op_sets import keep_sets
 from distckpt.select.profile import profile_model, scalar_loss
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -184,41 +184,6 @@ def one_more_op(plan: Any, mp: Any) -> tuple[list[Any], str] | None:
     return None
 
 
-def _options(b: Any) -> list[tuple[str | KeepOps, int, int]]:
-    """Every choice the profile offers block ``b``: ``(mode, bytes held, recompute FLOPs)``."""
-    out: list[tuple[str | KeepOps, int, int]] = [("none", b.activation_bytes, 0)]
-    for mode in ("pointwise", "selective", "full"):
-        held, flops = b.mode_held_flops(mode)
-        if held >= 0:
-            out.append((mode, held, flops))
-    for calls, nbytes, saved in keep_sets(b.recompute_ops):
-        out.append((KeepOps(calls), b.input_bytes + nbytes, max(0, b.full_flops - saved)))
-    return out
-
-
-def _named(mode: str | KeepOps) -> str:
-    """A mode as the tables write it: a :class:`KeepOps` with the calls it keeps (``ops[addmm #0, ...]``)."""
-    if not isinstance(mode, KeepOps):
-        return mode
-    return "ops[" + ", ".join(f"{n.split(chr(46))[1]} #{i}" for n, i in mode.calls) + "]"
-
-
-def _step_down(mode: str | KeepOps, b: Any) -> tuple[str | KeepOps, int] | None:
-    """The choice of block ``b`` that recomputes less than ``mode`` at the fewest bytes held (on ties, the least
-    recompute), with its bytes beyond ``mode``'s; ``None`` when none recomputes less."""
-    options = _options(b)
-    here = next((o for o in options if o[0] == mode), None)
-    if here is None:  # a kept set off the front (merged): its own bytes and FLOPs
-        cost = {(n, i): (nb, fl) for n, i, nb, fl in b.recompute_ops}
-        calls = mode.calls if isinstance(mode, KeepOps) else ()
-        here = (mode, b.input_bytes + sum(cost[c][0] for c in calls), b.full_flops - sum(cost[c][1] for c in calls))
-    less = [o for o in options if o[2] < here[2]]
-    if not less:
-        return None
-    m, held, _ = min(less, key=lambda o: (o[1], o[2]))
-    return m, held - here[1]
-
-
 def measured_optimum(
     plan: Any,
     mp: Any,
@@ -237,9 +202,9 @@ def measured_optimum(
     modes = [plan.mode_of(i) for i in range(len(mp.blocks))]
     lines, fits = [], 0
     for i in mp.run_order or range(len(mp.blocks)):
-        down = _step_down(modes[i], mp.blocks[i])
+        down = step_down(modes[i], mp.blocks[i])
         if down is None:
-            lines.append(f"block {i} ({_named(modes[i])}): nothing recomputes less")
+            lines.append(f"block {i} ({mode_name(modes[i])}): nothing recomputes less")
             continue
         mode, extra = down
         tried = [*modes[:i], mode, *modes[i + 1 :]]
@@ -252,7 +217,7 @@ def measured_optimum(
         )
         fits += s.peak <= target
         lines.append(
-            f"block {i}: {_named(modes[i])} -> {_named(mode)} (+{extra / 2**20:.2f} MiB held): measured "
+            f"block {i}: {mode_name(modes[i])} -> {mode_name(mode)} (+{extra / 2**20:.2f} MiB held): measured "
             f"{(s.peak - target) / 2**20:+.2f} MiB vs full's peak ({'fits' if s.peak <= target else 'over'})"
         )
     head = f"{fits} of the plan's single-block steps down in recompute fit full's peak when measured" + (

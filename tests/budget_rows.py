@@ -17,8 +17,10 @@ from models import GPT, SIZES, Block, Chain, TwoTower, batch, is_chain_block
 from peaks import dist_steady_peak, steady_peak
 
 import distckpt
+from distckpt.select import KeepOps
 from distckpt.select.blocks import find_blocks
 from distckpt.select.budget import predicted_peak
+from distckpt.select.budget.op_sets import keep_sets
 from distckpt.select.profile import Call, profile_model
 
 
@@ -141,3 +143,39 @@ def dist_rows(
                 where = f"{name}, {strategy}, 2 ranks{accum}"
                 rows.append((where, label, pred, dist_steady_peak(model, strategy, inp, micro_batches)))
     return rows
+
+
+# A plan's neighbours (benchmarks/frontier.py's check of how close a plan is to the measured optimum).
+def choices_of(b: Any) -> list[tuple[str | KeepOps, int, int]]:
+    """Every choice the profile offers block ``b``: ``(mode, bytes held, recompute FLOPs)``."""
+    out: list[tuple[str | KeepOps, int, int]] = [("none", b.activation_bytes, 0)]
+    for mode in ("pointwise", "selective", "full"):
+        held, flops = b.mode_held_flops(mode)
+        if held >= 0:
+            out.append((mode, held, flops))
+    for calls, nbytes, saved in keep_sets(b.recompute_ops):
+        out.append((KeepOps(calls), b.input_bytes + nbytes, max(0, b.full_flops - saved)))
+    return out
+
+
+def mode_name(mode: str | KeepOps) -> str:
+    """A mode as the tables write it: a :class:`KeepOps` with the calls it keeps (``ops[addmm #0, ...]``)."""
+    if not isinstance(mode, KeepOps):
+        return mode
+    return "ops[" + ", ".join(f"{n.split(chr(46))[1]} #{i}" for n, i in mode.calls) + "]"
+
+
+def step_down(mode: str | KeepOps, b: Any) -> tuple[str | KeepOps, int] | None:
+    """The choice of block ``b`` that recomputes less than ``mode`` at the fewest bytes held (on ties, the least
+    recompute), with its bytes beyond ``mode``'s; ``None`` when none recomputes less."""
+    options = choices_of(b)
+    here = next((o for o in options if o[0] == mode), None)
+    if here is None:  # a kept set off the front (merged): its own bytes and FLOPs
+        cost = {(n, i): (nb, fl) for n, i, nb, fl in b.recompute_ops}
+        calls = mode.calls if isinstance(mode, KeepOps) else ()
+        here = (mode, b.input_bytes + sum(cost[c][0] for c in calls), b.full_flops - sum(cost[c][1] for c in calls))
+    less = [o for o in options if o[2] < here[2]]
+    if not less:
+        return None
+    m, held, _ = min(less, key=lambda o: (o[1], o[2]))
+    return m, held - here[1]
