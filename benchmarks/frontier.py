@@ -446,8 +446,10 @@ def _verdict(b: Setup, none: Setup, full: Setup, ref: Setup, predicted: int) -> 
     parts = [f"recompute <= 0.6x full's: {rc:.3f} ({met(rc <= 0.6)})"]
     if b.times:
         t_ref, t_full = _median(b) / _median(ref), _median(b) / _median(full)
+        floor = b.flops / max(1, ref.flops)  # the step's time if time were FLOPs: what this recompute allows
         parts += [
-            f"step time <= 0.95x {ref.name}'s: {t_ref:.3f} ({met(t_ref <= 0.95)})",
+            f"step time <= 0.95x {ref.name}'s: {t_ref:.3f} ({met(t_ref <= 0.95)}; its FLOPs are {floor:.3f}x "
+            f"{ref.name}'s)",
             f"ahead of full: {t_full:.3f} ({met(t_full < 1)})",
         ]
     parts.append(f"predicted peak within 3% and never under the measured: {off:+.2%} ({met(0 <= off <= 0.03)})")
