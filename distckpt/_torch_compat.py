@@ -8,6 +8,7 @@ Verified on torch 2.13.0 (CPU, gloo). Nothing here is public API of torch.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -34,9 +35,11 @@ __all__ = [
     "op_overload_types",
     "outside_fake_mode",
     "queue_after_backward",
+    "running_pipeline",
     "sac_planner",
     "sac_runtimes_as_flops",
     "saved_tensors_of",
+    "splits_backward",
     "sdpa_flop_count_fns",
     "stop_recomputation_error",
     "storage_id",
@@ -124,6 +127,58 @@ def fsdp2_reduces_grads(modules: Iterable[torch.nn.Module]) -> bool:
                 if not group.reduce_grads:
                     return False
     return True
+
+
+_SCHEDULES, _STAGES = "torch.distributed.pipelining.schedules", "torch.distributed.pipelining.stage"
+
+
+def running_pipeline() -> tuple[Any, Any] | None:
+    """The ``torch.distributed.pipelining`` schedule whose ``step()`` is running on this thread and the innermost of
+    its stages on the call stack (None if no stage's method is), or None outside a schedule's step.
+
+    Why: a schedule hands the modules it runs no reference to itself (nor does a stage); it calls them from its
+    own methods, whose frames hold it as ``self`` (``schedules.py``; a stage's in ``stage.py``). Read from the
+    frames of those two modules only. torch 2.13.
+    """
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+
+    stage = None
+    frame = sys._getframe(1)
+    while frame is not None:
+        module = frame.f_globals.get("__name__")
+        if module in (_SCHEDULES, _STAGES):
+            owner = frame.f_locals.get("self")
+            if module == _STAGES and stage is None and hasattr(owner, "submod"):
+                stage = owner
+            elif isinstance(owner, (PipelineScheduleMulti, PipelineScheduleSingle)):
+                return owner, stage
+        frame = frame.f_back
+    return None
+
+
+def splits_backward(schedule: Any) -> bool:
+    """Whether ``schedule`` splits a micro-batch's backward into an input-gradient pass and a later weight-gradient
+    pass (``W`` actions: ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``, a
+    schedule loaded from a CSV with ``W``), which computes the weight gradients with respect to
+    ``stage.submod.parameters()`` (``stage_backward_weight``).
+
+    Why: the actions (``pipeline_order``, ``pipeline_order_with_comms``) are private ``_Action`` tuples of a private
+    ``_ComputationType``; no public attribute says which passes a schedule runs. torch 2.13.
+    """
+    from torch.distributed.pipelining.schedules import _ComputationType
+
+    weight = _ComputationType.BACKWARD_WEIGHT
+
+    def actions(acts: Iterable[Any]) -> Iterator[Any]:
+        for a in acts:
+            if a is not None:
+                yield a
+                yield from actions(a.sub_actions or ())  # OVERLAP_F_B (DualPipeV) holds its passes inside
+
+    orders = [getattr(schedule, "pipeline_order", None), getattr(schedule, "pipeline_order_with_comms", None)]
+    return any(
+        a.computation_type == weight for order in orders if order for acts in order.values() for a in actions(acts)
+    )
 
 
 def to_local(t: torch.Tensor) -> torch.Tensor:

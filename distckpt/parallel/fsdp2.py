@@ -10,6 +10,7 @@ from distckpt.errors import ConfigError
 from distckpt.parallel.mesh import mesh_group
 from distckpt.parallel.param_sync import _Unit
 from distckpt.parallel.units import Owners, block_units
+from distckpt.parallel.zero_bubble import refuse_split_backward
 
 __all__ = ["apply_fsdp2"]
 
@@ -31,4 +32,6 @@ def apply_fsdp2(
     for _, block in blocks:
         fully_shard(block, mesh=device_mesh, **kwargs)
     fully_shard(model, mesh=device_mesh, **kwargs)
+    # As a pipeline stage: a zero-bubble schedule's split backward cannot give FSDP2 its gradients (torch 2.13).
+    refuse_split_backward(model)
     return model, [(u, True) for u in [*units, root]], mesh_group(device_mesh)

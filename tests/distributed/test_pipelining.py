@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn as nn
-from harness import DistPool
+from harness import DistPool, RankError
 from patterns import (
     PATTERNS,
     TASKS,
@@ -73,7 +73,11 @@ def _pattern(name, stages):
     return dataclasses.replace(PATTERNS[name], model_kwargs={"n_blocks": 2 * stages})
 
 
-def _run(rank, world_size, name, schedule_name, pp, fsdp):
+def _no_weight_pass():
+    return lambda: None  # a dw_builder's runner: the stage's input pass ran a full backward already
+
+
+def _run(rank, world_size, name, schedule_name, pp, fsdp, dw_builder=None):
     import torch.distributed.pipelining as pipelining
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -97,7 +101,9 @@ def _run(rank, world_size, name, schedule_name, pp, fsdp):
             module = distckpt.parallelize(module, "fsdp2", device_mesh=mesh["dp"])
         modules.append(module)
         pipe_stages.append(
-            pipelining.PipelineStage(module, s, stages, torch.device("cpu"), group=mesh["pp"].get_group())
+            pipelining.PipelineStage(
+                module, s, stages, torch.device("cpu"), group=mesh["pp"].get_group(), dw_builder=dw_builder
+            )
         )
     schedule_cls = getattr(pipelining, schedule_name)
     schedule = schedule_cls(pipe_stages[0] if stages == pp else pipe_stages, 2 * pp, loss_fn=_loss(name, dp_rank))
@@ -169,6 +175,17 @@ def test_pipelining_matches_single_process(pool4):
     _check(pool4.run(_several, RUNS, timeout=600), RUNS)
 
 
+# --- Zero-bubble with FSDP2 where the stages have a dw_builder: exact, not refused --------------------------------
+
+
+def test_zero_bubble_with_fsdp2_and_a_dw_builder_matches_single_process(pool4):
+    """Not refused where the stages have a ``dw_builder``: their input pass is then a full backward (FSDP2 sees a
+    plain one) and the weight pass the user's (here nothing), so the step is exact."""
+    run = ("all_heads", "ScheduleZBVZeroBubble", 2, True)
+    results = pool4.run(_run, *run, dw_builder=_no_weight_pass, timeout=300)
+    _check([[r] for r in results], [run])
+
+
 # --- FSDP2's own no-sync, as the schedules use it, in a plain loop ---------------------------------------------
 
 
@@ -205,3 +222,28 @@ def test_fsdp2_native_no_sync_matches_single_process(pool4):
     assert_matches(
         pool4.run(_native_no_sync, "accumulate", timeout=300), reference(PATTERNS["accumulate"], WORLD, STEPS)
     )
+
+
+# --- Zero-bubble schedules with FSDP2: refused on every rank at the first step ----------------------------------
+# Last in the module: after a call that raised, the pool's ranks join a fresh group, and a later FSDP2 run on a mesh
+# of the same shape can get a DTensor gradient on the previous group's mesh from torch's DTensor caches (keyed by mesh
+# equality, which ignores the groups): "Could not resolve the process group registered under the name 7" (measured,
+# torch 2.13, the dw_builder run after a refusal). No later call of this pool runs, so none can meet it.
+
+ZERO_BUBBLE = ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble")
+
+
+@pytest.mark.parametrize("schedule_name", ZERO_BUBBLE)
+def test_zero_bubble_with_fsdp2_refused_on_every_rank(pool4, schedule_name):
+    """Their split backward takes the weight gradients with respect to FSDP2's sharded parameters, which the forward
+    never used: without the refusal, a raw ``Trying to backward through the graph a second time`` on the ranks that
+    reach a weight pass first and "Connection closed by peer" on the others (measured). With it, every rank raises the
+    ConfigError at the end of the first step's shape inference, before any micro-batch."""
+    with pytest.raises(RankError) as err:
+        pool4.run(_run, "all_heads", schedule_name, 2, True, timeout=180)
+    errors = err.value.errors
+    assert sorted(errors) == list(range(WORLD)) and err.value.kinds() == {"ConfigError"}, err.value
+    for _, message, _ in errors.values():
+        assert message.startswith(f"{schedule_name} does not work with FSDP2 stages"), message
+        for fix in ("ScheduleGPipe, Schedule1F1B or ScheduleInterleaved1F1B with FSDP2", "without data parallelism"):
+            assert fix in message, message

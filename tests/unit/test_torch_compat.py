@@ -474,3 +474,55 @@ def _fsdp2_flag(rank, world_size):
 
 def test_fsdp2_reduces_grads(dist_pool):
     assert dist_pool.run(_fsdp2_flag) == [([True, False, True], True)] * 2
+
+
+class _Stop(Exception):
+    pass
+
+
+def _fake_stages(indices, num_stages=4, group_size=2):
+    """Stand-ins for a rank's ``PipelineStage``s: what a schedule's constructor and the start of its ``step`` read."""
+    from types import SimpleNamespace
+
+    return [
+        SimpleNamespace(
+            num_stages=num_stages,
+            group_size=group_size,
+            group_rank=0,
+            stage_index=i,
+            is_first=i == 0,
+            is_last=i == num_stages - 1,
+            submod=nn.Linear(2, 2),
+        )
+        for i in indices
+    ]
+
+
+def test_running_pipeline_and_splits_backward():
+    import torch.distributed.pipelining as pipelining
+
+    def loss(out, target):
+        return out.sum()
+
+    stages = _fake_stages([0, 3])
+    zbv = pipelining.ScheduleZBVZeroBubble(stages, 4, loss_fn=loss)
+    split = {
+        name: compat.splits_backward(getattr(pipelining, name)(_fake_stages([0, 2]), 4, loss_fn=loss))
+        for name in ("ScheduleInterleavedZeroBubble", "ScheduleDualPipeV", "ScheduleInterleaved1F1B")
+    }
+    assert split == {"ScheduleInterleavedZeroBubble": True, "ScheduleDualPipeV": True, "ScheduleInterleaved1F1B": False}
+    assert compat.splits_backward(zbv)
+
+    # Inside step(): the schedule's first call into its stages (clear_runtime_states) sees it on the stack.
+    seen = []
+
+    def clear_runtime_states():
+        seen.append(compat.running_pipeline())
+        raise _Stop
+
+    for stage in stages:
+        stage.clear_runtime_states = clear_runtime_states
+    with pytest.raises(_Stop):
+        zbv.step(torch.zeros(4, 2), target=torch.zeros(4, 2))
+    assert seen == [(zbv, None)]  # no PipelineStage method on the stack here: a stand-in's
+    assert compat.running_pipeline() is None
