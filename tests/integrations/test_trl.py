@@ -268,9 +268,9 @@ def _check_grpo_exact(dist_pool, grpo_references, cases):
         assert o0["checkpointed"] == _grpo_blocks(case[0]) and o0["hf_checkpointing"] is False, case
         assert o0["find_unused"] is False, case
         _guarded_steps(o0)
-        # The evaluations' rewards are the reference's; their loss is TRL's own on 2 ranks: it depends on the layout
-        # (measured: 0.1668 on 2 ranks with or without distckpt, 0.000176 in one process: each rank normalizes its
-        # half of a group on its own), so it is compared with TRL's run on the ranks.
+        # The evaluations' rewards are the reference's; their loss depends on the layout in TRL itself (measured, the
+        # first evaluation: 0.1668 on 2 ranks with or without distckpt, 0.000176 in one process, on the same
+        # completions and weights), so it is compared with TRL's own run on the ranks.
         got = _evaluations(o0, case[0])
         torch.testing.assert_close(got[:, 1], _evaluations(ref, case[0])[:, 1], rtol=1e-5, atol=1e-6)
         if case[0] == TRL_EVAL[0] and case[3] == TRL_EVAL[3]:
