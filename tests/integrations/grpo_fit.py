@@ -16,10 +16,8 @@ from typing import Any
 
 import torch
 from accelerate_fit import kept_environ
-from hf_fit import HF_CKPT, Record, _name, _release_accelerate
-from trl_fit import VOCAB, lora, tiny_llama, tokenizer
-
-import distckpt
+from hf_fit import HF_CKPT, Record
+from trl_fit import VOCAB, lora, tiny_llama, tokenizer, trained
 
 STEPS = 2  # optimizer steps
 BATCH = 2  # completions per rank per step
@@ -161,7 +159,8 @@ def fit(
 
     reward.__name__ = "even_words"
     with tempfile.TemporaryDirectory() as out, kept_environ():
-        try:
+
+        def train() -> Any:
             model: Any = tiny_llama()
             if kind == "full":
                 model = saved(model, f"{out}/model")
@@ -176,23 +175,10 @@ def fit(
                 callbacks=callbacks,
             )
             trainer.train()
-        except Exception as e:  # noqa: BLE001 - what the trainer raises is the measurement
-            return {
-                "error": (type(e).__name__, str(e).strip().splitlines()[0] if str(e).strip() else ""),
-                "message": str(e),
-            }
-        finally:
-            _release_accelerate()
-    model = trainer.model
-    return {
-        "grads": rec.grads,
-        "params": {_name(n): p.detach().clone() for n, p in model.named_parameters() if p.requires_grad},
-        "completions": drawn,
-        "checkpointed": distckpt.checkpointed(model),
-        "hf_checkpointing": bool(trainer.args.activation_checkpointing),
-        "find_unused": getattr(trainer.model_wrapped, "find_unused_parameters", None),
-        "log_history": trainer.state.log_history,
-    }
+            return trainer
+
+        result = trained(train, rec)
+    return result if "error" in result else {**result, "completions": drawn}
 
 
 def sweep(rank: int, world: int, cases: list[tuple[str, str, bool, int]]) -> dict[tuple, dict]:

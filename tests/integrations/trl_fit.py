@@ -10,6 +10,7 @@ of ``world * B`` sees the same global batch. The reference is TRL's own trainer 
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -137,7 +138,8 @@ def fit(
     if how == "none":
         cfg[HF_CKPT] = False
     with tempfile.TemporaryDirectory() as out, kept_environ():
-        try:
+
+        def train() -> Any:
             trainer = trainer_class(kind, how == "distckpt")(
                 model=tiny_llama(),
                 args=config(kind, out, batch, **cfg),
@@ -149,13 +151,24 @@ def fit(
             if how == "prepare":
                 prepare(trainer)
             trainer.train()
-        except Exception as e:  # noqa: BLE001 - what the trainer raises is the measurement
-            return {
-                "error": (type(e).__name__, str(e).strip().splitlines()[0] if str(e).strip() else ""),
-                "message": str(e),
-            }
-        finally:
-            _release_accelerate()
+            return trainer
+
+        return trained(train, rec)
+
+
+def trained(train: Callable[[], Any], rec: Record) -> dict[str, Any]:
+    """What a TRL run measured: ``train()`` builds and trains a trainer, ``rec`` recorded its gradients.
+    {"grads", "params", "checkpointed", "hf_checkpointing", "find_unused", "log_history"}, or {"error",
+    "message"} when it raised (what the trainer raises is the measurement)."""
+    try:
+        trainer = train()
+    except Exception as e:  # noqa: BLE001 - what the trainer raises is the measurement
+        return {
+            "error": (type(e).__name__, str(e).strip().splitlines()[0] if str(e).strip() else ""),
+            "message": str(e),
+        }
+    finally:
+        _release_accelerate()
     model = trainer.model
     return {
         "grads": rec.grads,
