@@ -18,6 +18,7 @@ from patterns import PATTERNS, TASKS, Pattern, _mse, build, make_optimizer, micr
 from patterns import reference as plain_reference
 
 import distckpt
+from distckpt.integrations._zero import zero_stage
 
 STEPS = 3
 GLOBAL_BATCH = 8
@@ -46,16 +47,26 @@ def setup() -> None:
     dc_deepspeed.skip_cpu_comm_build()
 
 
+def offload(stage: int, **options: Any) -> dict[str, Any]:
+    """ZeRO-Offload's ``zero_optimization`` entries: the optimizer state and step on the CPU (stages 1-3), and under
+    ZeRO-3 the parameters too; ``options`` go to both (``pin_memory``, ...)."""
+    cpu = {"device": "cpu", **options}
+    return {"offload_optimizer": cpu, **({"offload_param": dict(cpu)} if stage == 3 else {})}
+
+
 def config(stage: int, world: int, micro_batches: int = 1, **zero: Any) -> dict[str, Any]:
     """A ZeRO config for the patterns' batches. ``gradient_clipping`` is 0: DeepSpeed 0.19's default clips at 1.0,
     which a plain AdamW reference does not (and whose norm DeepSpeed computes over its flat partitions: float32
     rounding that Adam amplifies). ``stage3_param_persistence_threshold`` 0: the tiny parameters are partitioned too
-    (by default ZeRO-3 keeps parameters under 1e5 elements whole on every rank)."""
+    (by default ZeRO-3 keeps parameters under 1e5 elements whole on every rank). ``zero_force_ds_cpu_optimizer``
+    false: with ``offload_optimizer`` (:func:`offload`) DeepSpeed otherwise refuses a client torch optimizer (it wants
+    its ``DeepSpeedCPUAdam``, a C++ op built on first use); without offload the flag changes nothing."""
     return {
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
         "gradient_accumulation_steps": micro_batches,
         "gradient_clipping": 0.0,
         "steps_per_print": 10**9,
+        "zero_force_ds_cpu_optimizer": False,
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, **zero},
     }
 
@@ -65,6 +76,14 @@ def reference(pattern: Pattern, world: int, steps: int = STEPS) -> tuple[list[di
     rule for a parameter no rank used in a step: a zero gradient (ZeRO's flat partitions hold one for every
     parameter), so AdamW's weight decay and moments still apply to it, where plain PyTorch skips a None gradient."""
     return plain_reference(pattern, world, steps, unused_as_zero=True)
+
+
+def offload_state(engine: Any) -> tuple[bool, bool]:
+    """Whether the engine's ZeRO optimizer offloads (its optimizer state and step, its parameters), as it says."""
+    opt = engine.optimizer
+    if zero_stage(engine) == 3:
+        return bool(opt.offload_optimizer), bool(opt.offload_param)
+    return bool(opt.cpu_offload), False
 
 
 def _full(engine: Any) -> tuple[dict[str, torch.Tensor | None], ...]:
@@ -93,7 +112,8 @@ def _params(engine: Any) -> dict[str, torch.Tensor]:
 def fit(rank: int, world: int, name: str, stage: int, how: str = "distckpt", **kwargs: Any) -> tuple:
     """One pattern under ZeRO-``stage``: ``("ok", (per-step full grads, final params))`` or ``("error", type,
     message)``. ``how``: ``"distckpt"`` (distckpt.integrations.deepspeed.initialize) or ``"plain"`` (today's way:
-    ``distckpt.wrap`` then ``deepspeed.initialize``, no distckpt state)."""
+    ``distckpt.wrap`` then ``deepspeed.initialize``, no distckpt state). ``cpu_adam``: a ``TORCH_EXTENSIONS_DIR``
+    holding DeepSpeed's built ``cpu_adam`` op, to train with ``DeepSpeedCPUAdam`` instead of torch's AdamW."""
     try:
         return "ok", _fit(rank, world, name, stage, how, **kwargs)
     except Exception as e:  # noqa: BLE001 - the test asserts on the type and message
@@ -113,6 +133,7 @@ def _fit(
     steps: int = STEPS,
     zero: dict | None = None,
     leaves: tuple[type, ...] = (),
+    cpu_adam: str | None = None,
 ) -> tuple:
     setup()
     import deepspeed
@@ -121,7 +142,8 @@ def _fit(
 
     pattern = pattern_of(name)
     model = build(pattern)
-    opt = make_optimizer([p for p in model.parameters() if p.requires_grad])
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = make_optimizer(trained) if cpu_adam is None else _cpu_adam(trained, cpu_adam)
     cfg = config(stage, world, pattern.micro_batches, **(zero or {}))
     if leaves:  # DeepSpeed's own way for a block whose submodules run on some ranks only (ZeRO-3)
         deepspeed.utils.set_z3_leaf_modules(model, list(leaves))
@@ -137,6 +159,8 @@ def _fit(
         check = distckpt.GradSyncGuard(engine) if guard else None
     grads = []
     try:
+        wanted = tuple(k in (zero or {}) for k in ("offload_optimizer", "offload_param"))
+        assert offload_state(engine) == wanted, f"ZeRO-Offload {offload_state(engine)} in effect, {wanted} asked for"
         for step in range(steps):
             xs = micro_batches(pattern, step, rank, world)
             for m, x in enumerate(xs):
@@ -154,29 +178,59 @@ def _fit(
         engine.destroy()
 
 
+def _cpu_adam(params: list[torch.nn.Parameter], extensions: str) -> torch.optim.Optimizer:
+    """DeepSpeed's ``DeepSpeedCPUAdam`` as make_optimizer's AdamW (lr, weight decay), its C++ op loaded from
+    ``extensions`` (a ``TORCH_EXTENSIONS_DIR`` it was built into: test_deepspeed.py builds it before the ranks load
+    it, so that no rank compiles)."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    before = os.environ.get("TORCH_EXTENSIONS_DIR")
+    os.environ["TORCH_EXTENSIONS_DIR"] = extensions
+    try:  # the op loads in the constructor
+        return DeepSpeedCPUAdam(params, lr=1e-2, weight_decay=0.1, adamw_mode=True)
+    finally:  # the pool's later calls see the environment as before
+        if before is None:
+            del os.environ["TORCH_EXTENSIONS_DIR"]
+        else:
+            os.environ["TORCH_EXTENSIONS_DIR"] = before
+
+
 # --- HF Trainer with TrainingArguments(deepspeed=...) -------------------------------------------------------------
 
 HF_LR = 0.1
 
 
-def hf_config(stage: int) -> dict[str, Any]:
+def hf_config(stage: int, offloaded: bool = False) -> dict[str, Any]:
     """A DeepSpeed config as HF users write it: Trainer fills the "auto" values from TrainingArguments; SGD (Trainer's
-    ``optim="sgd"``, passed to DeepSpeed as a client optimizer) is one DeepSpeed has not tested with ZeRO."""
+    ``optim="sgd"``, passed to DeepSpeed as a client optimizer) is one DeepSpeed has not tested with ZeRO.
+    ``offloaded``: ZeRO-Offload (:func:`offload`), with the client optimizer allowed there."""
     return {
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
         "gradient_clipping": "auto",
         "steps_per_print": 10**9,
         "zero_allow_untested_optimizer": True,
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "zero_force_ds_cpu_optimizer": False,
+        "zero_optimization": {
+            "stage": stage,
+            "stage3_param_persistence_threshold": 0,
+            **(offload(stage) if offloaded else {}),
+        },
     }
 
 
 def hf_fit(
-    rank: int, world: int, name: str, stage: int, how: str, model_init: bool = False, **options: Any
+    rank: int,
+    world: int,
+    name: str,
+    stage: int,
+    how: str,
+    model_init: bool = False,
+    offloaded: bool = False,
+    **options: Any,
 ) -> dict[str, Any]:
-    """Pattern ``name`` under ``Trainer(args=TrainingArguments(deepspeed=hf_config(stage)))`` (SGD, lr 0.1, no
-    clipping): ``how`` "distckpt" (DistckptCallback + distckpt.integrations.hf.prepare) or "wrap" (distckpt.wrap on
+    """Pattern ``name`` under ``Trainer(args=TrainingArguments(deepspeed=hf_config(stage, offloaded)))`` (SGD, lr 0.1,
+    no clipping): ``how`` "distckpt" (DistckptCallback + distckpt.integrations.hf.prepare) or "wrap" (distckpt.wrap on
     the model only); ``model_init``: ``Trainer(model_init=...)`` building a fresh model at each call. {"params",
     "optimizer", "engine", "guard_checks" (per logged step)} or {"error": (type, message)}."""
     setup()
@@ -198,7 +252,9 @@ def hf_fit(
         distckpt.wrap(model, "full", blocks=pattern.blocks)
     with tempfile.TemporaryDirectory() as out, kept_environ():
         try:
-            args = training_args(out, accumulate=pattern.micro_batches, batch_size=1, deepspeed=hf_config(stage))
+            args = training_args(
+                out, accumulate=pattern.micro_batches, batch_size=1, deepspeed=hf_config(stage, offloaded)
+            )
             args.learning_rate = HF_LR
             trainer = LossTrainer(
                 **({"model_init": lambda: build(pattern)} if model_init else {"model": model}),
@@ -219,6 +275,7 @@ def hf_fit(
                 "params": values,
                 "optimizer": type(engine.optimizer.optimizer).__name__,
                 "engine": type(engine).__name__,
+                "offloaded": offload_state(engine),
                 "guard_checks": [h.get("distckpt_guard_checks") for h in trainer.state.log_history if "loss" in h],
             }
         except Exception as e:  # noqa: BLE001 - what Trainer raises is the measurement

@@ -2,7 +2,8 @@
 the slow tier), every run against the single-process model without checkpointing on the same global batch (AdamW,
 3 steps; a parameter no rank used gets DeepSpeed's zero gradient there, see deepspeed_fit.reference). What DeepSpeed
 gives without distckpt (``distckpt.wrap`` then ``deepspeed.initialize``) is measured beside it; GradSyncGuard on the
-engine; reentrant blocks refused; HF Trainer's ``TrainingArguments(deepspeed=...)`` through ``prepare(trainer)``.
+engine; reentrant blocks refused; HF Trainer's ``TrainingArguments(deepspeed=...)`` through ``prepare(trainer)``;
+ZeRO-Offload to the CPU (optimizer, ZeRO-3 parameters), with torch's AdamW and, slow tier, DeepSpeedCPUAdam.
 
 DeepSpeed runs in a pool of its own (ZeRO-3 replaces ``torch.nn.functional.linear`` for the whole process), without
 its shared-memory op build (deepspeed_fit.setup). Skipped when deepspeed is not installed: ``make setup`` installs
@@ -12,6 +13,10 @@ it (``pip install -e '.[deepspeed]'``).
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -103,6 +108,18 @@ def test_reentrant_and_conditional_blocks_refused(ds_pool):
     _raised(out, cases, 2, "GradDesyncError", "head_block.heads", "set_z3_leaf_modules")
 
 
+@pytest.mark.dist
+def test_zero_offload_heads_by_rank_exact(ds_pool):
+    """ZeRO-Offload (optimizer state and step on the CPU; ZeRO-3 also the parameters), a torch AdamW as the client
+    optimizer (``zero_force_ds_cpu_optimizer: false``, no C++ op built): heads by rank exact under ZeRO-3 with
+    ``offload_optimizer`` + ``offload_param``, GradSyncGuard in sync. DeepSpeed's offload paths (gradients copied
+    into the CPU fp32 partitions, partitioned parameters on the CPU) need no change in distckpt; the slow tier runs
+    every pattern and shows DeepSpeed alone wrong under offload too."""
+    cases = [("by_rank", 3, "distckpt", {"zero": df.offload(3)})]
+    out = ds_pool.run(sweep, cases, guard=True)
+    _exact(out, cases, 0)
+
+
 # --- the slow tier ----------------------------------------------------------------------------------------------
 
 # Outcome of each pattern under distckpt where it is not "exact": DeepSpeed's own limits (measured without distckpt
@@ -148,6 +165,70 @@ def test_every_pattern_under_zero(ds_pool):
 
 @pytest.mark.dist
 @pytest.mark.slow
+@pytest.mark.timeout(660)  # above the pool's (or torchrun's) own limit, which names what hung
+def test_every_pattern_under_zero_offload(ds_pool):
+    """ZeRO-Offload: the 20 patterns x ZeRO 1/2/3 with ``offload_optimizer`` cpu (ZeRO-3: and ``offload_param`` cpu),
+    GradSyncGuard every step: exact, or refused as without offload (_NOT_EXACT). Also ZeRO-1 with ``overlap_comm``
+    (its hook-driven reduction, which distckpt orders), ZeRO-2 with ``overlap_comm`` and ``pin_memory``, ZeRO-3 with
+    only one of the two offloads. Without distckpt, ZeRO-1/2 with offload add up head a on rank 0 and head b on
+    rank 1 as without offload: wrong from step 0, no error (what makes this comparison fail)."""
+    cases = [(name, stage, "distckpt", {"zero": df.offload(stage)}) for stage in (1, 2, 3) for name in SWEEP]
+    overlap = {**df.offload(1), "overlap_comm": True}
+    cases += [(name, 1, "distckpt", {"zero": overlap}) for name in ("by_rank", "order_by_rank", "accumulate")]
+    pinned = {**df.offload(2, pin_memory=True), "overlap_comm": True}
+    cases += [(name, 2, "distckpt", {"zero": pinned}) for name in ("by_rank", "accumulate")]
+    for zero in ({"offload_optimizer": {"device": "cpu"}}, {"offload_param": {"device": "cpu"}}):
+        cases += [(name, 3, "distckpt", {"zero": zero}) for name in ("by_rank", "accumulate")]
+    plain = [("by_rank", stage, "plain", {"zero": df.offload(stage), "guard": False}) for stage in (1, 2)]
+    out = ds_pool.run(sweep, cases + plain, guard=True, timeout=600)
+    for k, case in enumerate(cases):
+        expected = _NOT_EXACT.get(case[:2])
+        if expected is None:
+            _exact(out, cases, k)
+        else:
+            _raised(out, cases, k, *expected)
+    ref_grads = df.reference(df.pattern_of("by_rank"), 2)[0]
+    for k in range(len(cases), len(cases) + len(plain)):
+        wrong = out[0][k]
+        assert wrong[0] == "ok", wrong[:3]
+        assert not torch.allclose(wrong[1][0][0]["heads.a.weight"], ref_grads[0]["heads.a.weight"]), plain[
+            k - len(cases)
+        ]
+
+
+_BUILD_CPU_ADAM = "from deepspeed.ops.op_builder.cpu import CPUAdamBuilder; CPUAdamBuilder().load(verbose=False)"
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # the build's own limit (900 s) and the pool's, each naming what it waits for
+def test_zero_offload_deepspeed_cpu_adam(ds_pool, tmp_path):
+    """ZeRO-Offload with DeepSpeed's own CPU optimizer, ``DeepSpeedCPUAdam`` (what an ``"optimizer"`` section with
+    offload builds): heads by rank and accumulation under ZeRO 1/2/3 match the torch-AdamW reference within
+    assert_matches' tolerance (its vectorized Adam is not bitwise torch's). Its C++ op is compiled here first, into a
+    fresh ``TORCH_EXTENSIONS_DIR`` (no stale lock of an earlier killed build can make it wait), by one process with a
+    time limit; measured 435 s wall (110 s CPU) on this 2-core machine at load 9, so slow tier only."""
+    if shutil.which("ninja") is None or shutil.which("c++") is None:
+        pytest.skip("DeepSpeedCPUAdam's op needs ninja and a C++ compiler to build")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    built = subprocess.run(
+        [sys.executable, "-c", _BUILD_CPU_ADAM], env=env, timeout=900, capture_output=True, text=True
+    )
+    assert built.returncode == 0, f"DeepSpeedCPUAdam's op did not build:\n{built.stderr[-3000:]}"
+    zero = {"offload_optimizer": {"device": "cpu"}}
+    cases = [
+        (name, stage, "distckpt", {"zero": df.offload(stage), "cpu_adam": str(tmp_path)})
+        for stage in (1, 2, 3)
+        for name in ("by_rank", "accumulate")
+    ]
+    cases.append(("by_rank", 3, "distckpt", {"zero": zero, "cpu_adam": str(tmp_path)}))
+    out = ds_pool.run(sweep, cases, guard=True)
+    for k in range(len(cases)):
+        _exact(out, cases, k)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
 def test_zero3_leaf_blocks_exact(ds_pool):
     """DeepSpeed's fix for a block whose submodules some ranks do not run (heads inside a block, MoE experts):
     ``deepspeed.utils.set_z3_leaf_modules`` before distckpt's initialize; then exact."""
@@ -187,13 +268,14 @@ def _hf(rank, world, cases):
 @pytest.mark.timeout(480)  # above the pool's (or torchrun's) own limit, which names what hung
 def test_hf_trainer_deepspeed(ds_pool):
     """``Trainer(args=TrainingArguments(deepspeed=...))`` + ``distckpt.integrations.hf.prepare``: heads by rank exact
-    under ZeRO-2 and ZeRO-3 (final parameters against the reference with Trainer's SGD), the guard in sync at every
-    step in Trainer's logs. With distckpt.wrap only: two forwards exact (the issue's measurement), heads by rank
-    wrong under ZeRO-2 without an error. ``Trainer(model_init=...)`` refused by prepare (train() would build a model
-    distckpt has not prepared for ZeRO)."""
+    under ZeRO-2 and ZeRO-3 (ZeRO-3 also with ZeRO-Offload; final parameters against the reference with Trainer's
+    SGD), the guard in sync at every step in Trainer's logs. With distckpt.wrap only: two forwards exact (the issue's
+    measurement), heads by rank wrong under ZeRO-2 without an error. ``Trainer(model_init=...)`` refused by prepare
+    (train() would build a model distckpt has not prepared for ZeRO)."""
     cases = [
         ("by_rank", 2, "distckpt"),
         ("by_rank", 3, "distckpt"),
+        ("by_rank", 3, "distckpt", {"offloaded": True}),
         ("two_forwards", 3, "wrap"),
         ("by_rank", 2, "wrap"),
         ("by_rank", 2, "distckpt", {"model_init": True}),
@@ -207,6 +289,7 @@ def test_hf_trainer_deepspeed(ds_pool):
         r0, r1 = out[0][k], out[1][k]
         assert "error" not in r0 and "error" not in r1, (case, r0.get("error"), r1.get("error"))
         assert r0["engine"] == "DeepSpeedEngine" and r0["optimizer"] == "SGD", case
+        assert r0["offloaded"] == ((True, True) if len(case) > 3 else (False, False)), case
         ref = df.hf_reference(case[0], 2)
         assert all(torch.equal(r0["params"][n], r1["params"][n]) for n in ref), case
         close = all(torch.allclose(r0["params"][n], v, rtol=1e-5, atol=1e-6) for n, v in ref.items())
