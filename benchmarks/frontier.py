@@ -254,15 +254,23 @@ def _search_sac(base: nn.Module, inputs: tuple, kwargs: dict, cls: str, target: 
     why = sac_ilp.available()
     if why:
         return Setup("torch sac_ilp", error=why)
-    try:
-        graph, sac = sac_ilp.gather_stats(base, inputs, kwargs)
-    except (AssertionError, KeyError, RuntimeError) as e:  # torch's private tools on a model they do not parse
-        return Setup("torch sac_ilp", error=f"torch's planner failed on this model: {type(e).__name__} {e}"[:160])
     root = type(base).__name__
     names = [n for n, _ in _blocks(base, cls)]
+    try:
+        planner = sac_ilp.Planner(base, inputs, kwargs, root, names)
+    except (AssertionError, KeyError, RuntimeError) as e:  # torch's private tools on a model they do not parse
+        return Setup("torch sac_ilp", error=f"torch's planner failed on this model: {type(e).__name__} {e}"[:160])
+    try:
+        return _sac_tries(planner, base, inputs, kwargs, target, tries)
+    finally:
+        planner.close()
+
+
+def _sac_tries(planner: Any, base: nn.Module, inputs: tuple, kwargs: dict, target: int, tries: list[str]) -> Setup:
+    """:func:`_search_sac`'s measured tries, each budget argument planned by ``planner`` (``sac_ilp.Planner``)."""
     arg, low, high, best = target, None, None, None  # low: fits or infeasible (go up); high: over (go down)
     for _ in range(SAC_TRIES):
-        p = sac_ilp.plan(graph, sac, root, names, arg)
+        p = planner.plan(arg)
         if p.predicted_peak < 0:
             tries.append(f"torch sac_ilp, budget argument {arg / 2**20:.2f} MiB: its MILP finds no plan")
             low = arg
