@@ -65,7 +65,7 @@ MODELS: dict[str, tuple[Callable[[GPTConfig], nn.Module], GPTConfig, int, bool, 
     "HF GPT-2, seq 2048": (hf_gpt2, LONG, 1, True, "GPT2Block"),
 }
 COMPILE_FRACTIONS = (0.0, 0.1, 0.2)
-SAC_TRIES = 5
+SAC_TRIES = 8
 
 
 @dataclass
