@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from accelerate_fit import kept_environ
-from hf_fit import HF_CKPT, Record
+from hf_fit import HF_CKPT, PLAIN_SGD, Record
 from trl_fit import VOCAB, lora, tiny_llama, tokenizer, trained
 
 STEPS = 2  # optimizer steps
@@ -61,24 +61,14 @@ def config(out: str, batch: int, kind: str, **kw: Any) -> Any:
     if kind == "lora":
         kw = {"eval_strategy": "steps", "eval_steps": 1, "per_device_eval_batch_size": batch, **kw}
     return GRPOConfig(
+        **PLAIN_SGD,
         output_dir=out,
-        use_cpu=True,
         bf16=False,
         use_vllm=False,
         per_device_train_batch_size=batch,
         num_generations=GENERATIONS,
         max_completion_length=COMPLETION,
         max_steps=STEPS,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        weight_decay=0.0,
-        max_grad_norm=0.0,
-        dataloader_num_workers=0,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        logging_steps=1,
-        seed=0,
         **{**KINDS[kind], **kw},
     )
 

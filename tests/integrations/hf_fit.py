@@ -227,27 +227,34 @@ def _name(fqn: str) -> str:
     return _clean_fqn(fqn)
 
 
+# What every Trainer config of these tests (TrainingArguments, TRL's DPO/SFT/GRPO configs) sets: CPU, plain SGD at a
+# constant rate, no clipping, nothing saved or reported, a log line per step, one seed.
+PLAIN_SGD: dict[str, Any] = dict(
+    use_cpu=True,
+    optim="sgd",
+    lr_scheduler_type="constant",
+    weight_decay=0.0,
+    max_grad_norm=0.0,
+    dataloader_num_workers=0,
+    save_strategy="no",
+    report_to="none",
+    disable_tqdm=True,
+    logging_steps=1,
+    seed=0,
+)
+
+
 def training_args(out: str, *, accumulate: int = 1, batch_size: int = BATCH, **kw: Any) -> TrainingArguments:
     """CPU, SGD at a constant rate, no clipping, no shuffling, nothing saved or reported (``kw`` overrides)."""
     defaults = dict(
+        PLAIN_SGD,
         output_dir=out,
-        use_cpu=True,
         per_device_train_batch_size=batch_size,
         gradient_accumulation_steps=accumulate,
         max_steps=STEPS,
-        optim="sgd",
         learning_rate=LR,
-        lr_scheduler_type="constant",
-        weight_decay=0.0,
-        max_grad_norm=0.0,
         train_sampling_strategy="sequential",
         remove_unused_columns=False,
-        dataloader_num_workers=0,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        logging_steps=1,
-        seed=0,
     )
     return TrainingArguments(**{**defaults, **kw})
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from accelerate_fit import kept_environ
-from hf_fit import HF_CKPT, Record, _name, _release_accelerate
+from hf_fit import HF_CKPT, PLAIN_SGD, Record, _name, _release_accelerate
 from torch import nn
 
 import distckpt
@@ -85,23 +85,13 @@ def config(kind: str, out: str, batch: int, **kw: Any) -> Any:
     cls = DPOConfig if kind == "dpo" else SFTConfig
     extra = {"dataset_text_field": "text"} if kind == "sft" else {}
     return cls(
+        **PLAIN_SGD,
         output_dir=out,
-        use_cpu=True,
         bf16=False,
         per_device_train_batch_size=batch,
         max_steps=STEPS,
-        optim="sgd",
         learning_rate=LR,
-        lr_scheduler_type="constant",
-        weight_decay=0.0,
-        max_grad_norm=0.0,
         train_sampling_strategy="sequential",
-        dataloader_num_workers=0,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        logging_steps=1,
-        seed=0,
         **extra,
         **kw,
     )
