@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from budget_rows import mode_name, step_down
+from budget_rows import call_name, mode_name, step_down
 from models import GPT, SIZES, GPTConfig, batch, hf_checkpointing_enable, hf_gpt2, hf_llama
 from peaks import CompiledBudget, fwd_bwd_flops, mem_tracker_peak, profiled_peak, train_step
 
@@ -180,7 +180,7 @@ def one_more_op(plan: Any, mp: Any) -> tuple[list[Any], str] | None:
         if left:
             name, index, nbytes, flops = max(left, key=lambda o: o[3] / max(1, o[2]))
             modes[i] = KeepOps(tuple(sorted(kept | {(name, index)})))
-            return modes, f"block {i} also keeps {name.split('.')[1]} #{index} ({nbytes / 2**20:.2f} MiB)"
+            return modes, f"block {i} also keeps {call_name(name, index)} ({nbytes / 2**20:.2f} MiB)"
     return None
 
 
@@ -196,9 +196,9 @@ def measured_optimum(
     ratio: float = 0.6,
 ) -> list[str]:
     """Measured evidence of how close the plan is to the optimum at ``target`` (full's measured peak): each
-    single-block step down in recompute from the plan (the next cheaper choice of that block at the fewest bytes,
-    :func:`_step_down`) measured against ``target``, and the smallest budget at which the plan reaches 0.6x full's
-    recompute (a bisection over the exact program), that plan measured too."""
+    single-block step down in recompute from the plan (the choice of that block that recomputes less at the fewest
+    bytes, ``budget_rows.step_down``) measured against ``target``, and the smallest budget at which the plan reaches
+    ``ratio`` times full's recompute (a bisection over the exact program), that plan measured too."""
     modes = [plan.mode_of(i) for i in range(len(mp.blocks))]
     lines, fits = [], 0
     for i in mp.run_order or range(len(mp.blocks)):
@@ -365,7 +365,7 @@ def _modes_note(plan: Any) -> str:
     names = list(plan.modes)
     counts = ", ".join(f"{names.count(m)} {m}" for m in dict.fromkeys(names))
     kept = sorted({c for k in plan.keep if k is not None for c in k.calls})
-    return counts + (f"; kept: {', '.join(f'{n.split(chr(46))[1]} #{i}' for n, i in kept)}" if kept else "")
+    return counts + (f"; kept: {', '.join(call_name(n, i) for n, i in kept)}" if kept else "")
 
 
 def _time(setups: list[Setup], inputs: tuple, kwargs: dict, rounds: int) -> None:

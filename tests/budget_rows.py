@@ -158,11 +158,16 @@ def choices_of(b: Any) -> list[tuple[str | KeepOps, int, int]]:
     return out
 
 
+def call_name(op: str, index: int) -> str:
+    """An op call as the tables write it: ``("aten.addmm.default", 0)`` -> ``addmm #0``."""
+    return f"{op.split('.')[1]} #{index}"
+
+
 def mode_name(mode: str | KeepOps) -> str:
     """A mode as the tables write it: a :class:`KeepOps` with the calls it keeps (``ops[addmm #0, ...]``)."""
     if not isinstance(mode, KeepOps):
         return mode
-    return "ops[" + ", ".join(f"{n.split(chr(46))[1]} #{i}" for n, i in mode.calls) + "]"
+    return "ops[" + ", ".join(call_name(n, i) for n, i in mode.calls) + "]"
 
 
 def step_down(mode: str | KeepOps, b: Any) -> tuple[str | KeepOps, int] | None:
