@@ -182,17 +182,12 @@ def _cpu_adam(params: list[torch.nn.Parameter], extensions: str) -> torch.optim.
     """DeepSpeed's ``DeepSpeedCPUAdam`` as make_optimizer's AdamW (lr, weight decay), its C++ op loaded from
     ``extensions`` (a ``TORCH_EXTENSIONS_DIR`` it was built into: test_deepspeed.py builds it before the ranks load
     it, so that no rank compiles)."""
+    from accelerate_fit import kept_environ
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-    before = os.environ.get("TORCH_EXTENSIONS_DIR")
-    os.environ["TORCH_EXTENSIONS_DIR"] = extensions
-    try:  # the op loads in the constructor
+    with kept_environ():  # the op loads in the constructor; the pool's later calls see the environment as before
+        os.environ["TORCH_EXTENSIONS_DIR"] = extensions
         return DeepSpeedCPUAdam(params, lr=1e-2, weight_decay=0.1, adamw_mode=True)
-    finally:  # the pool's later calls see the environment as before
-        if before is None:
-            del os.environ["TORCH_EXTENSIONS_DIR"]
-        else:
-            os.environ["TORCH_EXTENSIONS_DIR"] = before
 
 
 # --- HF Trainer with TrainingArguments(deepspeed=...) -------------------------------------------------------------
